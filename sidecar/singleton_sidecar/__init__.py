@@ -1,0 +1,1 @@
+"""singleton sidecar: leader election with fencing tokens for one replica group."""

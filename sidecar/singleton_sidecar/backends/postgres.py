@@ -1,0 +1,404 @@
+"""PostgreSQL lock backend: a session advisory lock for exclusion, a table for the record.
+
+Design (the server is the authority; its clock decides expiry):
+
+- **Exclusion** is a session-level advisory lock, two-int form
+  ``pg_advisory_lock(NAMESPACE, lock_id)``, held on ONE dedicated connection per backend
+  (never a pool: a session lock belongs to the session). Two-int keys never collide with an
+  application's bigint-form locks, and ``lock_id`` is unique per group (assigned once from a
+  sequence), so groups never block each other. The server frees the lock the instant the
+  holder's session ends (crash, SIGKILL, ``pg_terminate_backend``, server restart).
+- **Standbys** wait with a *blocking* ``pg_advisory_lock`` under ``lock_timeout`` bounded by
+  the call's timeout: no polling, they wake as soon as the lock frees. On 55P03 the standby
+  reads the row; if the lease has expired by ``now()`` while the recorded holder's session
+  still holds the lock (``pg_locks``), that holder is stalled (SIGSTOP keeps its TCP alive)
+  and the standby ends its session with ``pg_terminate_backend`` (allowed for the same role).
+  By then the stalled holder has passed its renew deadline (< lease duration) and stepped down.
+- **The record** (table ``<schema>.<table>``, one row per group) says who holds the lock,
+  since when, until when (``expires_at``), and with which **token**. The token is
+  ``nextval()`` of a global sequence taken in the acquiring transaction (committed with
+  ``synchronous_commit`` on): strictly increasing and never repeated, whatever restarts or
+  rows are deleted. Renewals and releases are conditional on holder and token (and, for
+  renewals, on the holder's session) and check the row count: 0 rows means "not ours".
+- **Schema**: created on first use under a transaction-level advisory lock (several sidecars
+  may start at once), with ``<table>_schema_version`` recording the layout version. A role
+  that only owns its database (no superuser) suffices.
+- **Loss**: an asyncpg termination listener reports a dropped connection while a term is
+  held through the loss callback at once; the next ``acquire`` reconnects. Every failure to
+  reach the server is raised as ``BackendUnavailable``; a connection whose state is unknown
+  after an error or cancellation is closed (the server frees its lock) and reopened later.
+
+Server-side TCP keepalives (``tcp_keepalives_*`` in ``server_settings``) make the server drop a
+*partitioned* holder's session, freeing its lock, only after that holder has stepped down.
+The holder steps down ``renew_deadline`` after its last successful renewal; the server last
+heard from it at that renewal and drops it ``idle + interval * count`` seconds later, with
+``idle = ceil(renew_deadline + KEEPALIVE_MARGIN)``, ``interval = 1``, ``count = 3``:
+total >= renew_deadline + 1 s + 3 s > renew_deadline + margin (e.g. renew_deadline 10 s:
+idle 11 s, dropped after 14-15 s). Longer is always safe; the expiry check above bounds
+failover for a holder that is slow rather than gone.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import math
+import time
+from collections.abc import AsyncIterator, Callable
+from contextlib import asynccontextmanager
+from typing import TYPE_CHECKING, Any, TypeAlias
+
+import asyncpg
+
+from singleton_sidecar.backends.base import (
+    BackendUnavailable,
+    Identity,
+    LockRecord,
+    LossCallback,
+    Term,
+    Token,
+)
+from singleton_sidecar.backends.postgres_sql import DDL_LOCK_ID, NAMESPACE, SCHEMA_VERSION, Statements
+
+if TYPE_CHECKING:
+    Connection: TypeAlias = asyncpg.Connection[asyncpg.Record]
+
+log = logging.getLogger(__name__)
+
+KEEPALIVE_MARGIN = 1.0
+KEEPALIVE_INTERVAL = 1
+KEEPALIVE_COUNT = 3
+_LOCK_RESERVE_MAX = 0.5  # seconds of an acquire's budget kept for the work after the lock wait
+_DB_ERRORS = (OSError, asyncpg.PostgresError, asyncpg.InterfaceError, asyncpg.InternalClientError)
+
+
+def keepalive_settings(renew_deadline: float) -> dict[str, str]:
+    """Server-side keepalives that drop a silent client only after ``renew_deadline`` + margin."""
+    idle = max(1, math.ceil(renew_deadline + KEEPALIVE_MARGIN))
+    return {
+        "tcp_keepalives_idle": str(idle),
+        "tcp_keepalives_interval": str(KEEPALIVE_INTERVAL),
+        "tcp_keepalives_count": str(KEEPALIVE_COUNT),
+    }
+
+
+class PostgresBackend:
+    """Lock backend for one group on a PostgreSQL server; see the module docstring."""
+
+    def __init__(
+        self,
+        *,
+        group: str,
+        dsn: str,
+        lease_duration: float,
+        renew_deadline: float,
+        connect_timeout: float = 5.0,
+        schema: str = "public",
+        table: str = "singleton_leases",
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        if not group:
+            raise ValueError("group must not be empty")
+        if not 0 < renew_deadline < lease_duration:
+            raise ValueError(
+                f"need 0 < renew_deadline ({renew_deadline}) < lease_duration ({lease_duration})")
+        if connect_timeout <= 0:
+            raise ValueError("connect_timeout must be positive")
+        self.group = group
+        self.lease_duration = lease_duration
+        self.renew_deadline = renew_deadline
+        self._dsn = dsn
+        self._connect_timeout = connect_timeout
+        self._clock = clock
+        self._sql = Statements.build(schema, table)
+        self._server_settings = {"application_name": f"singleton:{group}"[:63]}
+        self._server_settings.update(keepalive_settings(renew_deadline))
+        self._conn: Connection | None = None
+        self._term: Term | None = None  # the term held on self._conn, if any
+        self._lock_id: int | None = None
+        self._schema_ready = False
+        self._busy = asyncio.Lock()  # one operation at a time on the dedicated connection
+        self._on_loss: LossCallback | None = None
+
+    @property
+    def name(self) -> str:
+        return "postgres"
+
+    def set_loss_callback(self, callback: LossCallback) -> None:
+        self._on_loss = callback
+
+    # -- the interface ---------------------------------------------------------------
+
+    async def acquire(self, identity: Identity, *, timeout: float) -> Term | LockRecord:  # noqa: ASYNC109
+        deadline = self._clock() + timeout
+        async with self._guard("acquire", timeout), self._busy:
+            conn = await self._connection(deadline)
+            try:
+                if self._term is not None:
+                    log.warning("group %s: %s asked to acquire while %s holds token %s here",
+                                self.group, identity, self._term.identity, self._term.token)
+                    return await self._read(conn)
+                lock_id = await self._group_lock_id(conn)
+                if not await self._wait_for_lock(conn, lock_id, deadline):
+                    return await self._busy_record(conn, identity)
+            except BaseException as exc:
+                if not (isinstance(exc, asyncpg.PostgresError) and not conn.is_closed()):
+                    self._discard(conn)
+                raise
+            return await self._take(conn, identity, lock_id)
+
+    async def renew(self, term: Term, *, timeout: float) -> Term | None:  # noqa: ASYNC109
+        async with self._guard("renew", timeout), self._busy:
+            conn = self._conn
+            if term != self._term or conn is None or conn.is_closed():
+                log.info("group %s: %s cannot renew token %s: not held on a live connection",
+                         self.group, term.identity, term.token)
+                return None
+            try:
+                token = await conn.fetchval(
+                    self._sql.renew, self.group, term.identity, term.token, self.lease_duration)
+                if token is not None:
+                    return term
+                log.warning("group %s: renewal by %s of token %s matched no row: taken over",
+                            self.group, term.identity, term.token)
+                self._term = None
+                await conn.execute(self._sql.unlock, NAMESPACE, self._lock_id)
+                return None
+            except BaseException:
+                self._discard(conn)
+                raise
+
+    async def release(self, term: Term, *, timeout: float) -> None:  # noqa: ASYNC109
+        async with self._guard("release", timeout), self._busy:
+            conn = self._conn
+            if term != self._term:
+                log.debug("group %s: %s releases token %s: not held here",
+                          self.group, term.identity, term.token)
+                return
+            self._term = None
+            if conn is None or conn.is_closed():
+                return
+            try:
+                await conn.execute(self._sql.release, self.group, term.identity, term.token)
+                await conn.execute(self._sql.unlock, NAMESPACE, self._lock_id)
+            except BaseException:
+                log.warning("group %s: release by %s of token %s failed; closing the connection",
+                            self.group, term.identity, term.token)
+                self._discard(conn)
+                raise
+            log.info("group %s: %s released the lock (token %s)", self.group, term.identity, term.token)
+
+    async def observe(self, *, timeout: float) -> LockRecord:  # noqa: ASYNC109
+        deadline = self._clock() + timeout
+        async with self._guard("observe", timeout):
+            conn = self._conn
+            if conn is not None and not conn.is_closed() and not self._busy.locked():
+                async with self._busy:
+                    try:
+                        return await self._read(conn)
+                    except BaseException as exc:
+                        if not (isinstance(exc, asyncpg.PostgresError) and not conn.is_closed()):
+                            self._discard(conn, notify="observe failed on the lock's connection")
+                        raise
+            conn = await self._open(deadline)
+            try:
+                return await self._read(conn)
+            except asyncpg.UndefinedTableError:
+                return LockRecord(holder=None, token=None)
+            finally:
+                await _close(conn)
+
+    async def current_leader(self, *, timeout: float = 5.0) -> LockRecord:  # noqa: ASYNC109
+        """Who leads the group now, with which token (an ``observe``)."""
+        return await self.observe(timeout=timeout)
+
+    async def close(self) -> None:
+        conn, self._conn = self._conn, None
+        self._term = None
+        if conn is None:
+            return
+        if self._busy.locked():
+            conn.terminate()
+        else:
+            await _close(conn)
+
+    # -- steps -----------------------------------------------------------------------
+
+    async def _wait_for_lock(self, conn: Connection, lock_id: int, deadline: float) -> bool:
+        """Block on the advisory lock until granted (True) or ``lock_timeout`` (False)."""
+        remaining = deadline - self._clock()
+        reserve = min(_LOCK_RESERVE_MAX, max(0.02, remaining * 0.2))
+        wait_ms = max(1, int((remaining - reserve) * 1000))
+        await conn.execute(self._sql.set_lock_timeout, str(wait_ms))
+        try:
+            await conn.execute(self._sql.lock, NAMESPACE, lock_id)
+        except asyncpg.LockNotAvailableError:
+            return False
+        return True
+
+    async def _take(self, conn: Connection, identity: Identity, lock_id: int) -> Term | LockRecord:
+        """We hold the advisory lock: record the new term with a fresh token."""
+        try:
+            async with conn.transaction():
+                await conn.execute(self._sql.durable_commit)
+                token = await conn.fetchval(
+                    self._sql.take, self.group, identity, self.lease_duration, lock_id, self._sql.token_seq)
+            if token is None:
+                log.warning("group %s: row for lock id %s vanished while %s acquired; retrying later",
+                            self.group, lock_id, identity)
+                self._lock_id = None
+                await conn.execute(self._sql.unlock, NAMESPACE, lock_id)
+                return LockRecord(holder=None, token=None)
+        except BaseException:
+            self._discard(conn)  # the server frees the lock with the session
+            raise
+        term = Term(identity=identity, token=Token(token), version=str(token))
+        self._term = term
+        log.info("group %s: %s acquired the lock with token %s", self.group, identity, token)
+        return term
+
+    async def _busy_record(self, conn: Connection, identity: Identity) -> LockRecord:
+        """The lock was not free in time: report the holder, ending its session if stalled."""
+        row = await conn.fetchrow(self._sql.observe, self.group, NAMESPACE)
+        if row is None:
+            return LockRecord(holder=None, token=None)
+        if row["expired"] and row["live"]:
+            log.warning(
+                "group %s: holder %s (token %s, backend pid %s) let its lease expire but still holds "
+                "the lock; %s terminates its session", self.group, row["holder"], row["token"],
+                row["holder_pid"], identity)
+            try:
+                done = await conn.fetchval(self._sql.terminate, row["holder_pid"])
+            except asyncpg.InsufficientPrivilegeError as exc:
+                log.error("group %s: %s may not terminate stalled holder %s (token %s): %s",
+                          self.group, identity, row["holder"], row["token"], exc)
+            else:
+                if not done:
+                    log.warning("group %s: terminating stalled holder %s (token %s) failed",
+                                self.group, row["holder"], row["token"])
+        return _record(row)
+
+    async def _read(self, conn: Connection) -> LockRecord:
+        row = await conn.fetchrow(self._sql.observe, self.group, NAMESPACE)
+        return LockRecord(holder=None, token=None) if row is None else _record(row)
+
+    # -- connection ------------------------------------------------------------------
+
+    async def _connection(self, deadline: float) -> Connection:
+        """The dedicated connection, (re)opened with the schema ready."""
+        conn = self._conn
+        if conn is not None and not conn.is_closed():
+            return conn
+        if conn is not None:
+            self._lost(conn, "connection to PostgreSQL closed")
+        conn = await self._open(deadline)
+        try:
+            if not self._schema_ready:
+                await self._ensure_schema(conn)
+        except BaseException:
+            conn.terminate()
+            raise
+        self._conn = conn
+        conn.add_termination_listener(
+            lambda _: self._lost(conn, "connection to PostgreSQL closed (server restart, "
+                                       "pg_terminate_backend or network failure)"))
+        log.debug("group %s: connected to PostgreSQL (backend pid %s)", self.group, conn.get_server_pid())
+        return conn
+
+    async def _open(self, deadline: float) -> Connection:
+        budget = max(0.001, min(self._connect_timeout, deadline - self._clock()))
+        conn: Connection = await asyncpg.connect(
+            self._dsn, timeout=budget, server_settings=self._server_settings)
+        return conn
+
+    async def _ensure_schema(self, conn: Connection) -> None:
+        sql = self._sql
+        names = (sql.leases, sql.version_table, sql.token_seq, sql.lock_id_seq)
+        version: int | None = None
+        if await conn.fetchval(sql.objects_exist, *names):
+            version = await conn.fetchval(sql.read_schema_version)
+        if version is None or version < SCHEMA_VERSION:
+            async with conn.transaction():
+                await conn.execute(sql.ddl_lock, NAMESPACE, DDL_LOCK_ID)
+                if not await conn.fetchval(sql.schema_exists, sql.schema):
+                    await conn.execute(sql.create_schema)
+                for statement in sql.create_objects:
+                    await conn.execute(statement)
+                await conn.execute(sql.record_schema_version, SCHEMA_VERSION)
+                version = await conn.fetchval(sql.read_schema_version)
+            log.info("group %s: schema %s ready (version %s)", self.group, sql.leases, version)
+        if version is not None and version > SCHEMA_VERSION:
+            raise BackendUnavailable(
+                f"{sql.leases} has schema version {version}; this sidecar knows only {SCHEMA_VERSION}")
+        self._schema_ready = True
+
+    async def _group_lock_id(self, conn: Connection) -> int:
+        if self._lock_id is None:
+            await conn.execute(self._sql.insert_group, self.group, self._sql.lock_id_seq)
+            lock_id = await conn.fetchval(self._sql.lock_id, self.group)
+            if lock_id is None:
+                raise BackendUnavailable(f"row of group {self.group!r} vanished while being created")
+            self._lock_id = int(lock_id)
+        return self._lock_id
+
+    def _lost(self, conn: Connection, reason: str) -> None:
+        """``conn`` is gone: forget it, and report a held term as lost."""
+        if self._conn is not conn:
+            return  # closed on purpose, or replaced already
+        self._conn = None
+        term, self._term = self._term, None
+        if term is None:
+            log.info("group %s: %s", self.group, reason)
+            return
+        log.warning("group %s: %s lost the lock (token %s): %s",
+                    self.group, term.identity, term.token, reason)
+        if self._on_loss is not None:
+            try:
+                self._on_loss(reason)
+            except Exception:
+                log.exception("group %s: loss callback failed", self.group)
+
+    def _discard(self, conn: Connection, *, notify: str | None = None) -> None:
+        """Close ``conn`` at once (the server frees its locks); report a term only if ``notify``."""
+        if notify is not None:
+            self._lost(conn, notify)
+        elif self._conn is conn:
+            self._conn = None
+            self._term = None
+        conn.terminate()
+
+    @asynccontextmanager
+    async def _guard(self, what: str, budget: float) -> AsyncIterator[None]:
+        """Bound a call by ``budget`` seconds; failures to reach the server become BackendUnavailable."""
+        try:
+            async with asyncio.timeout(budget):
+                yield
+        except TimeoutError as exc:
+            raise BackendUnavailable(
+                f"postgres {what} of group {self.group!r} timed out after {budget:g}s") from exc
+        except _DB_ERRORS as exc:
+            if isinstance(exc, asyncpg.UndefinedTableError):
+                self._schema_ready, self._lock_id = False, None
+            raise BackendUnavailable(f"postgres {what} of group {self.group!r} failed: {exc!r}") from exc
+
+
+def _record(row: Any) -> LockRecord:
+    token = row["token"]
+    holder = row["holder"] if row["live"] else None
+    return LockRecord(
+        holder=None if holder is None else Identity(holder),
+        token=None if token is None else Token(token),
+        version="" if token is None else str(token),
+    )
+
+
+async def _close(conn: Connection) -> None:
+    """Close gracefully if that is quick, else abort; the server frees the session's locks."""
+    try:
+        await conn.close(timeout=1.0)
+    except (*_DB_ERRORS, TimeoutError) as exc:
+        log.debug("closing a PostgreSQL connection failed, aborted it: %r", exc)
+        conn.terminate()
+    except asyncio.CancelledError:
+        conn.terminate()
+        raise

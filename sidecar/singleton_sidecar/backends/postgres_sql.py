@@ -1,0 +1,201 @@
+"""Every SQL statement of the PostgreSQL backend, and the rules for the names in them.
+
+Only identifiers (the schema and table names, validated and quoted here) are put into SQL
+text; every value (group, identity, token, durations, lock keys) is a bind parameter, and
+durations become intervals with ``make_interval(secs => $n)``.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from typing import Final
+
+NAMESPACE: Final = 0x53474C54
+"""First key of every two-int advisory lock singleton takes ("SGLT"). Two-int keys live in
+a different key space from the bigint form (``objsubid`` 2 instead of 1 in ``pg_locks``),
+so they never collide with an application's ``pg_advisory_lock(bigint)``."""
+
+DDL_LOCK_ID: Final = 0
+"""Second key of the transaction-level lock taken around schema creation; group lock ids
+come from a sequence starting at 1, so this one is never a group's."""
+
+SCHEMA_VERSION: Final = 1
+
+_IDENTIFIER = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
+_MAX_IDENTIFIER = 63  # NAMEDATALEN - 1
+_SUFFIXES: Final = ("_schema_version", "_token_seq", "_lock_id_seq")
+
+
+def quote_identifier(name: str, *, what: str, max_length: int = _MAX_IDENTIFIER) -> str:
+    """``name`` double-quoted, after checking it is a plain SQL identifier."""
+    if not _IDENTIFIER.fullmatch(name) or len(name) > max_length:
+        raise ValueError(
+            f"invalid {what} name {name!r}: use 1 to {max_length} ASCII letters, digits or "
+            "underscores, not starting with a digit"
+        )
+    return '"' + name.replace('"', '""') + '"'
+
+
+@dataclass(frozen=True)
+class Statements:
+    """The statements for one schema and table."""
+
+    schema: str
+    table: str
+
+    @classmethod
+    def build(cls, schema: str, table: str) -> Statements:
+        quote_identifier(schema, what="schema")
+        quote_identifier(table, what="table", max_length=_MAX_IDENTIFIER - max(map(len, _SUFFIXES)))
+        return cls(schema, table)
+
+    def _name(self, suffix: str = "") -> str:
+        schema = quote_identifier(self.schema, what="schema")
+        return f"{schema}.{quote_identifier(self.table + suffix, what='table')}"
+
+    @property
+    def leases(self) -> str:
+        return self._name()
+
+    @property
+    def version_table(self) -> str:
+        return self._name("_schema_version")
+
+    @property
+    def token_seq(self) -> str:
+        return self._name("_token_seq")
+
+    @property
+    def lock_id_seq(self) -> str:
+        return self._name("_lock_id_seq")
+
+    # -- schema ------------------------------------------------------------------------
+
+    @property
+    def objects_exist(self) -> str:
+        """$1..$4 = the qualified names of the table, version table and sequences."""
+        return (
+            "SELECT to_regclass($1) IS NOT NULL AND to_regclass($2) IS NOT NULL"
+            " AND to_regclass($3) IS NOT NULL AND to_regclass($4) IS NOT NULL"
+        )
+
+    @property
+    def read_schema_version(self) -> str:
+        return f"SELECT max(version) FROM {self.version_table}"
+
+    @property
+    def schema_exists(self) -> str:
+        return "SELECT EXISTS (SELECT 1 FROM pg_namespace WHERE nspname = $1)"
+
+    @property
+    def create_schema(self) -> str:
+        return f"CREATE SCHEMA IF NOT EXISTS {quote_identifier(self.schema, what='schema')}"
+
+    @property
+    def ddl_lock(self) -> str:
+        return "SELECT pg_advisory_xact_lock($1::int4, $2::int4)"
+
+    @property
+    def create_objects(self) -> tuple[str, ...]:
+        return (
+            f"CREATE SEQUENCE IF NOT EXISTS {self.token_seq} AS bigint MINVALUE 1 NO CYCLE",
+            f"CREATE SEQUENCE IF NOT EXISTS {self.lock_id_seq} AS integer MINVALUE 1 NO CYCLE",
+            f"""CREATE TABLE IF NOT EXISTS {self.leases} (
+                group_name  text        PRIMARY KEY,
+                lock_id     bigint      NOT NULL UNIQUE,
+                holder      text        NULL,
+                holder_pid  integer     NULL,
+                token       bigint      NULL,
+                transitions bigint      NOT NULL DEFAULT 0,
+                acquired_at timestamptz NULL,
+                renewed_at  timestamptz NULL,
+                expires_at  timestamptz NULL,
+                released_at timestamptz NULL)""",
+            f"""CREATE TABLE IF NOT EXISTS {self.version_table} (
+                version     integer     PRIMARY KEY,
+                applied_at  timestamptz NOT NULL DEFAULT now())""",
+        )
+
+    @property
+    def record_schema_version(self) -> str:
+        return f"INSERT INTO {self.version_table} (version) VALUES ($1) ON CONFLICT DO NOTHING"
+
+    # -- per group ---------------------------------------------------------------------
+
+    @property
+    def insert_group(self) -> str:
+        """$1 = group, $2 = lock id sequence. Creates the group's row on first use."""
+        return (
+            f"INSERT INTO {self.leases} (group_name, lock_id) VALUES ($1, nextval($2::text::regclass))"
+            " ON CONFLICT (group_name) DO NOTHING"
+        )
+
+    @property
+    def lock_id(self) -> str:
+        return f"SELECT lock_id FROM {self.leases} WHERE group_name = $1"
+
+    @property
+    def set_lock_timeout(self) -> str:
+        return "SELECT set_config('lock_timeout', $1, false)"
+
+    @property
+    def lock(self) -> str:
+        return "SELECT pg_advisory_lock($1::int4, $2::int4)"
+
+    @property
+    def unlock(self) -> str:
+        return "SELECT pg_advisory_unlock($1::int4, $2::int4)"
+
+    @property
+    def durable_commit(self) -> str:
+        return "SET LOCAL synchronous_commit TO on"
+
+    @property
+    def take(self) -> str:
+        """$1 group, $2 identity, $3 lease seconds, $4 lock id, $5 token sequence."""
+        return (
+            f"UPDATE {self.leases} SET holder = $2, holder_pid = pg_backend_pid(),"
+            " token = nextval($5::text::regclass), transitions = transitions + 1,"
+            " acquired_at = now(), renewed_at = now(),"
+            " expires_at = now() + make_interval(secs => $3), released_at = NULL"
+            " WHERE group_name = $1 AND lock_id = $4 RETURNING token"
+        )
+
+    @property
+    def renew(self) -> str:
+        """$1 group, $2 identity, $3 token, $4 lease seconds. A row only if still ours."""
+        return (
+            f"UPDATE {self.leases} SET renewed_at = now(),"
+            " expires_at = now() + make_interval(secs => $4)"
+            " WHERE group_name = $1 AND holder = $2 AND token = $3 AND holder_pid = pg_backend_pid()"
+            " RETURNING token"
+        )
+
+    @property
+    def release(self) -> str:
+        """$1 group, $2 identity, $3 token."""
+        return (
+            f"UPDATE {self.leases} SET holder = NULL, holder_pid = NULL,"
+            " released_at = now(), expires_at = now()"
+            " WHERE group_name = $1 AND holder = $2 AND token = $3"
+        )
+
+    @property
+    def observe(self) -> str:
+        """$1 group, $2 namespace. The row, whether its holder's session still holds the
+        advisory lock (``live``), and whether its lease has expired by the database clock."""
+        return (
+            "SELECT r.holder, r.token, r.holder_pid, r.lock_id,"
+            " coalesce(r.expires_at < now(), false) AS expired,"
+            " EXISTS (SELECT 1 FROM pg_locks l JOIN pg_stat_activity a ON a.pid = l.pid"
+            "   WHERE l.locktype = 'advisory' AND l.granted AND l.objsubid = 2"
+            "   AND l.database = (SELECT oid FROM pg_database WHERE datname = current_database())"
+            "   AND l.classid::bigint = $2 AND l.objid::bigint = r.lock_id"
+            "   AND l.pid = r.holder_pid AND a.backend_start <= r.acquired_at) AS live"
+            f" FROM {self.leases} r WHERE r.group_name = $1"
+        )
+
+    @property
+    def terminate(self) -> str:
+        return "SELECT pg_terminate_backend($1)"

@@ -1,0 +1,48 @@
+"""The contract the operator and the sidecar share: API group, annotation and label keys,
+environment variable names. Both sides import these names from here and nowhere else."""
+
+from typing import Final
+
+API_GROUP: Final = "singleton.dev"
+API_VERSION: Final = "v1alpha1"
+KIND: Final = "SingletonService"
+PLURAL: Final = "singletonservices"
+
+# Pod annotations and labels written by the sidecar on its own pod.
+ANNOTATION_ROLE: Final = f"{API_GROUP}/role"
+ANNOTATION_LEADER_SINCE: Final = f"{API_GROUP}/leader-since"
+ANNOTATION_TOKEN: Final = f"{API_GROUP}/token"
+ANNOTATION_GROUP: Final = f"{API_GROUP}/group"
+ANNOTATION_IDENTITY: Final = f"{API_GROUP}/identity"
+LABEL_ROLE: Final = f"{API_GROUP}/role"
+LABEL_GROUP: Final = f"{API_GROUP}/group"
+
+# The fencing token of the current term, kept on the Lease by the lease backend.
+LEASE_ANNOTATION_TOKEN: Final = f"{API_GROUP}/token"
+
+# Pod readiness-gate condition type the sidecar sets on its own pod.
+CONDITION_LEADER: Final = f"{API_GROUP}/leader"
+
+ROLE_LEADER: Final = "leader"
+ROLE_STANDBY: Final = "standby"
+ROLE_DRAINING: Final = "draining"
+ROLE_RELEASED: Final = "released"
+
+# Environment variables read by `singleton-sidecar run` (flags override them).
+ENV_GROUP: Final = "SINGLETON_GROUP"
+ENV_IDENTITY: Final = "SINGLETON_IDENTITY"
+ENV_BACKEND: Final = "SINGLETON_BACKEND"
+ENV_POSTGRES_DSN: Final = "SINGLETON_POSTGRES_DSN"
+ENV_POSTGRES_DSN_FILE: Final = "SINGLETON_POSTGRES_DSN_FILE"
+ENV_NAMESPACE: Final = "SINGLETON_NAMESPACE"
+ENV_POD_NAME: Final = "SINGLETON_POD_NAME"
+ENV_POD_UID: Final = "SINGLETON_POD_UID"
+ENV_LISTEN: Final = "SINGLETON_LISTEN"
+ENV_CONTROL_LISTEN: Final = "SINGLETON_CONTROL_LISTEN"
+ENV_LEASE_DURATION: Final = "SINGLETON_LEASE_DURATION"
+ENV_RENEW_DEADLINE: Final = "SINGLETON_RENEW_DEADLINE"
+ENV_RETRY_PERIOD: Final = "SINGLETON_RETRY_PERIOD"
+ENV_DRAIN_TIMEOUT: Final = "SINGLETON_DRAIN_TIMEOUT"
+ENV_DRAIN_URL: Final = "SINGLETON_DRAIN_URL"
+ENV_GATE_DIR: Final = "SINGLETON_GATE_DIR"
+ENV_KUBECONFIG: Final = "KUBECONFIG"

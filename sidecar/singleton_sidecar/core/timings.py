@@ -1,0 +1,56 @@
+"""Election timings of one group, validated once at start."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+JITTER_FACTOR = 1.2
+"""client-go's rule: the renew deadline must leave room for a jittered retry."""
+
+MIN_CLOCK_MARGIN = 0.5
+"""Seconds between the renew deadline and the lease duration at the least: the room a
+stepping-down leader has to stop its work, and the slack for clock-rate drift."""
+
+
+class TimingError(ValueError):
+    """Timings that cannot keep the no-overlap invariant; the message names the field."""
+
+
+@dataclass(frozen=True)
+class Timings:
+    """How fast a group elects, renews and gives up.
+
+    A leader renews every ``retry_period``; if no renewal has succeeded within
+    ``renew_deadline`` of the last good one it steps down at once. Others may take the
+    lock only after ``lease_duration`` without a renewal (lease backend, and stalled
+    holders on postgres), so ``lease_duration - renew_deadline`` is the time an ex-leader
+    has to stop acting.
+    """
+
+    lease_duration: float = 6.0
+    """Seconds a lock stays valid after its last renewal, as seen by other candidates."""
+    renew_deadline: float = 4.0
+    """Seconds the leader keeps trying to renew before it steps down."""
+    retry_period: float = 2.0
+    """Seconds between renewals, and between acquisition attempts after an error."""
+
+    def __post_init__(self) -> None:
+        for name in ("lease_duration", "renew_deadline", "retry_period"):
+            value = getattr(self, name)
+            if not isinstance(value, int | float) or value <= 0:
+                raise TimingError(f"{name} must be a positive number of seconds, got {value!r}")
+        if self.lease_duration - self.renew_deadline < MIN_CLOCK_MARGIN:
+            raise TimingError(
+                f"lease_duration ({self.lease_duration:g}s) must exceed renew_deadline "
+                f"({self.renew_deadline:g}s) by at least {MIN_CLOCK_MARGIN:g}s"
+            )
+        if self.renew_deadline <= JITTER_FACTOR * self.retry_period:
+            raise TimingError(
+                f"renew_deadline ({self.renew_deadline:g}s) must exceed {JITTER_FACTOR:g} x retry_period "
+                f"({self.retry_period:g}s) = {JITTER_FACTOR * self.retry_period:g}s"
+            )
+
+    @property
+    def stop_margin(self) -> float:
+        """Seconds an ex-leader has, after its renew deadline, to stop before anyone else may act."""
+        return self.lease_duration - self.renew_deadline

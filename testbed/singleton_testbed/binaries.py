@@ -1,0 +1,66 @@
+"""Where the test bed's binaries come from.
+
+In order: a per-binary variable (``SINGLETON_TESTBED_KUBE_APISERVER`` …), a folder in
+``KUBEBUILDER_ASSETS`` (envtest's convention), then the cache folder filled by
+``testbed/build.sh`` from Go modules, which is run when a binary is missing.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+NAMES = ("etcd", "kube-apiserver", "kube-controller-manager", "kube-scheduler", "kubectl", "helm")
+BUILD_SCRIPT = Path(__file__).resolve().parent.parent / "build.sh"
+
+
+def _env_name(name: str) -> str:
+    return "SINGLETON_TESTBED_" + name.upper().replace("-", "_")
+
+
+def cache_dir() -> Path:
+    """Run the build script (it builds only what is missing) and return its folder."""
+    if not BUILD_SCRIPT.exists():
+        raise FileNotFoundError(f"test bed build script not found at {BUILD_SCRIPT}")
+    print("[testbed] checking the control plane binaries (a cold build takes about 25 min)", file=sys.stderr)
+    result = subprocess.run(["bash", str(BUILD_SCRIPT)], check=True, stdout=subprocess.PIPE, text=True)
+    return Path(result.stdout.strip().splitlines()[-1])
+
+
+def find(name: str) -> Path:
+    """The path of one binary, building the cache when nothing else provides it."""
+    if name not in NAMES:
+        raise ValueError(f"unknown test bed binary {name!r}")
+    if explicit := os.environ.get(_env_name(name)):
+        return Path(explicit)
+    if assets := os.environ.get("KUBEBUILDER_ASSETS"):
+        candidate = Path(assets) / name
+        if candidate.exists():
+            return candidate
+    return cache_dir() / name
+
+
+def find_all() -> dict[str, Path]:
+    found: dict[str, Path] = {}
+    missing = []
+    for name in NAMES:
+        if explicit := os.environ.get(_env_name(name)):
+            found[name] = Path(explicit)
+        elif (assets := os.environ.get("KUBEBUILDER_ASSETS")) and (Path(assets) / name).exists():
+            found[name] = Path(assets) / name
+        else:
+            missing.append(name)
+    if missing:
+        built = cache_dir()
+        found.update({name: built / name for name in missing})
+    return found
+
+
+def add_to_path(binaries: dict[str, Path]) -> None:
+    """Put kubectl and helm first on PATH so tests and docs call exactly these."""
+    folders = dict.fromkeys(str(path.parent) for name, path in binaries.items() if name in ("kubectl", "helm"))
+    os.environ["PATH"] = os.pathsep.join([*folders, os.environ.get("PATH", "")])
+    assert shutil.which("kubectl") is not None

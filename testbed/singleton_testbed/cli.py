@@ -1,0 +1,146 @@
+"""``singleton-testbed``: start and stop the test bed for humans.
+
+``up`` starts PostgreSQL and the control plane (with controller-manager and scheduler)
+in a background process and prints the variables to export; ``down`` stops it and
+removes its folders; ``status`` tells whether it runs.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+from singleton_testbed.binaries import find_all
+from singleton_testbed.controlplane import ControlPlane
+from singleton_testbed.postgres import PostgresServer
+
+STATE_DIR = Path(os.environ.get("SINGLETON_TESTBED_STATE", str(Path.home() / ".cache" / "singleton" / "run")))
+STATE_FILE = STATE_DIR / "testbed.json"
+
+
+def _serve() -> int:
+    """Run in the background: start everything, write the state file, wait for SIGTERM."""
+    stop = threading.Event()
+    signal.signal(signal.SIGTERM, lambda *_: stop.set())
+    signal.signal(signal.SIGINT, lambda *_: stop.set())
+    binaries = find_all()
+    postgres = PostgresServer()
+    control_plane = ControlPlane(binaries)
+    try:
+        pg = postgres.start()
+        k8s = control_plane.start()
+        control_plane.start_controllers()
+        state = {
+            "pid": os.getpid(),
+            "KUBECONFIG": str(k8s.kubeconfig),
+            "SINGLETON_TEST_DSN": pg.dsn,
+            "SINGLETON_TEST_ADMIN_DSN": pg.admin_dsn,
+            "PATH_PREFIX": str(binaries["kubectl"].parent),
+        }
+        tmp = STATE_FILE.with_suffix(".tmp")
+        tmp.write_text(json.dumps(state, indent=2))
+        tmp.replace(STATE_FILE)
+        stop.wait()
+    finally:
+        control_plane.stop()
+        postgres.cleanup()
+        STATE_FILE.unlink(missing_ok=True)
+    return 0
+
+
+def _read_state() -> dict[str, str] | None:
+    try:
+        state: dict[str, str] = json.loads(STATE_FILE.read_text())
+    except (OSError, json.JSONDecodeError):
+        return None
+    try:
+        os.kill(int(state["pid"]), 0)
+    except (ProcessLookupError, ValueError, KeyError):
+        STATE_FILE.unlink(missing_ok=True)
+        return None
+    return state
+
+
+def _print_exports(state: dict[str, str]) -> None:
+    print(f"export KUBECONFIG={state['KUBECONFIG']}")
+    print(f"export SINGLETON_TEST_DSN={state['SINGLETON_TEST_DSN']}")
+    print(f"export SINGLETON_TEST_ADMIN_DSN={state['SINGLETON_TEST_ADMIN_DSN']}")
+    print(f"export PATH={state['PATH_PREFIX']}:$PATH")
+
+
+def _up() -> int:
+    if state := _read_state():
+        print("# the test bed is already running", file=sys.stderr)
+        _print_exports(state)
+        return 0
+    STATE_DIR.mkdir(parents=True, exist_ok=True)
+    log_path = STATE_DIR / "testbed.log"
+    find_all()  # build in the foreground so its progress is visible
+    with open(log_path, "ab") as log_file:
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "singleton_testbed.cli", "serve"],
+            stdout=log_file, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True,
+        )
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            print(f"the test bed failed to start; see {log_path}", file=sys.stderr)
+            return 1
+        if state := _read_state():
+            print(f"# test bed running (pid {state['pid']}); stop it with `make testbed-down`", file=sys.stderr)
+            _print_exports(state)
+            return 0
+        time.sleep(0.2)
+    proc.terminate()
+    print(f"the test bed did not become ready in 120 s; see {log_path}", file=sys.stderr)
+    return 1
+
+
+def _down() -> int:
+    state = _read_state()
+    if state is None:
+        print("the test bed is not running", file=sys.stderr)
+        return 0
+    pid = int(state["pid"])
+    os.kill(pid, signal.SIGTERM)
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline:
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            print("the test bed is stopped", file=sys.stderr)
+            return 0
+        time.sleep(0.2)
+    print(f"the test bed (pid {pid}) did not stop in 60 s", file=sys.stderr)
+    return 1
+
+
+def _status() -> int:
+    state = _read_state()
+    if state is None:
+        print("the test bed is not running")
+        return 1
+    _print_exports(state)
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="singleton-testbed", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("command", choices=["up", "down", "status", "serve"],
+                        help="up: start in the background; down: stop; status: print exports; "
+                             "serve: run in the foreground")
+    args = parser.parse_args(argv)
+    commands = {"up": _up, "down": _down, "status": _status, "serve": _serve}
+    return commands[args.command]()
+
+
+if __name__ == "__main__":
+    sys.exit(main())

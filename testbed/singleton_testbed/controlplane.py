@@ -1,0 +1,234 @@
+"""A real Kubernetes control plane on loopback: etcd and kube-apiserver, plus
+kube-controller-manager and kube-scheduler on request.
+
+The API server runs with RBAC authorization, service-account token signing, a
+static admin token (``system:masters``), and a serving certificate from a CA made
+for the session; the written kubeconfig verifies it. Everything lives in one
+temporary folder that is removed on stop.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import secrets
+import shutil
+import ssl
+import subprocess
+import tempfile
+import urllib.error
+import urllib.request
+from dataclasses import dataclass
+from pathlib import Path
+
+from singleton_testbed.procs import Process, free_port, wait_until
+
+log = logging.getLogger(__name__)
+
+ADMIN_USER = "singleton-admin"
+
+
+@dataclass(frozen=True)
+class ClusterInfo:
+    server: str
+    kubeconfig: Path
+    token: str
+    ca_file: Path
+
+
+def _openssl(*args: str, cwd: Path) -> None:
+    subprocess.run(["openssl", *args], cwd=cwd, check=True, capture_output=True)
+
+
+def make_pki(folder: Path) -> None:
+    """A CA, an API server serving certificate for 127.0.0.1/localhost, a service-account key."""
+    folder.mkdir(parents=True, exist_ok=True)
+    _openssl("req", "-x509", "-newkey", "rsa:2048", "-nodes", "-keyout", "ca.key", "-out", "ca.crt",
+             "-days", "2", "-subj", "/CN=singleton-testbed-ca", cwd=folder)
+    _openssl("req", "-newkey", "rsa:2048", "-nodes", "-keyout", "apiserver.key", "-out", "apiserver.csr",
+             "-subj", "/CN=kube-apiserver", cwd=folder)
+    (folder / "san.ext").write_text(
+        "subjectAltName=IP:127.0.0.1,DNS:localhost,DNS:kubernetes,DNS:kubernetes.default,"
+        "DNS:kubernetes.default.svc,IP:10.0.0.1\n"
+    )
+    _openssl("x509", "-req", "-in", "apiserver.csr", "-CA", "ca.crt", "-CAkey", "ca.key", "-CAcreateserial",
+             "-out", "apiserver.crt", "-days", "2", "-extfile", "san.ext", cwd=folder)
+    _openssl("genrsa", "-out", "sa.key", "2048", cwd=folder)
+    _openssl("rsa", "-in", "sa.key", "-pubout", "-out", "sa.pub", cwd=folder)
+
+
+def write_kubeconfig(path: Path, *, server: str, ca_file: Path, token: str, user: str = ADMIN_USER) -> None:
+    config = {
+        "apiVersion": "v1",
+        "kind": "Config",
+        "clusters": [{"name": "testbed", "cluster": {"server": server, "certificate-authority": str(ca_file)}}],
+        "users": [{"name": user, "user": {"token": token}}],
+        "contexts": [{"name": "testbed", "context": {"cluster": "testbed", "user": user, "namespace": "default"}}],
+        "current-context": "testbed",
+    }
+    path.write_text(json.dumps(config, indent=2))
+    path.chmod(0o600)
+
+
+class ControlPlane:
+    def __init__(self, binaries: dict[str, Path], workdir: Path | None = None) -> None:
+        self.binaries = binaries
+        self._own_workdir = workdir is None
+        self.workdir = workdir or Path(tempfile.mkdtemp(prefix="singleton-k8s-"))
+        self.pki = self.workdir / "pki"
+        self.token = secrets.token_hex(16)
+        self.etcd_port = free_port()
+        self.etcd_peer_port = free_port()
+        self.api_port = free_port()
+        self.etcd: Process | None = None
+        self.apiserver: Process | None = None
+        self.controller_manager: Process | None = None
+        self.scheduler: Process | None = None
+
+    @property
+    def info(self) -> ClusterInfo:
+        return ClusterInfo(
+            server=f"https://127.0.0.1:{self.api_port}",
+            kubeconfig=self.workdir / "kubeconfig",
+            token=self.token,
+            ca_file=self.pki / "ca.crt",
+        )
+
+    def start(self) -> ClusterInfo:
+        make_pki(self.pki)
+        (self.workdir / "tokens.csv").write_text(f'{self.token},{ADMIN_USER},{ADMIN_USER},"system:masters"\n')
+        info = self.info
+        write_kubeconfig(info.kubeconfig, server=info.server, ca_file=info.ca_file, token=self.token)
+        self.start_etcd()
+        self.start_apiserver()
+        return info
+
+    def start_etcd(self) -> None:
+        self.etcd = Process(
+            "etcd",
+            [
+                str(self.binaries["etcd"]), "--name", "testbed", "--data-dir", str(self.workdir / "etcd"),
+                "--listen-client-urls", f"http://127.0.0.1:{self.etcd_port}",
+                "--advertise-client-urls", f"http://127.0.0.1:{self.etcd_port}",
+                "--listen-peer-urls", f"http://127.0.0.1:{self.etcd_peer_port}",
+                "--initial-advertise-peer-urls", f"http://127.0.0.1:{self.etcd_peer_port}",
+                "--initial-cluster", f"testbed=http://127.0.0.1:{self.etcd_peer_port}",
+                "--unsafe-no-fsync", "--log-level", "warn",
+            ],
+            log_path=self.workdir / "etcd.log",
+        )
+        self.etcd.start()
+        wait_until(lambda: self._http_ok(f"http://127.0.0.1:{self.etcd_port}/health"), timeout=30,
+                   what="etcd health", proc=self.etcd)
+
+    def start_apiserver(self) -> None:
+        pki = self.pki
+        self.apiserver = Process(
+            "kube-apiserver",
+            [
+                str(self.binaries["kube-apiserver"]),
+                f"--etcd-servers=http://127.0.0.1:{self.etcd_port}",
+                "--bind-address=127.0.0.1", f"--secure-port={self.api_port}",
+                "--advertise-address=127.0.0.1",
+                f"--cert-dir={self.workdir / 'certs'}",
+                f"--tls-cert-file={pki / 'apiserver.crt'}", f"--tls-private-key-file={pki / 'apiserver.key'}",
+                f"--client-ca-file={pki / 'ca.crt'}",
+                f"--token-auth-file={self.workdir / 'tokens.csv'}",
+                "--authorization-mode=RBAC",
+                f"--service-account-key-file={pki / 'sa.pub'}",
+                f"--service-account-signing-key-file={pki / 'sa.key'}",
+                "--service-account-issuer=https://kubernetes.default.svc.cluster.local",
+                "--service-cluster-ip-range=10.0.0.0/24",
+                "--allow-privileged=true",
+                "--enable-priority-and-fairness=false",
+                "--audit-log-path=" + str(self.workdir / "audit.log"),
+                "--audit-policy-file=" + str(self._audit_policy()),
+                "--v=0",
+            ],
+            log_path=self.workdir / "kube-apiserver.log",
+        )
+        self.apiserver.start()
+        wait_until(self._ready, timeout=90, what="kube-apiserver /readyz", proc=self.apiserver)
+
+    def _audit_policy(self) -> Path:
+        # Metadata for every request: benchmarks count API requests per second from it.
+        path = self.workdir / "audit-policy.yaml"
+        path.write_text(
+            "apiVersion: audit.k8s.io/v1\nkind: Policy\nomitStages: [RequestReceived]\n"
+            "rules:\n- level: Metadata\n"
+        )
+        return path
+
+    def _ssl_context(self) -> ssl.SSLContext:
+        return ssl.create_default_context(cafile=str(self.pki / "ca.crt"))
+
+    def _http_ok(self, url: str, *, tls: bool = False) -> bool:
+        request = urllib.request.Request(url)
+        if tls:
+            request.add_header("Authorization", f"Bearer {self.token}")
+        try:
+            with urllib.request.urlopen(request, timeout=2, context=self._ssl_context() if tls else None) as resp:
+                return bool(resp.status == 200)
+        except (urllib.error.URLError, OSError):
+            return False
+
+    def _ready(self) -> bool:
+        return self._http_ok(f"{self.info.server}/readyz", tls=True)
+
+    def start_controllers(self) -> None:
+        """Start kube-controller-manager and kube-scheduler (Deployments, ReplicaSets, GC, binding)."""
+        kubeconfig = str(self.info.kubeconfig)
+        if self.controller_manager is None:
+            self.controller_manager = Process(
+                "kube-controller-manager",
+                [
+                    str(self.binaries["kube-controller-manager"]),
+                    f"--kubeconfig={kubeconfig}", f"--authentication-kubeconfig={kubeconfig}",
+                    f"--authorization-kubeconfig={kubeconfig}",
+                    "--leader-elect=false", "--bind-address=127.0.0.1", f"--secure-port={free_port()}",
+                    f"--service-account-private-key-file={self.pki / 'sa.key'}",
+                    f"--root-ca-file={self.pki / 'ca.crt'}",
+                    "--controllers=*,-nodeipam,-nodelifecycle,-cloud-node-lifecycle,-service-lb-controller,"
+                    "-route,-persistentvolume-binder,-attachdetach,-persistentvolume-expander,-ephemeral-volume",
+                    "--concurrent-deployment-syncs=5", "--concurrent-replicaset-syncs=5",
+                ],
+                log_path=self.workdir / "kube-controller-manager.log",
+            )
+            self.controller_manager.start()
+        if self.scheduler is None:
+            self.scheduler = Process(
+                "kube-scheduler",
+                [
+                    str(self.binaries["kube-scheduler"]), f"--kubeconfig={kubeconfig}",
+                    f"--authentication-kubeconfig={kubeconfig}", f"--authorization-kubeconfig={kubeconfig}",
+                    "--leader-elect=false", "--bind-address=127.0.0.1", f"--secure-port={free_port()}",
+                ],
+                log_path=self.workdir / "kube-scheduler.log",
+            )
+            self.scheduler.start()
+
+    def kubectl(self, *args: str, input_text: str | None = None, check: bool = True) -> subprocess.CompletedProcess[str]:
+        env = {**os.environ, "KUBECONFIG": str(self.info.kubeconfig)}
+        return subprocess.run(
+            [str(self.binaries["kubectl"]), *args], input=input_text, capture_output=True, text=True,
+            check=check, env=env,
+        )
+
+    def restart_apiserver(self) -> None:
+        if self.apiserver is not None:
+            self.apiserver.stop()
+        self.start_apiserver()
+
+    def restart_etcd(self) -> None:
+        if self.etcd is not None:
+            self.etcd.stop()
+        self.start_etcd()
+
+    def stop(self) -> None:
+        for proc in (self.scheduler, self.controller_manager, self.apiserver, self.etcd):
+            if proc is not None:
+                proc.stop()
+        self.scheduler = self.controller_manager = self.apiserver = self.etcd = None
+        if self._own_workdir:
+            shutil.rmtree(self.workdir, ignore_errors=True)

@@ -1,0 +1,146 @@
+"""Session fixtures: the real PostgreSQL server and the real Kubernetes control plane.
+
+PostgreSQL: ``SINGLETON_TEST_DSN`` (and ``SINGLETON_TEST_ADMIN_DSN``) point the tests at a
+server of your own; otherwise one is started from local binaries for the session.
+Kubernetes: ``USE_EXISTING_CLUSTER=true`` with ``KUBECONFIG`` runs against that cluster;
+otherwise etcd and kube-apiserver are started from the test bed's cached binaries.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import re
+import secrets
+import subprocess
+from collections.abc import AsyncIterator, Iterator
+from pathlib import Path
+
+import pytest
+
+from singleton_testbed.binaries import add_to_path, find_all
+from singleton_testbed.controlplane import ControlPlane
+from singleton_testbed.postgres import PostgresInfo, PostgresServer
+
+
+@pytest.fixture(scope="session")
+def postgres_server() -> Iterator[PostgresServer | None]:
+    """The PostgreSQL server this session started (None when SINGLETON_TEST_DSN is given)."""
+    if os.environ.get("SINGLETON_TEST_DSN"):
+        yield None
+        return
+    server = PostgresServer()
+    server.start()
+    try:
+        yield server
+    finally:
+        server.cleanup()
+
+
+@pytest.fixture(scope="session")
+def pg_dsn(postgres_server: PostgresServer | None) -> str:
+    """DSN of a non-superuser role that owns the test database."""
+    if postgres_server is None:
+        return os.environ["SINGLETON_TEST_DSN"]
+    return postgres_server.info.dsn
+
+
+@pytest.fixture(scope="session")
+def pg_admin_dsn(postgres_server: PostgresServer | None) -> str:
+    """DSN of a superuser, for fault injection (pg_terminate_backend of anyone)."""
+    if postgres_server is None:
+        return os.environ.get("SINGLETON_TEST_ADMIN_DSN", os.environ["SINGLETON_TEST_DSN"])
+    return postgres_server.info.admin_dsn
+
+
+@pytest.fixture(scope="session")
+def pg_info(postgres_server: PostgresServer | None) -> PostgresInfo | None:
+    return None if postgres_server is None else postgres_server.info
+
+
+@pytest.fixture(autouse=True)
+async def _no_leaked_tasks() -> AsyncIterator[None]:
+    """Every asyncio task a test starts must be finished when it ends."""
+    before = asyncio.all_tasks()
+    yield
+    await asyncio.sleep(0)
+    leaked = [t for t in asyncio.all_tasks() - before if not t.done() and t is not asyncio.current_task()]
+    for task in leaked:
+        task.cancel()
+    assert not leaked, f"tasks leaked by the test: {leaked}"
+
+
+# --- Kubernetes ----------------------------------------------------------------------------
+
+
+class Cluster:
+    """The cluster under test: either the test bed's control plane or an existing cluster."""
+
+    def __init__(self, kubeconfig: Path, control_plane: ControlPlane | None) -> None:
+        self.kubeconfig = kubeconfig
+        self.control_plane = control_plane
+
+    @property
+    def env(self) -> dict[str, str]:
+        return {**os.environ, "KUBECONFIG": str(self.kubeconfig)}
+
+    def kubectl(
+        self, *args: str, input_text: str | None = None, check: bool = True, kubeconfig: Path | None = None
+    ) -> subprocess.CompletedProcess[str]:
+        env = {**self.env, "KUBECONFIG": str(kubeconfig or self.kubeconfig)}
+        result = subprocess.run(["kubectl", *args], input=input_text, capture_output=True, text=True, env=env)
+        if check and result.returncode != 0:
+            raise AssertionError(f"kubectl {' '.join(args)} failed ({result.returncode}): {result.stderr}")
+        return result
+
+    def apply(self, manifest: str, *, namespace: str | None = None) -> None:
+        args = ["apply", "-f", "-"] + (["-n", namespace] if namespace else [])
+        self.kubectl(*args, input_text=manifest)
+
+    def start_controllers(self) -> None:
+        if self.control_plane is not None:
+            self.control_plane.start_controllers()
+
+
+def use_existing_cluster() -> bool:
+    return os.environ.get("USE_EXISTING_CLUSTER", "").lower() in ("1", "true", "yes")
+
+
+@pytest.fixture(scope="session")
+def testbed_binaries() -> dict[str, Path]:
+    binaries = find_all()
+    add_to_path(binaries)
+    return binaries
+
+
+@pytest.fixture(scope="session")
+def cluster(testbed_binaries: dict[str, Path]) -> Iterator[Cluster]:
+    if use_existing_cluster():
+        kubeconfig = Path(os.environ.get("KUBECONFIG", str(Path.home() / ".kube" / "config")))
+        yield Cluster(kubeconfig, None)
+        return
+    control_plane = ControlPlane(testbed_binaries)
+    try:
+        info = control_plane.start()
+        yield Cluster(info.kubeconfig, control_plane)
+    finally:
+        control_plane.stop()
+
+
+@pytest.fixture
+def namespace(cluster: Cluster, request: pytest.FixtureRequest) -> Iterator[str]:
+    """A fresh namespace for one test (with a ``default`` service account), deleted after it."""
+    name = "t-" + re.sub(r"[^a-z0-9-]", "-", request.node.name.lower())[:40].strip("-") + "-" + secrets.token_hex(3)
+    cluster.kubectl("create", "namespace", name)
+    cluster.kubectl("create", "serviceaccount", "default", "-n", name, check=False)
+    try:
+        yield name
+    finally:
+        cluster.kubectl("delete", "namespace", name, "--wait=false", check=False)
+
+
+@pytest.fixture(scope="session")
+def controllers(cluster: Cluster) -> Cluster:
+    """The cluster with kube-controller-manager and kube-scheduler running."""
+    cluster.start_controllers()
+    return cluster
