@@ -88,7 +88,9 @@ class Cluster:
         self, *args: str, input_text: str | None = None, check: bool = True, kubeconfig: Path | None = None
     ) -> subprocess.CompletedProcess[str]:
         env = {**self.env, "KUBECONFIG": str(kubeconfig or self.kubeconfig)}
-        result = subprocess.run(["kubectl", *args], input=input_text, capture_output=True, text=True, env=env)
+        result = subprocess.run(
+            ["kubectl", *args], input=input_text, capture_output=True, text=True, env=env, check=False
+        )
         if check and result.returncode != 0:
             raise AssertionError(f"kubectl {' '.join(args)} failed ({result.returncode}): {result.stderr}")
         return result

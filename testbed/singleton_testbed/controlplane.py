@@ -208,7 +208,9 @@ class ControlPlane:
             )
             self.scheduler.start()
 
-    def kubectl(self, *args: str, input_text: str | None = None, check: bool = True) -> subprocess.CompletedProcess[str]:
+    def kubectl(
+        self, *args: str, input_text: str | None = None, check: bool = True
+    ) -> subprocess.CompletedProcess[str]:
         env = {**os.environ, "KUBECONFIG": str(self.info.kubeconfig)}
         return subprocess.run(
             [str(self.binaries["kubectl"]), *args], input=input_text, capture_output=True, text=True,

@@ -18,7 +18,7 @@ from pathlib import Path
 from singleton_testbed.procs import Process, free_port, wait_until
 
 APP_ROLE = "singleton"
-APP_PASSWORD = "singleton-test-password"  # noqa: S105 - a throw-away test server
+APP_PASSWORD = "singleton-test-password"
 DATABASE = "singleton"
 
 

@@ -77,7 +77,7 @@ class Process:
                 stderr=subprocess.STDOUT,
                 env=self.env,
                 cwd=self.cwd,
-                preexec_fn=_as_user(self.user),
+                preexec_fn=_as_user(self.user),  # noqa: PLW1509 - prctl must run in the child
                 start_new_session=True,
             )
 

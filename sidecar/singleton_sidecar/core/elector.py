@@ -152,8 +152,7 @@ class Elector:
         self._deadline = term.written_at + timings.renew_deadline
         self._lost_reason = None
         self._step_down_reason = None
-        self._publish(role=Role.LEADER, term=term, leader=term.identity, leader_token=term.token,
-                      leader_since=self._wall_clock(), reason="acquired the lock")
+        self._publish(role=Role.LEADER, term=term, leader_since=self._wall_clock(), reason="acquired the lock")
         next_renew = term.written_at + timings.retry_period
         drain_task: asyncio.Task[None] | None = None
         released = False
@@ -265,26 +264,27 @@ class Elector:
     # --- publishing --------------------------------------------------------------------
 
     def _note_observed(self, record: LockRecord | None, reason: str) -> None:
-        leader = record.holder if record is not None else None
-        token = record.token if record is not None else None
-        if (leader, token, reason) != (self._status.leader, self._status.leader_token, self._status.reason):
-            self._publish(role=Role.STANDBY, term=None, leader=leader, leader_token=token, reason=reason)
-
-    def _publish(self, *, role: Role, term: Term | None, reason: str, leader: Identity | None = None,
-                 leader_token: object = ..., leader_since: float | None = None) -> None:
         old = self._status
+        if record is not None and (record.holder, record.token) != (old.leader, old.leader_token):
+            self._publish(role=Role.STANDBY, term=None, observed=record, reason=reason)
+        elif reason != old.reason:
+            self._publish(role=Role.STANDBY, term=None, reason=reason)
+
+    def _publish(self, *, role: Role, term: Term | None, reason: str, observed: LockRecord | None = None,
+                 leader_since: float | None = None) -> None:
+        old = self._status
+        leader: Identity | None
         if role in (Role.LEADER, Role.DRAINING):
-            new_leader = self.identity
-            new_token = term.token if term is not None else None
+            leader, token = self.identity, (term.token if term is not None else None)
             since = leader_since if leader_since is not None else old.leader_since
+        elif observed is not None:
+            leader, token, since = observed.holder, observed.token, None
+        elif old.leader == self.identity:
+            leader, token, since = None, None, None
         else:
-            new_leader = leader if leader is not None else (None if old.leader == self.identity else old.leader)
-            new_token = leader_token if leader_token is not ... else (
-                None if old.leader == self.identity else old.leader_token)
-            since = None
+            leader, token, since = old.leader, old.leader_token, None
         new = ElectionStatus(
-            group=self.group, identity=self.identity, role=role, term=term, leader=new_leader,
-            leader_token=new_token,  # type: ignore[arg-type]
+            group=self.group, identity=self.identity, role=role, term=term, leader=leader, leader_token=token,
             leader_since=since, transitions=old.transitions + (role != old.role), reason=reason,
         )
         if new == old:
