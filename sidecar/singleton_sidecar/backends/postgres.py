@@ -46,7 +46,8 @@ import math
 import time
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
-from typing import TYPE_CHECKING, Any, TypeAlias
+from dataclasses import replace
+from typing import TYPE_CHECKING, TypeAlias
 
 import asyncpg
 
@@ -115,6 +116,7 @@ class PostgresBackend:
         self._server_settings.update(keepalive_settings(renew_deadline))
         self._conn: Connection | None = None
         self._term: Term | None = None  # the term held on self._conn, if any
+        self._held_lock_id = 0  # the advisory lock key of self._term
         self._lock_id: int | None = None
         self._schema_ready = False
         self._busy = asyncio.Lock()  # one operation at a time on the dedicated connection
@@ -129,7 +131,7 @@ class PostgresBackend:
 
     # -- the interface ---------------------------------------------------------------
 
-    async def acquire(self, identity: Identity, *, timeout: float) -> Term | LockRecord:  # noqa: ASYNC109
+    async def acquire(self, identity: Identity, *, timeout: float) -> Term | LockRecord:
         deadline = self._clock() + timeout
         async with self._guard("acquire", timeout), self._busy:
             conn = await self._connection(deadline)
@@ -147,7 +149,7 @@ class PostgresBackend:
                 raise
             return await self._take(conn, identity, lock_id)
 
-    async def renew(self, term: Term, *, timeout: float) -> Term | None:  # noqa: ASYNC109
+    async def renew(self, term: Term, *, timeout: float) -> Term | None:
         async with self._guard("renew", timeout), self._busy:
             conn = self._conn
             if term != self._term or conn is None or conn.is_closed():
@@ -155,20 +157,23 @@ class PostgresBackend:
                          self.group, term.identity, term.token)
                 return None
             try:
+                sent = self._clock()  # the deadline counts from before the write: early, never late
                 token = await conn.fetchval(
                     self._sql.renew, self.group, term.identity, term.token, self.lease_duration)
                 if token is not None:
-                    return term
+                    renewed = replace(term, written_at=sent)
+                    self._term = renewed
+                    return renewed
                 log.warning("group %s: renewal by %s of token %s matched no row: taken over",
                             self.group, term.identity, term.token)
                 self._term = None
-                await conn.execute(self._sql.unlock, NAMESPACE, self._lock_id)
+                await conn.execute(self._sql.unlock, NAMESPACE, self._held_lock_id)
                 return None
             except BaseException:
                 self._discard(conn)
                 raise
 
-    async def release(self, term: Term, *, timeout: float) -> None:  # noqa: ASYNC109
+    async def release(self, term: Term, *, timeout: float) -> None:
         async with self._guard("release", timeout), self._busy:
             conn = self._conn
             if term != self._term:
@@ -180,7 +185,7 @@ class PostgresBackend:
                 return
             try:
                 await conn.execute(self._sql.release, self.group, term.identity, term.token)
-                await conn.execute(self._sql.unlock, NAMESPACE, self._lock_id)
+                await conn.execute(self._sql.unlock, NAMESPACE, self._held_lock_id)
             except BaseException:
                 log.warning("group %s: release by %s of token %s failed; closing the connection",
                             self.group, term.identity, term.token)
@@ -188,7 +193,7 @@ class PostgresBackend:
                 raise
             log.info("group %s: %s released the lock (token %s)", self.group, term.identity, term.token)
 
-    async def observe(self, *, timeout: float) -> LockRecord:  # noqa: ASYNC109
+    async def observe(self, *, timeout: float) -> LockRecord:
         deadline = self._clock() + timeout
         async with self._guard("observe", timeout):
             conn = self._conn
@@ -208,7 +213,7 @@ class PostgresBackend:
             finally:
                 await _close(conn)
 
-    async def current_leader(self, *, timeout: float = 5.0) -> LockRecord:  # noqa: ASYNC109
+    async def current_leader(self, *, timeout: float = 5.0) -> LockRecord:
         """Who leads the group now, with which token (an ``observe``)."""
         return await self.observe(timeout=timeout)
 
@@ -238,6 +243,7 @@ class PostgresBackend:
 
     async def _take(self, conn: Connection, identity: Identity, lock_id: int) -> Term | LockRecord:
         """We hold the advisory lock: record the new term with a fresh token."""
+        sent = self._clock()
         try:
             async with conn.transaction():
                 await conn.execute(self._sql.durable_commit)
@@ -252,8 +258,8 @@ class PostgresBackend:
         except BaseException:
             self._discard(conn)  # the server frees the lock with the session
             raise
-        term = Term(identity=identity, token=Token(token), version=str(token))
-        self._term = term
+        term = Term(identity=identity, token=Token(token), version=str(token), written_at=sent)
+        self._term, self._held_lock_id = term, lock_id
         log.info("group %s: %s acquired the lock with token %s", self.group, identity, token)
         return term
 
@@ -382,7 +388,7 @@ class PostgresBackend:
             raise BackendUnavailable(f"postgres {what} of group {self.group!r} failed: {exc!r}") from exc
 
 
-def _record(row: Any) -> LockRecord:
+def _record(row: asyncpg.Record) -> LockRecord:
     token = row["token"]
     holder = row["holder"] if row["live"] else None
     return LockRecord(

@@ -91,6 +91,12 @@ class Elector:
             return None
         return status.term
 
+    def remaining(self) -> float:
+        """Seconds this candidate may still act without another successful renewal (0: none)."""
+        if self.acting_term() is None:
+            return 0.0
+        return max(self._deadline - self.clock.monotonic(), 0.0)
+
     def is_ready_leader(self) -> bool:
         """Leader, not draining, inside the renew deadline: what /readyz answers."""
         return self._status.role is Role.LEADER and self.acting_term() is not None

@@ -1,0 +1,161 @@
+"""The sidecar process: builds the parts from a validated config, runs them under one
+owner, and shuts them down in order.
+
+Order at shutdown (SIGTERM, pod deletion, or a drain request): the elector drains and
+releases; then the gate is stopped, the pod's final status written, the HTTP servers
+closed, the backend and the API client closed.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import os
+import signal
+import socket
+import time
+from collections.abc import Awaitable, Callable
+
+import aiohttp
+from aiohttp import web
+
+from singleton_sidecar.backends.base import LockBackend
+from singleton_sidecar.config import SidecarConfig, describe
+from singleton_sidecar.core.elector import Elector
+from singleton_sidecar.core.identity import make_identity
+from singleton_sidecar.gate import ExecGate, FileGate
+from singleton_sidecar.http import control_app, probe_app
+from singleton_sidecar.kube import KubeClient, load_kube_config
+from singleton_sidecar.metrics import SidecarMetrics
+from singleton_sidecar.podstatus import PodReporter
+
+log = logging.getLogger(__name__)
+
+FINAL_STATUS_TIMEOUT = 3.0
+
+
+def build_backend(config: SidecarConfig, kube: KubeClient | None) -> LockBackend:
+    """The one place that chooses the backend."""
+    from singleton_sidecar.backends.postgres import PostgresBackend
+
+    timings = config.timings
+
+    def postgres() -> LockBackend:
+        assert config.postgres_dsn is not None
+        return PostgresBackend(group=config.group, dsn=config.postgres_dsn, lease_duration=timings.lease_duration,
+                               renew_deadline=timings.renew_deadline)
+
+    def lease() -> LockBackend:
+        from singleton_sidecar.backends.lease import LeaseBackend
+
+        assert kube is not None and config.namespace is not None
+        return LeaseBackend(client=kube, namespace=config.namespace, name=config.group,
+                            lease_duration=timings.lease_duration)
+
+    if config.backend == "postgres":
+        return postgres()
+    if config.backend == "lease":
+        return lease()
+    from singleton_sidecar.backends.both import BothBackend
+
+    return BothBackend(postgres=postgres(), lease=lease())
+
+
+class Sidecar:
+    def __init__(self, config: SidecarConfig, *, wall_clock: Callable[[], float] = time.time) -> None:
+        self.config = config
+        self.wall_clock = wall_clock
+        self.identity = config.identity or make_identity(
+            pod_name=config.pod_name, pod_uid=config.pod_uid, hostname=socket.gethostname(), pid=os.getpid())
+        self._stop = asyncio.Event()
+
+    def __repr__(self) -> str:
+        return f"<Sidecar group={self.config.group} identity={self.identity}>"
+
+    def _drain_hook(self, gate: ExecGate | FileGate | None) -> Callable[[], Awaitable[None]]:
+        drain_url = self.config.drain_url
+
+        async def drain() -> None:
+            if drain_url is not None:
+                async with aiohttp.ClientSession() as session, session.post(drain_url) as response:
+                    if response.status >= 300:
+                        log.warning("drain hook %s answered %s; waiting for the drain timeout", drain_url,
+                                    response.status)
+                        await asyncio.Event().wait()
+            if gate is not None:
+                await gate.wait_stopped()
+
+        return drain
+
+    async def run(self) -> int:
+        config = self.config
+        log.info("starting identity=%s config=%s", self.identity, describe(config))
+        needs_kube = config.backend in ("lease", "both") or config.in_kubernetes
+        kube = KubeClient(load_kube_config(config.kubeconfig)) if needs_kube else None
+        backend = build_backend(config, kube)
+        metrics = SidecarMetrics(config.group, backend.name)
+        gate: ExecGate | FileGate | None = None
+        elector: Elector
+        if config.exec_command:
+            gate = ExecGate(config.exec_command, kill_grace=config.kill_grace,
+                            env={"SINGLETON_GROUP": config.group})
+        elif config.gate_dir is not None:
+            gate = FileGate(config.gate_dir, remaining=lambda: elector.remaining(),  # noqa: PLW0108 - bound below wall_clock=self.wall_clock,
+                            refresh=config.timings.retry_period / 2)
+            gate.install()
+        elector = Elector(group=config.group, identity=self.identity, backend=backend, timings=config.timings,
+                          wall_clock=self.wall_clock, drain_hook=self._drain_hook(gate),
+                          drain_timeout=config.drain_timeout, on_renew=metrics.on_renew)
+        elector.add_listener(metrics.on_status)
+        if gate is not None:
+            elector.add_listener(gate.on_status)
+        reporter: PodReporter | None = None
+        if config.in_kubernetes and kube is not None:
+            assert config.namespace is not None and config.pod_name is not None
+            reporter = PodReporter(kube, namespace=config.namespace, pod_name=config.pod_name,
+                                   readiness_gate=config.readiness_gate, on_deleting=elector.request_drain)
+            elector.add_listener(reporter.on_status)
+
+        loop = asyncio.get_running_loop()
+        for signum in (signal.SIGTERM, signal.SIGINT):
+            loop.add_signal_handler(signum, elector.request_drain)
+        probe = web.AppRunner(probe_app(elector, metrics), access_log=None)
+        control = web.AppRunner(control_app(elector), access_log=None)
+        try:
+            await probe.setup()
+            await control.setup()
+            await web.TCPSite(probe, config.listen.host, config.listen.port).start()
+            await web.TCPSite(control, config.control_listen.host, config.control_listen.port).start()
+            log.info("serving probes on %s, control on %s", config.listen, config.control_listen)
+            await self._run_parts(elector, gate, reporter)
+        finally:
+            for signum in (signal.SIGTERM, signal.SIGINT):
+                loop.remove_signal_handler(signum)
+            await control.cleanup()
+            await probe.cleanup()
+            await backend.close()
+            if kube is not None:
+                await kube.close()
+        log.info("stopped identity=%s", self.identity)
+        return 0
+
+    async def _run_parts(self, elector: Elector, gate: ExecGate | FileGate | None,
+                         reporter: PodReporter | None) -> None:
+        """The elector runs until released; the helpers run as long as it does."""
+        async with asyncio.TaskGroup() as group:
+            helpers: list[asyncio.Task[None]] = []
+            if gate is not None:
+                helpers.append(group.create_task(gate.run(), name="gate"))
+            if reporter is not None:
+                helpers.append(group.create_task(reporter.run(), name="pod-reporter"))
+                helpers.append(group.create_task(reporter.watch_deletion(), name="pod-watch"))
+            await group.create_task(elector.run(), name="elector")
+            if reporter is not None:
+                # Let the final "released" status reach the pod before we go.
+                with contextlib.suppress(TimeoutError):
+                    async with asyncio.timeout(FINAL_STATUS_TIMEOUT):
+                        while reporter.pending:  # noqa: ASYNC110 - a short, bounded flush
+                            await asyncio.sleep(0.02)
+            for task in helpers:
+                task.cancel()

@@ -1,0 +1,105 @@
+"""Both stores at once: lead only while holding the PostgreSQL lock AND the Lease.
+
+The term's fencing token is PostgreSQL's (the Lease keeps its own counter in its
+annotation). Losing either lock ends the term: the loss callback of either backend is
+ours, and a renewal that fails on either side fails as a whole.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Callable
+
+from singleton_sidecar.backends.base import (
+    BackendUnavailable,
+    Identity,
+    LockBackend,
+    LockRecord,
+    LossCallback,
+    Term,
+)
+
+
+class BothBackend:
+    def __init__(self, *, postgres: LockBackend, lease: LockBackend,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        self.postgres = postgres
+        self.lease = lease
+        self._clock = clock
+        # The two underlying terms of our current term, by its token.
+        self._parts: dict[int, tuple[Term, Term]] = {}
+
+    @property
+    def name(self) -> str:
+        return "both"
+
+    def __repr__(self) -> str:
+        return f"<BothBackend postgres={self.postgres!r} lease={self.lease!r}>"
+
+    def set_loss_callback(self, callback: LossCallback) -> None:
+        self.postgres.set_loss_callback(lambda reason: callback(f"postgres: {reason}"))
+        self.lease.set_loss_callback(lambda reason: callback(f"lease: {reason}"))
+
+    async def acquire(self, identity: Identity, *, timeout: float) -> Term | LockRecord:
+        started = self._clock()
+        pg = await self.postgres.acquire(identity, timeout=timeout)
+        if not isinstance(pg, Term):
+            return pg
+        remaining = max(timeout - (self._clock() - started), 0.05)
+        try:
+            lease = await self.lease.acquire(identity, timeout=remaining)
+        except BaseException:
+            await self.postgres.release(pg, timeout=2.0)
+            raise
+        if not isinstance(lease, Term):
+            await self.postgres.release(pg, timeout=2.0)
+            return lease
+        return self._combine(pg, lease)
+
+    def _combine(self, pg: Term, lease: Term) -> Term:
+        self._parts = {pg.token: (pg, lease)}
+        return Term(identity=pg.identity, token=pg.token, version=f"{pg.version}|{lease.version}",
+                    written_at=min(pg.written_at, lease.written_at))
+
+    def _split(self, term: Term) -> tuple[Term, Term] | None:
+        return self._parts.get(term.token)
+
+    async def renew(self, term: Term, *, timeout: float) -> Term | None:
+        parts = self._split(term)
+        if parts is None:
+            return None
+        pg, lease = parts
+        results = await asyncio.gather(self.postgres.renew(pg, timeout=timeout),
+                                       self.lease.renew(lease, timeout=timeout), return_exceptions=True)
+        new_pg, new_lease = results
+        for result in results:
+            if isinstance(result, BaseException) and not isinstance(result, BackendUnavailable):
+                raise result
+        if new_pg is None or new_lease is None:
+            await self.release(term, timeout=timeout)
+            return None
+        if isinstance(new_pg, BackendUnavailable):
+            raise new_pg
+        if isinstance(new_lease, BackendUnavailable):
+            raise new_lease
+        assert isinstance(new_pg, Term) and isinstance(new_lease, Term)
+        return self._combine(new_pg, new_lease)
+
+    async def release(self, term: Term, *, timeout: float) -> None:
+        parts = self._split(term)
+        if parts is None:
+            return
+        pg, lease = parts
+        self._parts.pop(term.token, None)
+        results = await asyncio.gather(self.lease.release(lease, timeout=timeout),
+                                       self.postgres.release(pg, timeout=timeout), return_exceptions=True)
+        for result in results:
+            if isinstance(result, BaseException):
+                raise result
+
+    async def observe(self, *, timeout: float) -> LockRecord:
+        return await self.postgres.observe(timeout=timeout)
+
+    async def close(self) -> None:
+        await asyncio.gather(self.lease.close(), self.postgres.close())

@@ -1,0 +1,289 @@
+"""Sidecar settings: defaults < environment < flags, validated once at start.
+
+Called by ``cli``; every error names the setting (flag and variable) it is about.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ipaddress
+import re
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Literal
+
+from singleton_sidecar import contract
+from singleton_sidecar.backends.base import Identity
+from singleton_sidecar.core.identity import validate_identity
+from singleton_sidecar.core.timings import TimingError, Timings
+
+BackendName = Literal["postgres", "lease", "both"]
+BACKENDS: tuple[BackendName, ...] = ("postgres", "lease", "both")
+_DNS1123 = re.compile(r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$")
+
+
+class ConfigError(ValueError):
+    """A bad or missing setting; the message starts with the setting's name."""
+
+
+@dataclass(frozen=True)
+class Listen:
+    host: str
+    port: int
+
+    def __str__(self) -> str:
+        return f"{self.host}:{self.port}"
+
+
+@dataclass(frozen=True)
+class SidecarConfig:
+    group: str
+    """Name of the singleton group (the Lease's name; the Postgres lock row's key)."""
+    backend: BackendName
+    """Where the lock lives: ``postgres``, ``lease`` or ``both`` (lead only while holding both)."""
+    timings: Timings
+    """Lease duration, renew deadline and retry period."""
+    identity: Identity | None = None
+    """Explicit candidate identity; default: pod name + pod UID + start nonce."""
+    postgres_dsn: str | None = field(default=None, repr=False)
+    """PostgreSQL connection string (secret: never logged)."""
+    namespace: str | None = None
+    """Namespace of the pod and the Lease; None outside Kubernetes."""
+    pod_name: str | None = None
+    """This pod's name (downward API); enables pod annotations, labels and events."""
+    pod_uid: str | None = None
+    """This pod's UID (downward API), part of the identity."""
+    listen: Listen = Listen("0.0.0.0", 8080)
+    """Probe and metrics endpoint: /readyz, /livez, /leader, /metrics."""
+    control_listen: Listen = Listen("127.0.0.1", 8081)
+    """Control endpoint (drain, release, step-down): loopback only."""
+    drain_timeout: float = 30.0
+    """Seconds the app may take to finish in-flight work before the lock is released anyway."""
+    drain_url: str | None = None
+    """Optional URL the sidecar POSTs to ask the app to drain; its 2xx answer means done."""
+    gate_dir: Path | None = None
+    """Folder shared with the main container for the file gate (``gate.sh`` and the leader flag)."""
+    kill_grace: float = 1.0
+    """Seconds between SIGTERM and SIGKILL for a gated process that lost leadership."""
+    kubeconfig: str | None = None
+    """Kubeconfig path for running outside a pod (default: in-cluster, then $KUBECONFIG)."""
+    exec_command: tuple[str, ...] = ()
+    """Command run as a child only while this replica leads (the exec gate)."""
+    readiness_gate: bool = False
+    """Also set the pod condition ``singleton.dev/leader`` (for pod readiness gates)."""
+    log_format: Literal["json", "text"] = "json"
+    """Structured JSON logs (default) or plain text."""
+
+    @property
+    def in_kubernetes(self) -> bool:
+        return self.pod_name is not None and self.namespace is not None
+
+
+_SETTINGS: dict[str, tuple[str, str]] = {
+    # dest: (flag, environment variable)
+    "group": ("--group", contract.ENV_GROUP),
+    "identity": ("--identity", contract.ENV_IDENTITY),
+    "backend": ("--backend", contract.ENV_BACKEND),
+    "postgres_dsn": ("--postgres-dsn", contract.ENV_POSTGRES_DSN),
+    "postgres_dsn_file": ("--postgres-dsn-file", contract.ENV_POSTGRES_DSN_FILE),
+    "namespace": ("--namespace", contract.ENV_NAMESPACE),
+    "pod_name": ("--pod-name", contract.ENV_POD_NAME),
+    "pod_uid": ("--pod-uid", contract.ENV_POD_UID),
+    "listen": ("--listen", contract.ENV_LISTEN),
+    "control_listen": ("--control-listen", contract.ENV_CONTROL_LISTEN),
+    "lease_duration": ("--lease-duration", contract.ENV_LEASE_DURATION),
+    "renew_deadline": ("--renew-deadline", contract.ENV_RENEW_DEADLINE),
+    "retry_period": ("--retry-period", contract.ENV_RETRY_PERIOD),
+    "drain_timeout": ("--drain-timeout", contract.ENV_DRAIN_TIMEOUT),
+    "drain_url": ("--drain-url", contract.ENV_DRAIN_URL),
+    "gate_dir": ("--gate-dir", contract.ENV_GATE_DIR),
+    "kill_grace": ("--kill-grace", "SINGLETON_KILL_GRACE"),
+    "kubeconfig": ("--kubeconfig", contract.ENV_KUBECONFIG),
+    "readiness_gate": ("--readiness-gate", "SINGLETON_READINESS_GATE"),
+    "log_format": ("--log-format", "SINGLETON_LOG_FORMAT"),
+}
+
+_HELP = {
+    "group": "singleton group name (DNS-1123 label); required",
+    "identity": "candidate identity (default: pod name/pod UID/start nonce, or host/pid/nonce)",
+    "backend": "lock store: postgres, lease or both (default postgres)",
+    "postgres_dsn": "PostgreSQL DSN (postgres and both backends)",
+    "postgres_dsn_file": "file holding the PostgreSQL DSN (for a mounted Secret)",
+    "namespace": "namespace of this pod and of the Lease",
+    "pod_name": "this pod's name (downward API: metadata.name)",
+    "pod_uid": "this pod's UID (downward API: metadata.uid)",
+    "listen": "host:port for /readyz /livez /leader /metrics (default 0.0.0.0:8080)",
+    "control_listen": "loopback host:port for control actions (default 127.0.0.1:8081)",
+    "lease_duration": "seconds a lock stays valid without renewal (default 6)",
+    "renew_deadline": "seconds the leader keeps trying to renew before stepping down (default 4)",
+    "retry_period": "seconds between renewals and between retries (default 2)",
+    "drain_timeout": "seconds the app may take to drain before the lock is released (default 30)",
+    "drain_url": "URL to POST to ask the app to drain; a 2xx answer means drained",
+    "gate_dir": "folder shared with the main container for the file gate",
+    "kill_grace": "seconds from SIGTERM to SIGKILL for a gated process that lost leadership (default 1)",
+    "kubeconfig": "kubeconfig file when not running in a pod",
+    "readiness_gate": "also set the pod condition singleton.dev/leader (true/false)",
+    "log_format": "json (default) or text",
+}
+
+
+def add_run_arguments(parser: argparse.ArgumentParser) -> None:
+    for dest, (flag, env) in _SETTINGS.items():
+        parser.add_argument(flag, dest=dest, default=None, metavar=dest.upper(), help=f"{_HELP[dest]} [{env}]")
+    parser.add_argument("command", nargs=argparse.REMAINDER,
+                        help="after --: command to run only while this replica leads (the exec gate)")
+
+
+def _positive_seconds(name: str, raw: str) -> float:
+    try:
+        value = float(raw)
+    except ValueError:
+        raise ConfigError(f"{name}: must be a number of seconds, got {raw!r}") from None
+    if not (0 < value < float("inf")):
+        raise ConfigError(f"{name}: must be a positive number of seconds, got {raw!r}")
+    return value
+
+
+def _listen(name: str, raw: str, *, loopback_only: bool = False) -> Listen:
+    host, sep, port_text = raw.rpartition(":")
+    if not sep or not host:
+        raise ConfigError(f"{name}: must be host:port, got {raw!r}")
+    host = host.strip("[]")
+    if not port_text.isdigit() or not 0 <= int(port_text) <= 65535:
+        raise ConfigError(f"{name}: port must be a number from 0 to 65535, got {port_text!r}")
+    if loopback_only and host != "localhost":
+        try:
+            is_loopback = ipaddress.ip_address(host).is_loopback
+        except ValueError:
+            is_loopback = False
+        if not is_loopback:
+            raise ConfigError(f"{name}: control actions must listen on loopback only, got host {host!r}")
+    return Listen(host, int(port_text))
+
+
+def _bool(name: str, raw: str) -> bool:
+    lowered = raw.strip().lower()
+    if lowered in ("1", "true", "yes", "on"):
+        return True
+    if lowered in ("0", "false", "no", "off", ""):
+        return False
+    raise ConfigError(f"{name}: must be true or false, got {raw!r}")
+
+
+def load_config(args: argparse.Namespace, environ: Mapping[str, str]) -> SidecarConfig:  # noqa: PLR0912, PLR0915
+    """Merge flags over environment over defaults and validate everything once."""
+    raw: dict[str, str] = {}
+    for dest, (_flag, env) in _SETTINGS.items():
+        value = getattr(args, dest, None)
+        if value is None:
+            value = environ.get(env)
+        if value is not None:
+            raw[dest] = value
+
+    def label(dest: str) -> str:
+        flag, env = _SETTINGS[dest]
+        return f"{env} ({flag})"
+
+    group = raw.get("group", "")
+    if not group:
+        raise ConfigError(f"{label('group')}: required: the name of the singleton group")
+    if len(group) > 63 or not _DNS1123.match(group):
+        raise ConfigError(f"{label('group')}: must be a DNS-1123 label (a-z, 0-9, '-', at most 63), got {group!r}")
+
+    backend = raw.get("backend", "postgres")
+    if backend not in BACKENDS:
+        raise ConfigError(f"{label('backend')}: must be one of postgres, lease, both; got {backend!r}")
+
+    identity = None
+    if "identity" in raw:
+        try:
+            identity = validate_identity(raw["identity"])
+        except ValueError as exc:
+            raise ConfigError(f"{label('identity')}: {exc}") from None
+
+    dsn = raw.get("postgres_dsn")
+    if "postgres_dsn_file" in raw:
+        if dsn is not None:
+            raise ConfigError(f"{label('postgres_dsn_file')}: give the DSN or a file holding it, not both")
+        try:
+            dsn = Path(raw["postgres_dsn_file"]).read_text().strip()
+        except OSError as exc:
+            raise ConfigError(f"{label('postgres_dsn_file')}: cannot read {raw['postgres_dsn_file']!r}: "
+                              f"{exc.strerror}") from None
+    if backend in ("postgres", "both"):
+        if not dsn:
+            raise ConfigError(f"{label('postgres_dsn')}: required with backend {backend}")
+        if not dsn.startswith(("postgres://", "postgresql://")):
+            raise ConfigError(f"{label('postgres_dsn')}: must be a postgres:// or postgresql:// URL")
+
+    namespace = raw.get("namespace") or None
+    pod_name = raw.get("pod_name") or None
+    if backend in ("lease", "both") and not namespace:
+        raise ConfigError(f"{label('namespace')}: required with backend {backend} (the Lease's namespace)")
+    if pod_name and not namespace:
+        raise ConfigError(f"{label('namespace')}: required when the pod name is given")
+
+    timings_kwargs = {}
+    for dest in ("lease_duration", "renew_deadline", "retry_period"):
+        if dest in raw:
+            timings_kwargs[dest] = _positive_seconds(label(dest), raw[dest])
+    try:
+        timings = Timings(**timings_kwargs)
+    except TimingError as exc:
+        raise ConfigError(f"timings (SINGLETON_LEASE_DURATION, SINGLETON_RENEW_DEADLINE, SINGLETON_RETRY_PERIOD): "
+                          f"{exc}") from None
+
+    kill_grace = _positive_seconds(label("kill_grace"), raw["kill_grace"]) if "kill_grace" in raw else min(
+        1.0, timings.stop_margin / 2)
+    if kill_grace >= timings.stop_margin:
+        raise ConfigError(
+            f"{label('kill_grace')}: must be shorter than lease_duration - renew_deadline "
+            f"({timings.stop_margin:g}s) so a gated process is dead before anyone else can lead; got {kill_grace:g}s"
+        )
+
+    drain_url = raw.get("drain_url") or None
+    if drain_url is not None and not drain_url.startswith(("http://", "https://")):
+        raise ConfigError(f"{label('drain_url')}: must be an http:// or https:// URL, got {drain_url!r}")
+
+    command = tuple(args.command[1:] if args.command and args.command[0] == "--" else args.command or ())
+    log_format = raw.get("log_format", "json")
+    if log_format not in ("json", "text"):
+        raise ConfigError(f"{label('log_format')}: must be json or text, got {log_format!r}")
+
+    return SidecarConfig(
+        group=group,
+        backend=backend,
+        timings=timings,
+        identity=identity,
+        postgres_dsn=dsn,
+        namespace=namespace,
+        pod_name=pod_name,
+        pod_uid=raw.get("pod_uid") or None,
+        listen=_listen(label("listen"), raw["listen"]) if "listen" in raw else SidecarConfig.listen,
+        control_listen=_listen(label("control_listen"), raw["control_listen"], loopback_only=True)
+        if "control_listen" in raw else SidecarConfig.control_listen,
+        drain_timeout=_positive_seconds(label("drain_timeout"), raw["drain_timeout"])
+        if "drain_timeout" in raw else 30.0,
+        drain_url=drain_url,
+        gate_dir=Path(raw["gate_dir"]) if raw.get("gate_dir") else None,
+        kill_grace=kill_grace,
+        kubeconfig=raw.get("kubeconfig") or None,
+        exec_command=command,
+        readiness_gate=_bool(label("readiness_gate"), raw["readiness_gate"]) if "readiness_gate" in raw else False,
+        log_format=log_format,  # type: ignore[arg-type]
+    )
+
+
+def describe(config: SidecarConfig) -> dict[str, object]:
+    """The configuration as logged at start: no secrets."""
+    return {
+        "group": config.group, "backend": config.backend, "namespace": config.namespace,
+        "pod": config.pod_name, "listen": str(config.listen), "control_listen": str(config.control_listen),
+        "lease_duration": config.timings.lease_duration, "renew_deadline": config.timings.renew_deadline,
+        "retry_period": config.timings.retry_period, "drain_timeout": config.drain_timeout,
+        "gate": "exec" if config.exec_command else ("file" if config.gate_dir else "none"),
+        "postgres": "configured" if config.postgres_dsn else "none",
+    }
+
+

@@ -1,0 +1,125 @@
+"""The sidecar's HTTP endpoints.
+
+Probe app (pod network): ``GET /readyz`` (200 only for a leader that is not draining),
+``GET /livez`` (200 while the election loop makes progress, whatever the role),
+``GET /leader`` (JSON), ``GET /metrics``. Read-only by construction: it has no
+route that changes anything.
+
+Control app (loopback only): ``POST /drain`` and ``POST /step-down``; ``GET /leader``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import datetime as dt
+from typing import Any
+
+from aiohttp import web
+
+from singleton_sidecar.core.elector import Elector
+from singleton_sidecar.core.status import ElectionStatus
+from singleton_sidecar.metrics import SidecarMetrics
+
+ELECTOR: web.AppKey[Elector] = web.AppKey("elector", Elector)
+METRICS: web.AppKey[SidecarMetrics] = web.AppKey("metrics", SidecarMetrics)
+
+
+def _rfc3339(epoch: float | None) -> str | None:
+    if epoch is None:
+        return None
+    return dt.datetime.fromtimestamp(epoch, dt.UTC).isoformat(timespec="milliseconds").replace("+00:00", "Z")
+
+
+def leader_document(elector: Elector) -> dict[str, Any]:
+    status: ElectionStatus = elector.status
+    acting = elector.acting_term()
+    return {
+        "group": status.group,
+        "identity": status.identity,
+        "role": status.role.value,
+        "isLeader": acting is not None,
+        "ready": elector.is_ready_leader(),
+        "token": acting.token if acting is not None else None,
+        "leader": status.leader,
+        "leaderToken": status.leader_token,
+        "since": _rfc3339(status.leader_since),
+        "transitions": status.transitions,
+        "reason": status.reason,
+        "backend": elector.backend.name,
+    }
+
+
+def liveness_limit(elector: Elector) -> float:
+    """Seconds without loop progress after which /livez fails: generous, since a
+    standby's acquire call may wait a retry period and a leader sleeps between renewals."""
+    timings = elector.timings
+    return 2 * timings.lease_duration + timings.retry_period
+
+
+async def readyz(request: web.Request) -> web.Response:
+    elector = request.app[ELECTOR]
+    if elector.is_ready_leader():
+        return web.Response(text="leader\n")
+    return web.Response(status=503, text=f"{elector.status.role.value}\n")
+
+
+async def livez(request: web.Request) -> web.Response:
+    elector = request.app[ELECTOR]
+    stalled = elector.clock.monotonic() - elector.last_progress
+    if stalled > liveness_limit(elector):
+        return web.Response(status=503, text=f"election loop stalled for {stalled:.1f}s\n")
+    return web.Response(text="ok\n")
+
+
+async def leader(request: web.Request) -> web.Response:
+    return web.json_response(leader_document(request.app[ELECTOR]))
+
+
+async def metrics(request: web.Request) -> web.Response:
+    body = request.app[METRICS].render()
+    return web.Response(body=body, headers={"Content-Type": "text/plain; version=0.0.4; charset=utf-8"})
+
+
+def probe_app(elector: Elector, sidecar_metrics: SidecarMetrics) -> web.Application:
+    app = web.Application()
+    app[ELECTOR] = elector
+    app[METRICS] = sidecar_metrics
+    app.router.add_get("/readyz", readyz)
+    app.router.add_get("/livez", livez)
+    app.router.add_get("/leader", leader)
+    app.router.add_get("/metrics", metrics)
+    return app
+
+
+async def drain(request: web.Request) -> web.Response:
+    """Start draining; with ``?wait=true`` answer only once the lock is released."""
+    elector = request.app[ELECTOR]
+    wait = request.query.get("wait", "false").lower()
+    if wait not in ("true", "false"):
+        return web.json_response({"error": "query parameter wait must be true or false"}, status=400)
+    elector.request_drain()
+    if wait == "true":
+        limit = elector.drain_timeout + elector.timings.lease_duration
+        try:
+            async with asyncio.timeout(limit):
+                await elector.wait_released()
+        except TimeoutError:
+            return web.json_response({"error": f"not released within {limit:g}s", **leader_document(elector)},
+                                     status=504)
+    return web.json_response(leader_document(elector), status=200 if wait == "true" else 202)
+
+
+async def step_down(request: web.Request) -> web.Response:
+    elector = request.app[ELECTOR]
+    reason = request.query.get("reason", "requested through the control endpoint")[:200]
+    elector.request_step_down(reason)
+    return web.json_response(leader_document(elector), status=202)
+
+
+def control_app(elector: Elector) -> web.Application:
+    app = web.Application()
+    app[ELECTOR] = elector
+    app.router.add_post("/drain", drain)
+    app.router.add_post("/step-down", step_down)
+    app.router.add_get("/leader", leader)
+    return app

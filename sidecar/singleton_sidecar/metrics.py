@@ -1,0 +1,47 @@
+"""Prometheus metrics of one sidecar, in a registry of its own (no global state)."""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+
+from singleton_sidecar.core.status import ElectionStatus, Role
+
+RENEW_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0)
+
+
+class SidecarMetrics:
+    def __init__(self, group: str, backend: str) -> None:
+        self.registry = CollectorRegistry(auto_describe=True)
+        labels = {"group": group, "backend": backend}
+        self._is_leader = Gauge("singleton_is_leader", "1 while this replica leads (leader or draining).",
+                                list(labels), registry=self.registry).labels(**labels)
+        self._token = Gauge("singleton_term_token", "Fencing token of this replica's current term (0: none).",
+                            list(labels), registry=self.registry).labels(**labels)
+        self._transitions = Counter("singleton_transitions", "Changes of this replica's role.",
+                                    list(labels), registry=self.registry).labels(**labels)
+        self._renew_latency = Histogram("singleton_renew_latency_seconds", "Duration of lock renewals.",
+                                        list(labels), buckets=RENEW_BUCKETS, registry=self.registry).labels(**labels)
+        self._renew_failures = Counter("singleton_renew_failures", "Renewals that failed or found the lock lost.",
+                                       list(labels), registry=self.registry).labels(**labels)
+        role = Gauge("singleton_role", "1 for this replica's current role.", [*labels, "role"],
+                     registry=self.registry)
+        self._roles = {r: role.labels(**labels, role=r.value) for r in Role}
+        self._last_role: Role | None = None
+
+    def on_status(self, status: ElectionStatus) -> None:
+        leading = status.role in (Role.LEADER, Role.DRAINING)
+        self._is_leader.set(1 if leading else 0)
+        self._token.set(status.token or 0)
+        if self._last_role is not None and status.role != self._last_role:
+            self._transitions.inc()
+        self._last_role = status.role
+        for role, gauge in self._roles.items():
+            gauge.set(1 if role is status.role else 0)
+
+    def on_renew(self, seconds: float, ok: bool) -> None:
+        self._renew_latency.observe(seconds)
+        if not ok:
+            self._renew_failures.inc()
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)

@@ -1,0 +1,173 @@
+"""What the sidecar shows on its own pod: annotations, the role label, the readiness
+condition and Events; and what it learns from it: the pod's deletion.
+
+Run by ``app.Sidecar`` only inside Kubernetes. Writes are coalesced: the reporter
+always writes the newest status, so stale annotations are corrected on every change,
+and it retries until the API server takes the write.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import datetime as dt
+import logging
+from collections.abc import Callable
+from typing import Any
+
+from singleton_sidecar import contract
+from singleton_sidecar.core.status import ElectionStatus, Role
+from singleton_sidecar.kube import KubeClient, KubeError, KubeGone
+
+log = logging.getLogger(__name__)
+
+CALL_TIMEOUT = 5.0
+WATCH_SECONDS = 300
+
+_EVENT_REASONS = {
+    Role.LEADER: ("LeaderElected", "became leader of group {group} with token {token}"),
+    Role.DRAINING: ("LeaderDraining", "draining before releasing group {group} (token {token})"),
+    Role.STANDBY: ("LeadershipLost", "stood down in group {group}: {reason}"),
+    Role.RELEASED: ("LeadershipReleased", "released group {group}"),
+}
+
+
+def _now() -> str:
+    return dt.datetime.now(dt.UTC).isoformat(timespec="seconds").replace("+00:00", "Z")
+
+
+def _rfc3339(epoch: float | None) -> str | None:
+    if epoch is None:
+        return None
+    return dt.datetime.fromtimestamp(epoch, dt.UTC).isoformat(timespec="milliseconds").replace("+00:00", "Z")
+
+
+def pod_metadata_patch(status: ElectionStatus) -> dict[str, Any]:
+    """The merge patch that makes the pod's annotations and labels tell ``status``."""
+    leading = status.role in (Role.LEADER, Role.DRAINING)
+    return {
+        "metadata": {
+            "annotations": {
+                contract.ANNOTATION_ROLE: status.role.value,
+                contract.ANNOTATION_GROUP: status.group,
+                contract.ANNOTATION_IDENTITY: status.identity,
+                contract.ANNOTATION_TOKEN: str(status.token) if leading and status.token is not None else None,
+                contract.ANNOTATION_LEADER_SINCE: _rfc3339(status.leader_since) if leading else None,
+            },
+            "labels": {contract.LABEL_ROLE: status.role.value, contract.LABEL_GROUP: status.group},
+        }
+    }
+
+
+class PodReporter:
+    def __init__(self, client: KubeClient, *, namespace: str, pod_name: str, readiness_gate: bool,
+                 on_deleting: Callable[[], None]) -> None:
+        self.client = client
+        self.namespace = namespace
+        self.pod_name = pod_name
+        self.readiness_gate = readiness_gate
+        self._on_deleting = on_deleting
+        self._latest: ElectionStatus | None = None
+        self._written: ElectionStatus | None = None
+        self._changed = asyncio.Event()
+        self._pod_uid: str | None = None
+
+    def __repr__(self) -> str:
+        return f"<PodReporter pod={self.namespace}/{self.pod_name}>"
+
+    @property
+    def _pod_path(self) -> str:
+        return f"/api/v1/namespaces/{self.namespace}/pods/{self.pod_name}"
+
+    @property
+    def pending(self) -> bool:
+        """True while the newest status has not been written to the pod yet."""
+        return self._latest is not None and self._latest != self._written
+
+    def on_status(self, status: ElectionStatus) -> None:
+        self._latest = status
+        self._changed.set()
+
+    async def run(self) -> None:
+        """Write the newest status to the pod; retry with backoff until it is taken."""
+        backoff = 0.2
+        while True:
+            await self._changed.wait()
+            self._changed.clear()
+            status = self._latest
+            if status is None or status == self._written:
+                continue
+            try:
+                await self._write(status)
+            except KubeError as exc:
+                log.warning("pod status write failed pod=%s group=%s role=%s error=%s; retrying in %.1fs",
+                            self.pod_name, status.group, status.role, exc, backoff)
+                await asyncio.sleep(backoff)
+                backoff = min(backoff * 2, 5.0)
+                self._changed.set()
+                continue
+            backoff = 0.2
+            previous, self._written = self._written, status
+            if previous is None or previous.role != status.role:
+                await self._event(status)
+
+    async def _write(self, status: ElectionStatus) -> None:
+        await self.client.request("PATCH", self._pod_path, body=pod_metadata_patch(status),
+                                  content_type="application/merge-patch+json", timeout=CALL_TIMEOUT)
+        if self.readiness_gate:
+            leading = "True" if status.role is Role.LEADER else "False"
+            condition = {"type": contract.CONDITION_LEADER, "status": leading, "reason": status.role.value.title(),
+                         "message": status.reason[:250], "lastTransitionTime": _now()}
+            await self.client.request("PATCH", self._pod_path + "/status",
+                                      body={"status": {"conditions": [condition]}},
+                                      content_type="application/strategic-merge-patch+json", timeout=CALL_TIMEOUT)
+
+    async def _event(self, status: ElectionStatus) -> None:
+        reason, template = _EVENT_REASONS[status.role]
+        message = template.format(group=status.group, token=status.token, reason=status.reason)
+        now = _now()
+        event = {
+            "apiVersion": "v1", "kind": "Event",
+            "metadata": {"generateName": f"{self.pod_name}.", "namespace": self.namespace},
+            "involvedObject": {"apiVersion": "v1", "kind": "Pod", "namespace": self.namespace,
+                               "name": self.pod_name, **({"uid": self._pod_uid} if self._pod_uid else {})},
+            "reason": reason, "message": message[:1000],
+            "type": "Warning" if status.role is Role.STANDBY and "stepped down" in status.reason else "Normal",
+            "source": {"component": "singleton-sidecar"},
+            "firstTimestamp": now, "lastTimestamp": now, "count": 1,
+            "reportingComponent": "singleton.dev/sidecar", "reportingInstance": status.identity[:128],
+        }
+        try:
+            await self.client.request("POST", f"/api/v1/namespaces/{self.namespace}/events", body=event,
+                                      timeout=CALL_TIMEOUT)
+        except KubeError as exc:
+            log.warning("event not recorded pod=%s reason=%s error=%s", self.pod_name, reason, exc)
+
+    async def watch_deletion(self) -> None:
+        """Watch this pod; call ``on_deleting`` once when it gets a deletionTimestamp."""
+        resource_version: str | None = None
+        backoff = 0.2
+        while True:
+            try:
+                if resource_version is None:
+                    pod = await self.client.request("GET", self._pod_path, timeout=CALL_TIMEOUT)
+                    self._pod_uid = pod["metadata"].get("uid")
+                    resource_version = pod["metadata"]["resourceVersion"]
+                    if pod["metadata"].get("deletionTimestamp"):
+                        self._on_deleting()
+                        return
+                params = {"fieldSelector": f"metadata.name={self.pod_name}", "resourceVersion": resource_version,
+                          "timeoutSeconds": str(WATCH_SECONDS), "allowWatchBookmarks": "true"}
+                async for kind, obj in self.client.watch(f"/api/v1/namespaces/{self.namespace}/pods",
+                                                         params=params, timeout=WATCH_SECONDS + 30):
+                    resource_version = obj.get("metadata", {}).get("resourceVersion", resource_version)
+                    if kind == "DELETED" or (kind == "MODIFIED" and obj["metadata"].get("deletionTimestamp")):
+                        self._on_deleting()
+                        return
+                backoff = 0.2
+            except KubeGone:
+                resource_version = None
+            except KubeError as exc:
+                log.warning("watching own pod %s failed: %s; retrying in %.1fs", self.pod_name, exc, backoff)
+                await asyncio.sleep(backoff)
+                backoff = min(backoff * 2, 5.0)
+                resource_version = None
