@@ -1,0 +1,130 @@
+"""Run real sidecar processes for tests and benchmarks, and talk to them over HTTP."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from singleton_testbed.procs import free_port
+
+FAST_TIMINGS = {"SINGLETON_LEASE_DURATION": "2", "SINGLETON_RENEW_DEADLINE": "1.5", "SINGLETON_RETRY_PERIOD": "0.5"}
+
+
+@dataclass
+class SidecarProcess:
+    name: str
+    env: dict[str, str]
+    log_path: Path
+    command: list[str] = field(default_factory=list)
+    port: int = field(default_factory=free_port)
+    control_port: int = field(default_factory=free_port)
+    popen: subprocess.Popen[bytes] | None = None
+
+    def start(self) -> SidecarProcess:
+        env = {**os.environ, **self.env, "SINGLETON_LISTEN": f"127.0.0.1:{self.port}",
+               "SINGLETON_CONTROL_LISTEN": f"127.0.0.1:{self.control_port}", "SINGLETON_LOG_FORMAT": "text"}
+        argv = [sys.executable, "-m", "singleton_sidecar.cli", "run"]
+        if self.command:
+            argv += ["--", *self.command]
+        with open(self.log_path, "ab") as out:
+            # Its own process group, so SIGSTOP/SIGKILL reach the gated child too, as in a pod.
+            self.popen = subprocess.Popen(argv, env=env, stdout=out, stderr=subprocess.STDOUT,
+                                          stdin=subprocess.DEVNULL, start_new_session=True)
+        return self
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def get(self, path: str, timeout: float = 1.0) -> tuple[int, str]:
+        try:
+            with urllib.request.urlopen(self.url + path, timeout=timeout) as resp:
+                return resp.status, resp.read().decode()
+        except urllib.error.HTTPError as exc:
+            return exc.code, exc.read().decode()
+
+    def leader_doc(self, timeout: float = 1.0) -> dict[str, Any] | None:
+        try:
+            status, body = self.get("/leader", timeout)
+        except (urllib.error.URLError, OSError):
+            return None
+        return json.loads(body) if status == 200 else None
+
+    def ready(self) -> bool:
+        try:
+            return self.get("/readyz", 0.5)[0] == 200
+        except (urllib.error.URLError, OSError):
+            return False
+
+    def control(self, method: str, path: str, timeout: float = 30.0) -> tuple[int, str]:
+        request = urllib.request.Request(f"http://127.0.0.1:{self.control_port}{path}", method=method)
+        try:
+            with urllib.request.urlopen(request, timeout=timeout) as resp:
+                return resp.status, resp.read().decode()
+        except urllib.error.HTTPError as exc:
+            return exc.code, exc.read().decode()
+
+    def signal(self, signum: int) -> None:
+        assert self.popen is not None
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(self.popen.pid, signum)
+
+    def alive(self) -> bool:
+        return self.popen is not None and self.popen.poll() is None
+
+    def wait_exit(self, timeout: float) -> int:
+        assert self.popen is not None
+        return self.popen.wait(timeout)
+
+    def stop(self) -> None:
+        if self.popen is None:
+            return
+        if self.popen.poll() is None:
+            self.signal(signal.SIGCONT)
+            self.signal(signal.SIGTERM)
+            try:
+                self.popen.wait(15)
+            except subprocess.TimeoutExpired:
+                self.signal(signal.SIGKILL)
+                self.popen.wait(5)
+
+    def log(self) -> str:
+        return self.log_path.read_text(errors="replace") if self.log_path.exists() else ""
+
+
+def wait_for(predicate: Any, timeout: float, what: str, interval: float = 0.01) -> Any:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        value = predicate()
+        if value:
+            return value
+        time.sleep(interval)
+    raise AssertionError(f"timed out after {timeout}s waiting for {what}")
+
+
+def leaders(sidecars: list[SidecarProcess]) -> list[SidecarProcess]:
+    result = []
+    for sidecar in sidecars:
+        doc = sidecar.leader_doc() if sidecar.alive() else None
+        if doc is not None and doc["isLeader"]:
+            result.append(sidecar)
+    return result
+
+
+def one_leader(sidecars: list[SidecarProcess], timeout: float = 10.0) -> SidecarProcess:
+    def check() -> SidecarProcess | None:
+        found = leaders(sidecars)
+        return found[0] if len(found) == 1 and found[0].ready() else None
+
+    leader: SidecarProcess = wait_for(check, timeout, "exactly one ready leader")
+    return leader

@@ -1,0 +1,212 @@
+"""Three or more real sidecar processes on the real PostgreSQL server (postgres backend,
+outside Kubernetes): leadership, failover, fencing, draining, faults."""
+
+from __future__ import annotations
+
+import asyncio
+import signal
+import subprocess
+import sys
+import time
+import uuid
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import asyncpg
+import pytest
+
+from singleton_testbed.postgres import PostgresServer
+from tests.ledger import check_ledger
+from tests.sidecars import FAST_TIMINGS, SidecarProcess, leaders, one_leader, wait_for
+
+WORKER = str(Path(__file__).parent / "data" / "ledger_worker.py")
+Factory = Callable[..., list[SidecarProcess]]
+
+
+@pytest.fixture
+def group() -> str:
+    return "g-" + uuid.uuid4().hex[:10]
+
+
+@pytest.fixture
+def sidecars(pg_dsn: str, group: str, tmp_path: Path) -> Iterator[Factory]:
+    started: list[SidecarProcess] = []
+
+    def make(count: int = 3, *, gated: bool = False, extra: dict[str, str] | None = None) -> list[SidecarProcess]:
+        new = []
+        for _ in range(count):
+            index = len(started)
+            env = {"SINGLETON_GROUP": group, "SINGLETON_BACKEND": "postgres", "SINGLETON_POSTGRES_DSN": pg_dsn,
+                   "SINGLETON_IDENTITY": f"c{index}-{uuid.uuid4().hex[:6]}", "LEDGER_DSN": pg_dsn,
+                   **FAST_TIMINGS, **(extra or {})}
+            sidecar = SidecarProcess(f"c{index}", env, tmp_path / f"c{index}.log",
+                                     command=[sys.executable, WORKER] if gated else [])
+            started.append(sidecar.start())
+            new.append(sidecar)
+        return new
+
+    yield make
+    for sidecar in started:
+        sidecar.stop()
+
+
+async def admin(dsn: str, sql: str, *args: object) -> object:
+    conn = await asyncpg.connect(dsn)
+    try:
+        return await conn.fetchval(sql, *args)
+    finally:
+        await conn.close()
+
+
+def test_exactly_one_leader_and_probes(sidecars: Factory) -> None:
+    group = sidecars(3)
+    leader = one_leader(group)
+    for sidecar in group:
+        # A standby learns the holder's name when its lock wait times out (one retry period).
+        doc = wait_for(lambda s=sidecar: (d := s.leader_doc()) and d["leader"] and d, 3, "the leader's name")
+        assert doc["leader"] == leader.env["SINGLETON_IDENTITY"]
+        assert sidecar.get("/livez")[0] == 200
+        assert (sidecar.get("/readyz")[0] == 200) == (sidecar is leader)
+        assert doc["isLeader"] == (sidecar is leader)
+    metrics = leader.get("/metrics")[1]
+    assert 'singleton_is_leader{backend="postgres"' in metrics and "} 1.0" in metrics
+    assert "singleton_renew_latency_seconds_bucket" in metrics
+    # Control actions are not reachable through the probe port.
+    assert leader.get("/drain")[0] in (404, 405)
+
+
+def test_sigkill_failover_with_greater_token(sidecars: Factory) -> None:
+    group = sidecars(3)
+    tokens = []
+    for _ in range(2):
+        leader = one_leader([s for s in group if s.alive()])
+        doc = leader.leader_doc()
+        assert doc is not None
+        tokens.append(doc["token"])
+        leader.signal(signal.SIGKILL)
+        started = time.monotonic()
+        new = one_leader([s for s in group if s.alive()], timeout=5)
+        assert time.monotonic() - started < 2.0
+        assert new is not leader
+    doc = one_leader([s for s in group if s.alive()]).leader_doc()
+    assert doc is not None
+    tokens.append(doc["token"])
+    assert tokens == sorted(tokens) and len(set(tokens)) == 3
+
+
+async def test_pg_terminate_backend_makes_leader_step_down_at_once(
+    sidecars: Factory, group: str, pg_admin_dsn: str
+) -> None:
+    members = sidecars(2)
+    leader = await asyncio.to_thread(one_leader, members)
+    pid = await admin(pg_admin_dsn, "SELECT holder_pid FROM singleton_leases WHERE group_name = $1", group)
+    assert await admin(pg_admin_dsn, "SELECT pg_terminate_backend($1)", pid)
+    started = time.monotonic()
+    await asyncio.to_thread(wait_for, lambda: not leader.ready() or None, 2, "the leader to step down")
+    assert time.monotonic() - started < 0.5
+    await asyncio.to_thread(one_leader, members, 5)
+
+
+async def test_sigstop_leader_steps_down_and_its_token_is_fenced(
+    sidecars: Factory, group: str, pg_dsn: str
+) -> None:
+    members = sidecars(3, gated=True)
+    leader = await asyncio.to_thread(one_leader, members)
+    old = leader.leader_doc()
+    assert old is not None
+    await asyncio.sleep(0.5)  # let the gated worker write
+    leader.signal(signal.SIGSTOP)  # the whole "pod": sidecar and gated worker
+    new = await asyncio.to_thread(one_leader, [s for s in members if s is not leader], 10)
+    new_doc = new.leader_doc()
+    assert new_doc is not None and new_doc["token"] > old["token"]
+    await asyncio.sleep(0.5)
+    leader.signal(signal.SIGCONT)
+    # On waking, the old leader knows its deadline passed: it says so before anything else.
+    doc = await asyncio.to_thread(wait_for, leader.leader_doc, 2, "the old leader to answer")
+    assert doc["isLeader"] is False
+    await asyncio.sleep(1.0)
+    report = await check_ledger(pg_dsn, group)
+    assert not report.overlaps, report.overlaps
+    assert not report.regressions
+    assert len(report.terms) >= 2
+    # The stale worker was refused by the fence if it tried to write after waking.
+    assert "fenced out" in leader.log() or not any(
+        t[0] == old["token"] and t[3] > report.terms[-1][2] for t in report.terms)
+
+
+async def test_sigterm_drains_then_hands_over_without_losing_work(
+    sidecars: Factory, group: str, pg_dsn: str
+) -> None:
+    members = sidecars(3, gated=True, extra={"SINGLETON_DRAIN_TIMEOUT": "10"})
+    for _ in range(2):
+        alive = [s for s in members if s.alive()]
+        leader = await asyncio.to_thread(one_leader, alive)
+        await asyncio.sleep(0.4)
+        leader.signal(signal.SIGTERM)
+        started = time.monotonic()
+        await asyncio.to_thread(one_leader, [s for s in alive if s is not leader], 5)
+        handover = time.monotonic() - started
+        assert handover < 1.0, handover
+        assert await asyncio.to_thread(leader.wait_exit, 10) == 0
+    await asyncio.sleep(0.3)
+    report = await check_ledger(pg_dsn, group)
+    assert not report.overlaps, report.overlaps
+    assert not report.regressions
+    # The last leader is still working; every earlier term finished all its items.
+    assert not [item for item in report.lost_items if f"token {report.terms[-1][0]} " not in item]
+
+
+async def test_postgres_restart_never_gives_two_leaders(
+    sidecars: Factory, group: str, pg_dsn: str, postgres_server: PostgresServer | None
+) -> None:
+    if postgres_server is None:
+        pytest.skip("needs the test session's own PostgreSQL server")
+    members = sidecars(3, gated=True)
+    await asyncio.to_thread(one_leader, members)
+    await asyncio.sleep(0.3)
+    await asyncio.to_thread(postgres_server.restart)
+    await asyncio.to_thread(one_leader, members, 15)
+    await asyncio.sleep(0.5)
+    report = await check_ledger(pg_dsn, group)
+    assert not report.overlaps, report.overlaps
+    assert not report.regressions
+    assert len(leaders(members)) == 1
+
+
+@pytest.mark.parametrize(
+    ("env", "expected"),
+    [
+        ({}, "SINGLETON_GROUP (--group): required"),
+        ({"SINGLETON_GROUP": "Bad_Name"}, "SINGLETON_GROUP (--group): must be a DNS-1123 label"),
+        ({"SINGLETON_GROUP": "g", "SINGLETON_BACKEND": "redis"}, "SINGLETON_BACKEND (--backend): must be one of"),
+        ({"SINGLETON_GROUP": "g"}, "SINGLETON_POSTGRES_DSN (--postgres-dsn): required with backend postgres"),
+        ({"SINGLETON_GROUP": "g", "SINGLETON_POSTGRES_DSN": "mysql://x"}, "must be a postgres:// or postgresql://"),
+        ({"SINGLETON_GROUP": "g", "SINGLETON_BACKEND": "lease"}, "SINGLETON_NAMESPACE (--namespace): required"),
+        ({"SINGLETON_GROUP": "g", "SINGLETON_POSTGRES_DSN": "postgres://h/d", "SINGLETON_LEASE_DURATION": "abc"},
+         "SINGLETON_LEASE_DURATION (--lease-duration): must be a number of seconds"),
+        ({"SINGLETON_GROUP": "g", "SINGLETON_POSTGRES_DSN": "postgres://h/d", "SINGLETON_RETRY_PERIOD": "-1"},
+         "SINGLETON_RETRY_PERIOD (--retry-period): must be a positive number"),
+        ({"SINGLETON_GROUP": "g", "SINGLETON_POSTGRES_DSN": "postgres://h/d", "SINGLETON_LEASE_DURATION": "4",
+          "SINGLETON_RENEW_DEADLINE": "4"}, "lease_duration (4s) must exceed renew_deadline (4s)"),
+        ({"SINGLETON_GROUP": "g", "SINGLETON_POSTGRES_DSN": "postgres://h/d", "SINGLETON_LISTEN": "8080"},
+         "SINGLETON_LISTEN (--listen): must be host:port"),
+        ({"SINGLETON_GROUP": "g", "SINGLETON_POSTGRES_DSN": "postgres://h/d",
+          "SINGLETON_CONTROL_LISTEN": "0.0.0.0:9"}, "control actions must listen on loopback only"),
+        ({"SINGLETON_GROUP": "g", "SINGLETON_POSTGRES_DSN": "postgres://h/d", "SINGLETON_KILL_GRACE": "5"},
+         "SINGLETON_KILL_GRACE (--kill-grace): must be shorter than lease_duration - renew_deadline"),
+        ({"SINGLETON_GROUP": "g", "SINGLETON_POSTGRES_DSN_FILE": "/nonexistent/dsn"},
+         "SINGLETON_POSTGRES_DSN_FILE (--postgres-dsn-file): cannot read"),
+        ({"SINGLETON_GROUP": "g", "SINGLETON_POSTGRES_DSN": "postgres://h/d", "SINGLETON_IDENTITY": "a b"},
+         "SINGLETON_IDENTITY (--identity): identity must be"),
+    ],
+    ids=lambda v: "-".join(f"{k}" for k in v) if isinstance(v, dict) else None,
+)
+def test_bad_settings_exit_2_with_one_precise_line(env: dict[str, str], expected: str) -> None:
+    clean = {k: v for k, v in __import__("os").environ.items() if not k.startswith("SINGLETON_")}
+    result = subprocess.run([sys.executable, "-m", "singleton_sidecar.cli", "run"], env={**clean, **env},
+                            capture_output=True, text=True, timeout=30, check=False)
+    assert result.returncode == 2
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1, result.stderr
+    assert expected in lines[0]
+    assert "Traceback" not in result.stderr
