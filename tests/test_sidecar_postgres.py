@@ -210,3 +210,36 @@ def test_bad_settings_exit_2_with_one_precise_line(env: dict[str, str], expected
     assert len(lines) == 1, result.stderr
     assert expected in lines[0]
     assert "Traceback" not in result.stderr
+
+
+def test_file_gate_runs_the_app_only_on_the_leader(sidecars: Factory, tmp_path: Path) -> None:
+    """gate.sh (POSIX sh, as in a main container with only /bin/sh) follows the flag."""
+    dirs = [tmp_path / f"gate{i}" for i in range(2)]
+    members = [sidecars(1, extra={"SINGLETON_GATE_DIR": str(d)})[0] for d in dirs]
+    wait_for(lambda: all((d / "gate.sh").exists() for d in dirs), 10, "gate.sh to be installed")
+    apps = []
+    for d in dirs:
+        out = d / "out"
+        app = subprocess.Popen(["/bin/sh", str(d / "gate.sh"), "/bin/sh", "-c",
+                                f'while :; do echo "$SINGLETON_TOKEN" >> {out}; sleep 0.05; done'],
+                               start_new_session=True)
+        apps.append(app)
+    try:
+        leader = one_leader(members)
+        index = members.index(leader)
+        wait_for(lambda: (dirs[index] / "out").exists(), 5, "the leader's app to run")
+        time.sleep(0.5)
+        assert not (dirs[1 - index] / "out").exists(), "the standby's app ran"
+        doc = leader.leader_doc()
+        assert doc is not None
+        assert (dirs[index] / "out").read_text().split()[0] == str(doc["token"])
+        # Drain the leader: its app stops, the other's starts.
+        leader.signal(signal.SIGTERM)
+        wait_for(lambda: (dirs[1 - index] / "out").exists(), 5, "the new leader's app to run")
+        size = (dirs[index] / "out").stat().st_size
+        time.sleep(0.5)
+        assert (dirs[index] / "out").stat().st_size == size, "the old leader's app kept running"
+    finally:
+        for app in apps:
+            __import__("os").killpg(app.pid, signal.SIGKILL)
+            app.wait()

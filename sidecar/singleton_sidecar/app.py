@@ -101,8 +101,12 @@ class Sidecar:
             gate = ExecGate(config.exec_command, kill_grace=config.kill_grace,
                             env={"SINGLETON_GROUP": config.group})
         elif config.gate_dir is not None:
-            gate = FileGate(config.gate_dir, remaining=lambda: elector.remaining(),  # noqa: PLW0108 - bound below wall_clock=self.wall_clock,
-                            refresh=config.timings.retry_period / 2)
+            gate = FileGate(
+                config.gate_dir,
+                remaining=lambda: elector.remaining(),  # noqa: PLW0108 - elector is bound below
+                wall_clock=self.wall_clock,
+                refresh=config.timings.retry_period / 2,
+            )
             gate.install()
         elector = Elector(group=config.group, identity=self.identity, backend=backend, timings=config.timings,
                           wall_clock=self.wall_clock, drain_hook=self._drain_hook(gate),
