@@ -174,13 +174,16 @@ class Elector:
                     drain_task = asyncio.create_task(self._drain(), name=f"drain:{self.group}")
                     drain_task.add_done_callback(lambda _t: self._wakeup.set())
                 if drain_task is not None and drain_task.done():
+                    # Stop acting (gate, /leader, annotations) before the lock can pass on.
+                    self._publish(role=Role.RELEASED, term=None, reason="released: no longer campaigning")
                     await self._release(term, "drained")
                     released = True
                     return
                 if self._step_down_reason is not None:
+                    # Publish first, release second, as on every step-down.
+                    self._publish(role=Role.STANDBY, term=None, reason=f"stepped down: {self._step_down_reason}")
                     await self._release(term, self._step_down_reason)
                     released = True
-                    self._publish(role=Role.STANDBY, term=None, reason=f"stepped down: {self._step_down_reason}")
                     await self.clock.wait(self._drain_requested, timings.lease_duration)
                     return
                 if now < next_renew:
@@ -242,14 +245,24 @@ class Elector:
     async def _drain(self) -> None:
         if self._drain_hook is None:
             return
+        # Timed on the injected clock, like every other deadline of the core.
         try:
-            async with asyncio.timeout(self.drain_timeout):
-                await self._drain_hook()
-        except TimeoutError:
-            log.warning("drain timeout (%gs) passed group=%s identity=%s; releasing anyway",
-                        self.drain_timeout, self.group, self.identity)
+            hook = asyncio.ensure_future(self._drain_hook())
         except Exception:
             log.exception("drain hook failed group=%s identity=%s; releasing", self.group, self.identity)
+            return
+        finished = asyncio.Event()
+        hook.add_done_callback(lambda _t: finished.set())
+        try:
+            if not await self.clock.wait(finished, self.drain_timeout):
+                log.warning("drain timeout (%gs) passed group=%s identity=%s; releasing anyway",
+                            self.drain_timeout, self.group, self.identity)
+        finally:
+            hook.cancel()
+            (outcome,) = await asyncio.gather(hook, return_exceptions=True)
+        if isinstance(outcome, Exception):
+            log.error("drain hook failed group=%s identity=%s; releasing", self.group, self.identity,
+                      exc_info=outcome)
 
     async def _release(self, term: Term, reason: str) -> None:
         try:

@@ -7,7 +7,7 @@ import secrets
 
 from singleton_sidecar.backends.base import Identity
 
-_ALLOWED = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._:/-]{0,251}$")
+_ALLOWED = re.compile(r"[A-Za-z0-9][A-Za-z0-9._:/-]{0,251}")
 
 
 def make_identity(*, pod_name: str | None, pod_uid: str | None, hostname: str, pid: int,
@@ -25,7 +25,7 @@ def make_identity(*, pod_name: str | None, pod_uid: str | None, hostname: str, p
 
 
 def validate_identity(value: str) -> Identity:
-    if not _ALLOWED.match(value):
+    if not _ALLOWED.fullmatch(value):
         raise ValueError(
             "identity must be 1-252 characters of letters, digits and . _ : / -, starting with a letter or digit"
         )

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 JITTER_FACTOR = 1.2
@@ -37,7 +38,8 @@ class Timings:
     def __post_init__(self) -> None:
         for name in ("lease_duration", "renew_deadline", "retry_period"):
             value = getattr(self, name)
-            if not isinstance(value, int | float) or value <= 0:
+            numeric = isinstance(value, int | float) and not isinstance(value, bool)
+            if not numeric or not (value > 0 and math.isfinite(value)):
                 raise TimingError(f"{name} must be a positive number of seconds, got {value!r}")
         if self.lease_duration - self.renew_deadline < MIN_CLOCK_MARGIN:
             raise TimingError(
