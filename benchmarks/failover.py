@@ -22,8 +22,9 @@ import time
 import uuid
 from pathlib import Path
 
-from singleton_testbed.postgres import PostgresServer
 from tests.sidecars import SidecarProcess, one_leader, wait_for
+
+from singleton_testbed.postgres import PostgresServer
 
 DEFAULT_TIMINGS = {"SINGLETON_LEASE_DURATION": "6", "SINGLETON_RENEW_DEADLINE": "4", "SINGLETON_RETRY_PERIOD": "2"}
 
