@@ -1,0 +1,411 @@
+"""Kubernetes Lease lock backend: a ``coordination.k8s.io/v1`` Lease per group.
+
+Called by the election core through ``LockBackend``. Design (after client-go's leaderelection):
+
+- **Record**: ``spec.holderIdentity``, ``leaseDurationSeconds`` (ceil of our lease duration),
+  ``acquireTime`` and ``renewTime`` (RFC 3339 with microseconds, from the wall clock: for
+  people and tools only, never for decisions) and ``leaseTransitions`` (+1 on every change of
+  holder), so ``kubectl get lease`` and client-go tools read it as usual. An empty holder
+  means free (released). The fencing token lives in the annotation ``singleton.dev/token``.
+- **Tokens**: a new term's token is the Lease's token + 1. A Lease that does not exist (never
+  created, or deleted by someone) is created with a token taken from the wall clock in
+  milliseconds, so a deleted and re-created Lease does not issue a token below its earlier
+  ones unless the group averaged more than 1000 terms per second or the wall clock stepped
+  back by more than the time since the old Lease was created. Tokens are about 1.7e12: they
+  fit int64 and JSON numbers.
+- **Writes** are PUTs of the whole observed object carrying its ``resourceVersion`` (POST when
+  there is no Lease). 409 means somebody else wrote first: ``acquire`` returns the current
+  record, ``renew`` and ``release`` re-read and go on only if holder and token are still ours
+  (someone edited a label; or our earlier write timed out but landed).
+- **Expiry** is judged by local observation, never by comparing ``renewTime`` with our clock:
+  a held Lease is expired when the same ``resourceVersion`` has been observed for
+  ``max(lease_duration, leaseDurationSeconds)`` seconds of our monotonic clock. A Lease held
+  by the acquiring identity itself (a write that timed out but landed) can be taken at once.
+- **Watch**: from the first ``acquire`` on, a background task lists the Lease and watches it
+  (field selector ``metadata.name``), restarting after 410 Gone or transport errors with
+  backoff. Standbys wait on it: a release wakes them within milliseconds, and an idle standby
+  makes no requests besides the watch. While the watch is down, ``acquire`` reads the Lease
+  once per call instead. Seeing another holder (a higher token) or the Lease's deletion
+  while holding a term calls the loss callback at once.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import copy
+import logging
+import math
+import time
+from collections.abc import Callable, Iterator
+from contextlib import aclosing, contextmanager, suppress
+from dataclasses import dataclass
+from datetime import UTC, datetime
+from typing import Any
+
+from singleton_sidecar.backends.base import BackendUnavailable, Identity, LockRecord, LossCallback, Term, Token
+from singleton_sidecar.contract import LEASE_ANNOTATION_TOKEN
+from singleton_sidecar.kube import KubeClient, KubeConflict, KubeError, KubeGone, KubeNotFound
+
+log = logging.getLogger(__name__)
+
+WATCH_TIMEOUT = 290.0
+"""Seconds one watch request lasts before it is renewed (from the last seen resourceVersion)."""
+_BACKOFF_MIN, _BACKOFF_MAX = 0.2, 5.0
+_WRITE_RESERVE_MAX = 0.5  # seconds of an acquire's budget kept for the write after waiting
+_MAX_CONFLICTS = 3  # renew/release re-read and retry this often while the Lease is still ours
+
+Lease = dict[str, Any]
+
+
+@dataclass(frozen=True)
+class Observed:
+    """One version of the Lease (``lease`` None: there is none) and when we first saw it."""
+
+    lease: Lease | None
+    version: str
+    first_seen: float
+    holder: Identity | None
+    token: Token | None
+    duration: float
+    transitions: int
+
+    def record(self) -> LockRecord:
+        return LockRecord(holder=self.holder, token=self.token, version=self.version)
+
+
+def observed(lease: Lease | None, first_seen: float) -> Observed:
+    """Parse a Lease object (``None``: absent) into an observation."""
+    if lease is None:
+        return Observed(None, "", first_seen, None, None, 0.0, 0)
+    spec = lease.get("spec") or {}
+    meta = lease.get("metadata") or {}
+    raw_token = (meta.get("annotations") or {}).get(LEASE_ANNOTATION_TOKEN)
+    token: Token | None = None
+    with suppress(TypeError, ValueError):
+        token = Token(int(raw_token)) if raw_token is not None else None
+    holder = spec.get("holderIdentity") or None
+    return Observed(lease, str(meta.get("resourceVersion", "")), first_seen,
+                    Identity(holder) if holder else None, token,
+                    float(spec.get("leaseDurationSeconds") or 0), int(spec.get("leaseTransitions") or 0))
+
+
+def micro_time(wall: float) -> str:
+    """RFC 3339 with microseconds, as Kubernetes ``MicroTime`` is written."""
+    return datetime.fromtimestamp(wall, tz=UTC).strftime("%Y-%m-%dT%H:%M:%S.%fZ")
+
+
+class LeaseBackend:
+    """Lock backend for one group on a Kubernetes Lease; see the module docstring."""
+
+    def __init__(
+        self,
+        *,
+        client: KubeClient,
+        namespace: str,
+        name: str,
+        lease_duration: float,
+        clock: Callable[[], float] = time.monotonic,
+        wall_clock: Callable[[], float] = time.time,
+    ) -> None:
+        if not name or not namespace:
+            raise ValueError("namespace and name must not be empty")
+        if lease_duration <= 0:
+            raise ValueError(f"lease_duration must be positive, not {lease_duration}")
+        self.namespace = namespace
+        self.lease_name = name
+        self.lease_duration = lease_duration
+        self._client = client
+        self._clock = clock
+        self._wall_clock = wall_clock
+        self._collection = f"/apis/coordination.k8s.io/v1/namespaces/{namespace}/leases"
+        self._path = f"{self._collection}/{name}"
+        self._seen: Observed | None = None
+        self._changed = asyncio.Event()  # set and replaced on every new observation
+        self._synced = False  # the watch has listed and is following the Lease
+        self._watch_task: asyncio.Task[None] | None = None
+        self._term: Term | None = None  # the term held here, if any
+        self._held: Lease | None = None  # the Lease as we last wrote it for self._term
+        self._on_loss: LossCallback | None = None
+
+    @property
+    def name(self) -> str:
+        return "lease"
+
+    def __repr__(self) -> str:
+        return (f"<LeaseBackend {self.namespace}/{self.lease_name} synced={self._synced} "
+                f"term={self._term and self._term.token}>")
+
+    def set_loss_callback(self, callback: LossCallback) -> None:
+        self._on_loss = callback
+
+    # -- the interface ---------------------------------------------------------------
+
+    async def acquire(self, identity: Identity, *, timeout: float) -> Term | LockRecord:
+        deadline = self._clock() + timeout
+        self._start_watch()
+        with self._unavailable("acquire", identity):
+            if not self._synced or self._seen is None:
+                await self._read(deadline)
+            stop_waiting = deadline - min(_WRITE_RESERVE_MAX, timeout / 4)
+            while True:
+                changed, seen = self._changed, self._seen
+                assert seen is not None
+                now = self._clock()
+                if self._takeable(seen, identity, now):
+                    return await self._take(identity, seen, deadline)
+                if now >= stop_waiting:
+                    return seen.record()
+                with suppress(TimeoutError):
+                    async with asyncio.timeout(min(self._expires_at(seen), stop_waiting) - now):
+                        await changed.wait()
+
+    async def renew(self, term: Term, *, timeout: float) -> Term | None:
+        deadline = self._clock() + timeout
+        with self._unavailable("renew", term.identity, term.token):
+            written = await self._rewrite(term, deadline, self._renewed)
+        if written is None:
+            log.warning("lease %s/%s: %s lost token %s: the Lease is no longer ours",
+                        self.namespace, self.lease_name, term.identity, term.token)
+            if self._term is not None and self._term.token == term.token:
+                self._term = self._held = None
+            return None
+        lease, sent = written
+        renewed = Term(identity=term.identity, token=term.token, version=observed(lease, 0).version, written_at=sent)
+        self._term, self._held = renewed, lease
+        log.debug("lease %s/%s: %s renewed token %s", self.namespace, self.lease_name, term.identity, term.token)
+        return renewed
+
+    async def release(self, term: Term, *, timeout: float) -> None:
+        deadline = self._clock() + timeout
+        if self._term is not None and self._term.token == term.token:
+            self._term = None  # from now on our own release is no loss
+        try:
+            with self._unavailable("release", term.identity, term.token):
+                written = await self._rewrite(term, deadline, self._released)
+        finally:
+            self._held = None
+        if written is None:
+            log.debug("lease %s/%s: %s releases token %s: not ours any more",
+                      self.namespace, self.lease_name, term.identity, term.token)
+        else:
+            log.info("lease %s/%s: %s released token %s", self.namespace, self.lease_name, term.identity, term.token)
+
+    async def observe(self, *, timeout: float) -> LockRecord:
+        with self._unavailable("observe"):
+            return (await self._read(self._clock() + timeout)).record()
+
+    async def close(self) -> None:
+        task, self._watch_task = self._watch_task, None
+        self._synced = False
+        if task is not None:
+            task.cancel()
+            try:
+                await task
+            except asyncio.CancelledError:
+                current = asyncio.current_task()
+                if current is not None and current.cancelling():
+                    raise  # close() itself was cancelled
+
+    # -- decisions -------------------------------------------------------------------
+
+    def _expires_at(self, seen: Observed) -> float:
+        return seen.first_seen + max(self.lease_duration, seen.duration)
+
+    def _takeable(self, seen: Observed, identity: Identity, now: float) -> bool:
+        return seen.holder is None or seen.holder == identity or now >= self._expires_at(seen)
+
+    def _next_token(self, seen: Observed) -> Token:
+        if seen.lease is not None and seen.token is not None:
+            return Token(seen.token + 1)
+        return Token(max(1, int(self._wall_clock() * 1000)))
+
+    # -- writes ----------------------------------------------------------------------
+
+    async def _take(self, identity: Identity, seen: Observed, deadline: float) -> Term | LockRecord:
+        """Begin a term on the observed Lease (or create it); a lost race returns the record."""
+        token, stamp = self._next_token(seen), micro_time(self._wall_clock())
+        lease: Lease = copy.deepcopy(seen.lease) if seen.lease is not None else {
+            "apiVersion": "coordination.k8s.io/v1", "kind": "Lease",
+            "metadata": {"name": self.lease_name, "namespace": self.namespace}, "spec": {}}
+        lease["metadata"].setdefault("annotations", {})[LEASE_ANNOTATION_TOKEN] = str(token)
+        transitions = seen.transitions + (1 if seen.lease is not None and seen.holder != identity else 0)
+        lease["spec"].update(holderIdentity=identity, leaseDurationSeconds=self._seconds(), acquireTime=stamp,
+                             renewTime=stamp, leaseTransitions=transitions)
+        sent = self._clock()
+        try:
+            if seen.lease is None:
+                written = await self._client.request("POST", self._collection, body=lease,
+                                                     timeout=self._left(deadline))
+            else:
+                written = await self._client.request("PUT", self._path, body=lease, timeout=self._left(deadline))
+        except KubeNotFound:
+            if seen.lease is None:
+                raise  # no namespace
+            now = self._observe(None)
+        except KubeConflict as exc:
+            log.info("lease %s/%s: %s lost the race for token %s (%s)",
+                     self.namespace, self.lease_name, identity, token, exc.reason)
+            now = await self._read(deadline)
+            if now.lease is not None or seen.lease is None:
+                return now.record()
+        else:
+            return self._began(Term(identity=identity, token=token, version=observed(written, 0).version,
+                                    written_at=sent), written, transitions)
+        # The Lease was deleted since we saw it (a PUT on a deleted Lease answers 409 or 404): create it.
+        return await self._take(identity, now, deadline)
+
+    def _began(self, term: Term, written: Lease, transitions: int) -> Term:
+        self._term, self._held = term, written
+        self._observe(written)
+        log.info("lease %s/%s: %s acquired token %s (transitions %s)",
+                 self.namespace, self.lease_name, term.identity, term.token, transitions)
+        return term
+
+    async def _rewrite(
+        self, term: Term, deadline: float, change: Callable[[Lease], None]
+    ) -> tuple[Lease, float] | None:
+        """PUT our Lease changed by ``change``, conditional on its version; None when it is not ours."""
+        mine = observed(self._held, 0)  # the Lease as we last wrote it, if it is this term's
+        ours = (mine.version, mine.holder, mine.token) == (term.version, term.identity, term.token)
+        base = mine.lease if ours else None
+        for _ in range(_MAX_CONFLICTS):
+            if base is None:
+                try:
+                    seen = await self._read(deadline, missing_ok=False)
+                except KubeNotFound:
+                    return None
+                if seen.lease is None or seen.holder != term.identity or seen.token != term.token:
+                    return None
+                base = seen.lease
+            lease = copy.deepcopy(base)
+            change(lease)
+            sent = self._clock()
+            try:
+                written = await self._client.request("PUT", self._path, body=lease, timeout=self._left(deadline))
+            except KubeConflict:
+                base = None
+                continue
+            except KubeNotFound:
+                return None
+            self._observe(written)
+            return written, sent
+        raise BackendUnavailable(f"lease {self.namespace}/{self.lease_name}: writes of token {term.token} "
+                                 f"conflicted {_MAX_CONFLICTS} times in a row")
+
+    def _renewed(self, lease: Lease) -> None:
+        lease["spec"].update(renewTime=micro_time(self._wall_clock()), leaseDurationSeconds=self._seconds())
+
+    def _released(self, lease: Lease) -> None:
+        lease["spec"].update(holderIdentity="", leaseDurationSeconds=1, renewTime=micro_time(self._wall_clock()))
+
+    def _seconds(self) -> int:
+        return max(1, math.ceil(self.lease_duration))
+
+    # -- reads and the watch ---------------------------------------------------------
+
+    async def _read(self, deadline: float, *, missing_ok: bool = True) -> Observed:
+        try:
+            lease: Lease | None = await self._client.request("GET", self._path, timeout=self._left(deadline))
+        except KubeNotFound:
+            if not missing_ok:
+                raise
+            lease = None
+        return self._observe(lease)
+
+    def _observe(self, lease: Lease | None, *, deleted: bool = False) -> Observed:
+        """Record what we saw; a new version restarts the expiry count and wakes waiters."""
+        seen = self._seen
+        version = observed(lease, 0).version
+        if seen is None or seen.version != version or (lease is None) != (seen.lease is None):
+            seen = self._seen = observed(lease, self._clock())
+            self._changed.set()
+            self._changed = asyncio.Event()
+            self._check_loss(seen, deleted=deleted)
+        return seen
+
+    def _check_loss(self, seen: Observed, *, deleted: bool) -> None:
+        """The watch shows a newer term than ours (or the Lease deleted): report the loss at once."""
+        term = self._term
+        if term is None:
+            return
+        if deleted:
+            reason = "the Lease was deleted"
+        elif seen.token is not None and (seen.token > term.token
+                                         or (seen.token == term.token and seen.holder != term.identity)):
+            reason = f"the Lease names {seen.holder or 'nobody'} with token {seen.token}"
+        else:
+            return  # our own write, or an older version than ours
+        self._term = self._held = None
+        log.warning("lease %s/%s: %s lost token %s: %s", self.namespace, self.lease_name,
+                    term.identity, term.token, reason)
+        if self._on_loss is not None:
+            try:
+                self._on_loss(reason)
+            except Exception:
+                log.exception("lease %s/%s: loss callback failed", self.namespace, self.lease_name)
+
+    def _start_watch(self) -> None:
+        if self._watch_task is None or self._watch_task.done():
+            self._watch_task = asyncio.create_task(
+                self._watch_forever(), name=f"lease-watch {self.namespace}/{self.lease_name}")
+
+    async def _watch_forever(self) -> None:
+        """List, then watch from the list's version; on trouble back off and list again."""
+        backoff, version = _BACKOFF_MIN, ""
+        while True:
+            try:
+                if not version:
+                    version = await self._list()
+                    self._synced = True
+                version = await self._follow(version)
+                backoff = _BACKOFF_MIN
+                continue
+            except KubeGone:
+                log.debug("lease %s/%s: watch expired (410), listing again", self.namespace, self.lease_name)
+                version = ""
+                continue
+            except KubeError as exc:
+                log.warning("lease %s/%s: watch failed (%s); retrying in %.1fs",
+                            self.namespace, self.lease_name, exc, backoff)
+            except Exception:
+                log.exception("lease %s/%s: watch failed; retrying in %.1fs", self.namespace, self.lease_name, backoff)
+            self._synced, version = False, ""
+            await asyncio.sleep(backoff)
+            backoff = min(backoff * 2, _BACKOFF_MAX)
+
+    async def _list(self) -> str:
+        listing = await self._client.request("GET", self._collection, params=self._selector(),
+                                             timeout=_BACKOFF_MAX * 2)
+        items = listing.get("items") or []
+        self._observe(items[0] if items else None)
+        return str((listing.get("metadata") or {}).get("resourceVersion", ""))
+
+    async def _follow(self, version: str) -> str:
+        """Follow the watch until it ends; return the last resourceVersion seen."""
+        params = {**self._selector(), "resourceVersion": version, "allowWatchBookmarks": "true"}
+        async with aclosing(self._client.watch(self._collection, params=params, timeout=WATCH_TIMEOUT)) as events:
+            async for kind, lease in events:
+                version = str((lease.get("metadata") or {}).get("resourceVersion") or version)
+                if kind == "DELETED":
+                    self._observe(None, deleted=True)
+                elif kind in ("ADDED", "MODIFIED"):
+                    self._observe(lease)
+        return version
+
+    def _selector(self) -> dict[str, str]:
+        return {"fieldSelector": f"metadata.name={self.lease_name}"}
+
+    # -- helpers ---------------------------------------------------------------------
+
+    def _left(self, deadline: float) -> float:
+        return max(0.001, deadline - self._clock())
+
+    @contextmanager
+    def _unavailable(self, what: str, identity: Identity | None = None, token: Token | None = None) -> Iterator[None]:
+        """API errors other than a lost race become BackendUnavailable, chained."""
+        try:
+            yield
+        except KubeError as exc:
+            log.warning("lease %s/%s: %s by %s (token %s) failed: %s",
+                        self.namespace, self.lease_name, what, identity, token, exc)
+            raise BackendUnavailable(f"lease {self.namespace}/{self.lease_name}: {what} failed: {exc}") from exc

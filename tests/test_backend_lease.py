@@ -1,0 +1,334 @@
+"""LeaseBackend against the real API server of the test session."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import re
+import time
+from collections.abc import AsyncGenerator, AsyncIterator, Callable, Mapping
+from typing import Any
+
+import pytest
+import pytest_asyncio
+
+from singleton_sidecar.backends.base import BackendUnavailable, Identity, LockRecord, Term, Token
+from singleton_sidecar.backends.lease import LeaseBackend, micro_time
+from singleton_sidecar.contract import LEASE_ANNOTATION_TOKEN
+from singleton_sidecar.kube import KubeClient, KubeConfig, KubeError, KubeGone, KubeUnavailable, load_kube_config
+from tests.conftest import Cluster
+
+pytestmark = [pytest.mark.k8s, pytest.mark.timeout(60)]
+
+GROUP = "group-a"
+MICRO_TIME = re.compile(r"^\d{4}-\d\d-\d\dT\d\d:\d\d:\d\d\.\d{6}Z$")
+
+Factory = Callable[..., LeaseBackend]
+
+
+class CountingClient(KubeClient):
+    """A KubeClient that records every request and every watch it starts."""
+
+    def __init__(self, config: KubeConfig) -> None:
+        super().__init__(config)
+        self.requests: list[tuple[str, str, Mapping[str, str] | None]] = []
+        self.watches = 0
+
+    async def request(self, method: str, path: str, **kwargs: Any) -> dict[str, Any]:
+        self.requests.append((method, path, kwargs.get("params")))
+        return await super().request(method, path, **kwargs)
+
+    def watch(self, path: str, **kwargs: Any) -> AsyncGenerator[tuple[str, dict[str, Any]], None]:
+        self.watches += 1
+        return super().watch(path, **kwargs)
+
+
+@pytest_asyncio.fixture(loop_scope="function")
+async def kube(cluster: Cluster) -> AsyncIterator[CountingClient]:
+    async with CountingClient(load_kube_config(str(cluster.kubeconfig))) as client:
+        yield client
+
+
+@pytest_asyncio.fixture(loop_scope="function")
+async def make_backend(kube: CountingClient, namespace: str) -> AsyncIterator[Factory]:
+    """Backends on the group's Lease (one shared client unless given); all closed at the end."""
+    created: list[LeaseBackend] = []
+
+    def make(**kwargs: Any) -> LeaseBackend:
+        options: dict[str, Any] = {"client": kube, "namespace": namespace, "name": GROUP, "lease_duration": 10.0}
+        options.update(kwargs)
+        backend = LeaseBackend(**options)
+        created.append(backend)
+        return backend
+
+    yield make
+    for backend in created:
+        await backend.close()
+    assert not [t for t in asyncio.all_tasks() if t.get_name().startswith("lease-watch")]
+
+
+async def acquired(backend: LeaseBackend, identity: str, timeout: float = 5.0) -> Term:
+    result = await backend.acquire(Identity(identity), timeout=timeout)
+    assert isinstance(result, Term), result
+    return result
+
+
+def lease_json(cluster: Cluster, namespace: str) -> dict[str, Any]:
+    doc: dict[str, Any] = json.loads(cluster.kubectl("get", "lease", GROUP, "-n", namespace, "-o", "json").stdout)
+    return doc
+
+
+async def test_first_acquire_creates_the_lease(cluster: Cluster, namespace: str, make_backend: Factory) -> None:
+    backend = make_backend(lease_duration=7.5)
+    assert backend.name == "lease"
+    assert await backend.observe(timeout=5) == LockRecord(holder=None, token=None, version="")
+    term = await acquired(backend, "pod-a")
+    assert term.identity == "pod-a" and term.token >= 1 and term.version
+    assert abs(term.token - time.time() * 1000) < 60_000  # a fresh Lease starts from wall-clock milliseconds
+    lease = lease_json(cluster, namespace)
+    spec = lease["spec"]
+    assert spec["holderIdentity"] == "pod-a"
+    assert spec["leaseDurationSeconds"] == 8
+    assert spec["leaseTransitions"] == 0
+    assert MICRO_TIME.match(spec["acquireTime"]) and MICRO_TIME.match(spec["renewTime"])
+    assert lease["metadata"]["annotations"][LEASE_ANNOTATION_TOKEN] == str(term.token)
+    assert lease["metadata"]["resourceVersion"] == term.version
+    table = cluster.kubectl("get", "lease", "-n", namespace).stdout
+    assert re.search(rf"^{GROUP}\s+pod-a\s", table, re.MULTILINE), table
+    assert await backend.observe(timeout=5) == LockRecord(holder=Identity("pod-a"), token=term.token,
+                                                          version=term.version)
+
+
+async def test_renew_extends_and_release_frees(cluster: Cluster, namespace: str, make_backend: Factory) -> None:
+    backend = make_backend()
+    term = await acquired(backend, "pod-a")
+    before = time.monotonic()
+    renewed = await backend.renew(term, timeout=5)
+    assert renewed is not None and renewed.token == term.token and renewed.version != term.version
+    assert before <= renewed.written_at <= time.monotonic()
+    assert lease_json(cluster, namespace)["spec"]["renewTime"] > lease_json(cluster, namespace)["spec"]["acquireTime"]
+    await backend.release(renewed, timeout=5)
+    lease = lease_json(cluster, namespace)
+    assert not lease["spec"].get("holderIdentity")
+    assert lease["spec"]["leaseDurationSeconds"] == 1
+    assert lease["metadata"]["annotations"][LEASE_ANNOTATION_TOKEN] == str(term.token)
+    assert (await backend.observe(timeout=5)).holder is None
+    await backend.release(renewed, timeout=5)  # idempotent
+    assert await backend.renew(renewed, timeout=5) is None
+
+
+async def test_no_acquire_while_the_holder_renews(make_backend: Factory) -> None:
+    holder, standby = make_backend(lease_duration=1.0), make_backend(lease_duration=1.0)
+    term = await acquired(holder, "pod-a")
+
+    async def keep_renewing() -> None:
+        current: Term | None = term
+        while current is not None:
+            await asyncio.sleep(0.25)
+            current = await holder.renew(current, timeout=1)
+
+    renewer = asyncio.create_task(keep_renewing())
+    try:
+        result = await standby.acquire(Identity("pod-b"), timeout=2.5)  # 2.5 lease durations
+    finally:
+        renewer.cancel()
+        await asyncio.gather(renewer, return_exceptions=True)
+    assert isinstance(result, LockRecord)
+    assert (result.holder, result.token) == ("pod-a", term.token)
+
+
+async def test_release_wakes_a_blocked_standby_at_once(
+    cluster: Cluster, namespace: str, make_backend: Factory
+) -> None:
+    holder, standby = make_backend(), make_backend()
+    term = await acquired(holder, "pod-a")
+    waiting = asyncio.create_task(standby.acquire(Identity("pod-b"), timeout=10))
+    await asyncio.sleep(0.5)  # the standby is blocked on the watch
+    assert not waiting.done()
+    started = time.monotonic()
+    await holder.release(term, timeout=5)
+    result = await waiting
+    elapsed = time.monotonic() - started
+    assert isinstance(result, Term) and result.identity == "pod-b"
+    assert elapsed < 0.15, f"handover took {elapsed:.3f}s"
+    assert result.token == term.token + 1
+    spec = lease_json(cluster, namespace)["spec"]
+    assert (spec["holderIdentity"], spec["leaseTransitions"]) == ("pod-b", 1)
+
+
+async def test_a_silent_holder_expires_after_the_lease_duration(make_backend: Factory) -> None:
+    holder, standby = make_backend(lease_duration=1.0), make_backend(lease_duration=1.0)
+    losses: list[str] = []
+    lost = asyncio.Event()
+    holder.set_loss_callback(lambda reason: (losses.append(reason), lost.set()))
+    term = await acquired(holder, "pod-a")
+    result = await standby.acquire(Identity("pod-b"), timeout=5)
+    waited = time.monotonic() - term.written_at
+    assert isinstance(result, Term) and result.token == term.token + 1
+    assert 1.0 <= waited < 1.6, f"took over after {waited:.3f}s"
+    async with asyncio.timeout(2):
+        await lost.wait()
+    assert "pod-b" in losses[0] and str(result.token) in losses[0]
+    assert await holder.renew(term, timeout=5) is None
+    await holder.release(term, timeout=5)  # not ours: nothing happens
+    assert (await standby.observe(timeout=5)).holder == "pod-b"
+    assert await standby.renew(result, timeout=5) is not None
+
+
+async def test_expiry_counts_from_local_observation_not_renew_time(
+    cluster: Cluster, namespace: str, make_backend: Factory
+) -> None:
+    """A renewTime far in the past does not make a freshly observed Lease expired."""
+    holder = make_backend(lease_duration=1.0, wall_clock=lambda: time.time() - 3600)
+    term = await acquired(holder, "pod-a")
+    assert lease_json(cluster, namespace)["spec"]["renewTime"] < micro_time(time.time() - 3000)
+    standby = make_backend(lease_duration=1.0)
+    started = time.monotonic()
+    assert isinstance(await standby.acquire(Identity("pod-b"), timeout=0.6), LockRecord)
+    result = await standby.acquire(Identity("pod-b"), timeout=5)
+    assert isinstance(result, Term) and result.token > term.token
+    assert time.monotonic() - started >= 1.0
+
+
+async def test_loss_callback_when_the_lease_is_deleted(
+    cluster: Cluster, namespace: str, make_backend: Factory
+) -> None:
+    backend = make_backend()
+    losses: list[str] = []
+    lost = asyncio.Event()
+    backend.set_loss_callback(lambda reason: (losses.append(reason), lost.set()))
+    term = await acquired(backend, "pod-a")
+    await asyncio.sleep(0.2)
+    assert losses == []  # our own writes are no loss
+    cluster.kubectl("delete", "lease", GROUP, "-n", namespace)
+    async with asyncio.timeout(3):
+        await lost.wait()
+    assert losses == ["the Lease was deleted"]
+    assert await backend.renew(term, timeout=5) is None
+    again = await acquired(backend, "pod-a")
+    assert again.token > term.token  # a re-created Lease restarts from the wall clock, above the old tokens
+
+
+async def test_concurrent_candidates_get_exactly_one_term(make_backend: Factory) -> None:
+    for round_ in range(2):  # first on a missing Lease (POST races), then on a released one (PUT races)
+        backends = [make_backend() for _ in range(5)]
+        results = await asyncio.gather(
+            *(b.acquire(Identity(f"pod-{round_}-{i}"), timeout=5) for i, b in enumerate(backends)))
+        terms = [r for r in results if isinstance(r, Term)]
+        assert len(terms) == 1, results
+        for result in results:
+            if isinstance(result, LockRecord):
+                assert (result.holder, result.token) == (terms[0].identity, terms[0].token)
+        winner = backends[results.index(terms[0])]
+        await winner.release(terms[0], timeout=5)
+
+
+async def test_conflicts_from_a_stale_version_never_raise(
+    cluster: Cluster, namespace: str, make_backend: Factory
+) -> None:
+    backend = make_backend()
+    term = await acquired(backend, "pod-a")
+    cluster.kubectl("annotate", "lease", GROUP, "-n", namespace, "example.com/touched=yes")
+    renewed = await backend.renew(term, timeout=5)  # 409, re-read: still ours, so renewed
+    assert renewed is not None and renewed.token == term.token and renewed.version != term.version
+    assert lease_json(cluster, namespace)["metadata"]["annotations"]["example.com/touched"] == "yes"
+    stale = Term(identity=term.identity, token=term.token, version="1", written_at=0.0)
+    again = await backend.renew(stale, timeout=5)
+    assert again is not None and again.token == term.token
+    impostor = Term(identity=Identity("pod-x"), token=Token(term.token - 1), version=again.version)
+    assert await backend.renew(impostor, timeout=5) is None
+    await backend.release(impostor, timeout=5)
+    assert (await backend.observe(timeout=5)).holder == "pod-a"
+
+
+async def test_tokens_strictly_increase_over_many_terms(
+    cluster: Cluster, namespace: str, make_backend: Factory
+) -> None:
+    backends = [make_backend(), make_backend()]
+    tokens: list[int] = []
+    for i in range(10):
+        term = await acquired(backends[i % 2], f"pod-{i}")
+        tokens.append(term.token)
+        await backends[i % 2].release(term, timeout=5)
+    assert tokens == list(range(tokens[0], tokens[0] + 10))
+    assert lease_json(cluster, namespace)["spec"]["leaseTransitions"] == 9
+    cluster.kubectl("delete", "lease", GROUP, "-n", namespace)
+    term = await acquired(backends[0], "pod-after-delete")
+    assert term.token > tokens[-1]
+
+
+async def test_a_standby_watches_instead_of_polling(kube: CountingClient, make_backend: Factory) -> None:
+    holder = make_backend(lease_duration=30.0)
+    standby = make_backend(lease_duration=30.0)
+    await acquired(holder, "pod-a")
+    assert isinstance(await standby.acquire(Identity("pod-b"), timeout=0.5), LockRecord)
+    kube.requests.clear()
+    watches = kube.watches
+    started = time.monotonic()
+    while time.monotonic() - started < 2.0:  # an elector's standby loop
+        assert isinstance(await standby.acquire(Identity("pod-b"), timeout=0.5), LockRecord)
+    assert len(kube.requests) <= 1, kube.requests
+    assert kube.watches == watches >= 2  # one watch per backend, still open
+
+
+async def test_an_unreachable_server_is_backend_unavailable(make_backend: Factory) -> None:
+    server = await asyncio.start_server(lambda r, w: None, "127.0.0.1", 0)
+    port = server.sockets[0].getsockname()[1]
+    server.close()
+    await server.wait_closed()
+    async with KubeClient(KubeConfig(server=f"https://127.0.0.1:{port}", token="t")) as client:
+        backend = make_backend(client=client)
+        started = time.monotonic()
+        with pytest.raises(BackendUnavailable):
+            await backend.acquire(Identity("pod-a"), timeout=1)
+        with pytest.raises(BackendUnavailable):
+            await backend.renew(Term(identity=Identity("pod-a"), token=Token(5), version="9"), timeout=1)
+        with pytest.raises(BackendUnavailable):
+            await backend.observe(timeout=1)
+        assert time.monotonic() - started < 3
+        await backend.close()
+
+
+def test_rejects_bad_arguments() -> None:
+    client = KubeClient(KubeConfig(server="https://example.invalid"))
+    with pytest.raises(ValueError, match="lease_duration"):
+        LeaseBackend(client=client, namespace="ns", name="g", lease_duration=0)
+    with pytest.raises(ValueError, match="must not be empty"):
+        LeaseBackend(client=client, namespace="ns", name="", lease_duration=1)
+
+
+class FlakyClient(CountingClient):
+    """Its first watches fail with the given errors (410 Gone, a dropped connection)."""
+
+    def __init__(self, config: KubeConfig, failures: list[KubeError]) -> None:
+        super().__init__(config)
+        self.failures = failures
+
+    def watch(self, path: str, **kwargs: Any) -> AsyncGenerator[tuple[str, dict[str, Any]], None]:
+        if not self.failures:
+            return super().watch(path, **kwargs)
+        self.watches += 1
+        error = self.failures.pop(0)
+
+        async def failing() -> AsyncGenerator[tuple[str, dict[str, Any]], None]:
+            raise error
+            yield  # an async generator
+
+        return failing()
+
+
+async def test_the_watch_recovers_from_gone_and_transport_errors(cluster: Cluster, make_backend: Factory) -> None:
+    failures: list[KubeError] = [KubeGone(410, "Expired", "too old"), KubeUnavailable(0, "Unreachable", "reset")]
+    async with FlakyClient(load_kube_config(str(cluster.kubeconfig)), failures) as flaky:
+        holder, standby = make_backend(), make_backend(client=flaky)
+        term = await acquired(holder, "pod-a")
+        waiting = asyncio.create_task(standby.acquire(Identity("pod-b"), timeout=10))
+        await asyncio.sleep(0.8)  # two failed watches, a 0.2 s backoff, then a working one
+        assert not failures and flaky.watches == 3
+        lists = [r for r in flaky.requests if r[2] is not None and "fieldSelector" in r[2]]
+        assert len(lists) == 3  # listed again after each failure
+        started = time.monotonic()
+        await holder.release(term, timeout=5)
+        result = await waiting
+        assert isinstance(result, Term) and time.monotonic() - started < 0.15
+        await standby.close()
