@@ -227,7 +227,7 @@ def test_file_gate_runs_the_app_only_on_the_leader(sidecars: Factory, tmp_path: 
     try:
         leader = one_leader(members)
         index = members.index(leader)
-        wait_for(lambda: (dirs[index] / "out").exists(), 5, "the leader's app to run")
+        wait_for((dirs[index] / "out").exists, 5, "the leader's app to run")
         time.sleep(0.5)
         assert not (dirs[1 - index] / "out").exists(), "the standby's app ran"
         doc = leader.leader_doc()
@@ -235,7 +235,7 @@ def test_file_gate_runs_the_app_only_on_the_leader(sidecars: Factory, tmp_path: 
         assert (dirs[index] / "out").read_text().split()[0] == str(doc["token"])
         # Drain the leader: its app stops, the other's starts.
         leader.signal(signal.SIGTERM)
-        wait_for(lambda: (dirs[1 - index] / "out").exists(), 5, "the new leader's app to run")
+        wait_for((dirs[1 - index] / "out").exists, 5, "the new leader's app to run")
         size = (dirs[index] / "out").stat().st_size
         time.sleep(0.5)
         assert (dirs[index] / "out").stat().st_size == size, "the old leader's app kept running"
