@@ -4,7 +4,7 @@
 PYTHON ?= python3
 VENV ?= .venv
 BIN := $(VENV)/bin
-PACKAGES := sidecar operator testbed
+PACKAGES := sidecar testbed
 
 .PHONY: test lint unit venv testbed testbed-up testbed-down clean
 
