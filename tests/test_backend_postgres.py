@@ -38,18 +38,6 @@ asyncio.run(main())
 """
 
 
-@pytest_asyncio.fixture(autouse=True, loop_scope="function")
-async def _no_leaked_tasks_in_test_loop() -> AsyncIterator[None]:
-    """conftest's leak check runs in the session loop; this one checks the test's own loop."""
-    before = asyncio.all_tasks()
-    yield
-    await asyncio.sleep(0)
-    leaked = [t for t in asyncio.all_tasks() - before if not t.done() and t is not asyncio.current_task()]
-    for task in leaked:
-        task.cancel()
-    assert not leaked, f"tasks leaked by the test: {leaked}"
-
-
 def unique(prefix: str = "g") -> str:
     return f"{prefix}_{uuid.uuid4().hex[:12]}"
 
