@@ -16,7 +16,7 @@ from typing import Literal
 from singleton_sidecar import contract
 from singleton_sidecar.backends.base import Identity
 from singleton_sidecar.core.identity import validate_identity
-from singleton_sidecar.core.timings import TimingError, Timings
+from singleton_sidecar.core.timings import TimingError, Timings, default_timings
 
 BackendName = Literal["postgres", "lease", "both"]
 BACKENDS: tuple[BackendName, ...] = ("postgres", "lease", "both")
@@ -115,9 +115,9 @@ _HELP = {
     "pod_uid": "this pod's UID (downward API: metadata.uid)",
     "listen": "host:port for /readyz /livez /leader /metrics (default 0.0.0.0:8080)",
     "control_listen": "loopback host:port for control actions (default 127.0.0.1:8081)",
-    "lease_duration": "seconds a lock stays valid without renewal (default 6)",
-    "renew_deadline": "seconds the leader keeps trying to renew before stepping down (default 4)",
-    "retry_period": "seconds between renewals and between retries (default 2)",
+    "lease_duration": "seconds a lock stays valid without renewal (default 6 with postgres, 8 with lease/both)",
+    "renew_deadline": "seconds the leader keeps trying to renew before stepping down (default 4 with postgres, 6.5 with lease/both)",
+    "retry_period": "seconds between renewals and between retries (default 2 with postgres, 5 with lease/both)",
     "drain_timeout": "seconds the app may take to drain before the lock is released (default 30)",
     "drain_url": "URL to POST to ask the app to drain; a 2xx answer means drained",
     "gate_dir": "folder shared with the main container for the file gate",
@@ -229,7 +229,7 @@ def load_config(args: argparse.Namespace, environ: Mapping[str, str]) -> Sidecar
         if dest in raw:
             timings_kwargs[dest] = _positive_seconds(label(dest), raw[dest])
     try:
-        timings = Timings(**timings_kwargs)
+        timings = default_timings(backend, **timings_kwargs)
     except TimingError as exc:
         raise ConfigError(f"timings (SINGLETON_LEASE_DURATION, SINGLETON_RENEW_DEADLINE, SINGLETON_RETRY_PERIOD): "
                           f"{exc}") from None

@@ -56,3 +56,23 @@ class Timings:
     def stop_margin(self) -> float:
         """Seconds an ex-leader has, after its renew deadline, to stop before anyone else may act."""
         return self.lease_duration - self.renew_deadline
+
+
+BACKEND_DEFAULTS: dict[str, Timings] = {
+    # A renewal is one query on a connection the holder keeps anyway; a crash frees the
+    # lock at once, so the lease duration only bounds the stalled-holder case.
+    "postgres": Timings(lease_duration=6.0, renew_deadline=4.0, retry_period=2.0),
+    # Every renewal is an etcd write: renewing every 5 s keeps a group at 0.2 API
+    # requests/s at rest, and a crashed leader's Lease expires within 8 s.
+    "lease": Timings(lease_duration=8.0, renew_deadline=6.5, retry_period=5.0),
+    "both": Timings(lease_duration=8.0, renew_deadline=6.5, retry_period=5.0),
+}
+"""Timings used for each backend when none are given."""
+
+
+def default_timings(backend: str, **given: float) -> Timings:
+    """The backend's default timings, with any of the three given ones in their place."""
+    base = BACKEND_DEFAULTS[backend]
+    values = {"lease_duration": base.lease_duration, "renew_deadline": base.renew_deadline,
+              "retry_period": base.retry_period, **given}
+    return Timings(**values)

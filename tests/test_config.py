@@ -1,0 +1,43 @@
+"""Sidecar settings: per-backend default timings and overrides (pure, no I/O)."""
+
+from __future__ import annotations
+
+import argparse
+
+import pytest
+
+from singleton_sidecar.config import ConfigError, SidecarConfig, add_run_arguments, load_config
+
+
+def load(**environ: str) -> SidecarConfig:
+    parser = argparse.ArgumentParser()
+    add_run_arguments(parser)
+    return load_config(parser.parse_args([]), {"SINGLETON_GROUP": "g", **environ})
+
+
+@pytest.mark.parametrize(
+    ("backend", "expected"),
+    [("postgres", (6.0, 4.0, 2.0)), ("lease", (8.0, 6.5, 5.0)), ("both", (8.0, 6.5, 5.0))],
+)
+def test_each_backend_has_its_own_default_timings(backend: str, expected: tuple[float, float, float]) -> None:
+    config = load(SINGLETON_BACKEND=backend, SINGLETON_NAMESPACE="ns", SINGLETON_POSTGRES_DSN="postgres://h/d")
+    timings = config.timings
+    assert (timings.lease_duration, timings.renew_deadline, timings.retry_period) == expected
+
+
+def test_lease_defaults_renew_at_most_every_five_seconds() -> None:
+    """0.2 API requests/s at rest: the leader's renewals are the only requests."""
+    config = load(SINGLETON_BACKEND="lease", SINGLETON_NAMESPACE="ns")
+    assert 1 / config.timings.retry_period <= 0.2
+    assert config.kill_grace < config.timings.stop_margin
+
+
+def test_given_timings_replace_only_their_own_default() -> None:
+    config = load(SINGLETON_BACKEND="lease", SINGLETON_NAMESPACE="ns", SINGLETON_RETRY_PERIOD="2")
+    assert (config.timings.lease_duration, config.timings.renew_deadline, config.timings.retry_period) == (
+        8.0, 6.5, 2.0)
+
+
+def test_a_given_timing_that_breaks_the_defaults_order_is_refused() -> None:
+    with pytest.raises(ConfigError, match="lease_duration .* must exceed renew_deadline"):
+        load(SINGLETON_BACKEND="lease", SINGLETON_NAMESPACE="ns", SINGLETON_LEASE_DURATION="6")
