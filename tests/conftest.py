@@ -146,3 +146,16 @@ def controllers(cluster: Cluster) -> Cluster:
     """The cluster with kube-controller-manager and kube-scheduler running."""
     cluster.start_controllers()
     return cluster
+
+
+CRD_PATH = Path(__file__).resolve().parent.parent / "crds" / "singleton.dev_singletonservices.yaml"
+
+
+@pytest.fixture(scope="session")
+def singleton_crd(cluster: Cluster) -> Path:
+    """The SingletonService CRD, applied (server-side) to the cluster and Established."""
+    cluster.kubectl(
+        "apply", "--server-side", "--force-conflicts", "--field-manager=singleton-tests", "-f", str(CRD_PATH)
+    )
+    cluster.kubectl("wait", "--for=condition=Established", "--timeout=60s", "crd/singletonservices.singleton.dev")
+    return CRD_PATH

@@ -128,3 +128,9 @@ def one_leader(sidecars: list[SidecarProcess], timeout: float = 10.0) -> Sidecar
 
     leader: SidecarProcess = wait_for(check, timeout, "exactly one ready leader")
     return leader
+
+
+def wait_serving(sidecars: list[SidecarProcess], timeout: float = 10.0) -> None:
+    """Wait until every sidecar answers on its probe port."""
+    for sidecar in sidecars:
+        wait_for(lambda s=sidecar: s.leader_doc() is not None, timeout, f"{sidecar.name} to serve")

@@ -310,7 +310,7 @@ async def test_tokens_increase_across_server_restart(
     tokens = [(await acquired(first, "a")).token]
     lost = asyncio.Event()
     first.set_loss_callback(lambda _reason: lost.set())
-    await asyncio.to_thread(postgres_server.restart)
+    postgres_server.restart()  # main thread: servers die with the thread that started them
     await asyncio.wait_for(lost.wait(), 5)
     term = await acquired(second, "b", timeout=10)
     tokens.append(term.token)
@@ -328,7 +328,7 @@ async def test_tokens_increase_across_server_crash(
     backend = make_backend()
     first = await acquired(backend, "a")
     await asyncio.to_thread(postgres_server.kill)
-    await asyncio.to_thread(postgres_server._start_process)
+    postgres_server._start_process()
     second = await acquired(backend, "a", timeout=10)
     assert second.token > first.token
     assert (await backend.observe(timeout=5)).token == second.token

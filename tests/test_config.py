@@ -39,5 +39,5 @@ def test_given_timings_replace_only_their_own_default() -> None:
 
 
 def test_a_given_timing_that_breaks_the_defaults_order_is_refused() -> None:
-    with pytest.raises(ConfigError, match="lease_duration .* must exceed renew_deadline"):
+    with pytest.raises(ConfigError, match=r"lease_duration .* must exceed renew_deadline"):
         load(SINGLETON_BACKEND="lease", SINGLETON_NAMESPACE="ns", SINGLETON_LEASE_DURATION="6")

@@ -164,7 +164,7 @@ async def test_postgres_restart_never_gives_two_leaders(
     members = sidecars(3, gated=True)
     await asyncio.to_thread(one_leader, members)
     await asyncio.sleep(0.3)
-    await asyncio.to_thread(postgres_server.restart)
+    postgres_server.restart()  # main thread: servers die with the thread that started them
     await asyncio.to_thread(one_leader, members, 15)
     await asyncio.sleep(0.5)
     report = await check_ledger(pg_dsn, group)

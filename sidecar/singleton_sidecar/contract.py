@@ -46,3 +46,20 @@ ENV_DRAIN_TIMEOUT: Final = "SINGLETON_DRAIN_TIMEOUT"
 ENV_DRAIN_URL: Final = "SINGLETON_DRAIN_URL"
 ENV_GATE_DIR: Final = "SINGLETON_GATE_DIR"
 ENV_KUBECONFIG: Final = "KUBECONFIG"
+
+
+def sidecar_rbac_rules(group: str) -> list[dict[str, list[str]]]:
+    """The Role rules a group's sidecars need, and nothing more: their group's Lease, and
+    their own pod (the chart's admission policy narrows "pods" to the caller's own pod).
+
+    ``create`` cannot be limited by name in RBAC, so creating Leases is allowed in the
+    namespace; reading, watching and updating only the group's own Lease.
+    """
+    return [
+        {"apiGroups": ["coordination.k8s.io"], "resources": ["leases"], "verbs": ["create"]},
+        {"apiGroups": ["coordination.k8s.io"], "resources": ["leases"], "resourceNames": [group],
+         "verbs": ["get", "list", "watch", "update"]},
+        {"apiGroups": [""], "resources": ["pods"], "verbs": ["get", "list", "watch", "patch"]},
+        {"apiGroups": [""], "resources": ["pods/status"], "verbs": ["patch"]},
+        {"apiGroups": [""], "resources": ["events"], "verbs": ["create"]},
+    ]

@@ -106,9 +106,10 @@ class PodReporter:
                 self._changed.set()
                 continue
             backoff = 0.2
-            previous, self._written = self._written, status
-            if previous is None or previous.role != status.role:
+            if self._written is None or self._written.role != status.role:
                 await self._event(status)
+            # Marked written only after its Event, so a final flush waits for both.
+            self._written = status
 
     async def _write(self, status: ElectionStatus) -> None:
         await self.client.request("PATCH", self._pod_path, body=pod_metadata_patch(status),

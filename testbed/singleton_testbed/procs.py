@@ -10,6 +10,7 @@ import os
 import signal
 import socket
 import subprocess
+import threading
 import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -68,6 +69,10 @@ class Process:
         self.popen: subprocess.Popen[bytes] | None = None
 
     def start(self) -> None:
+        if threading.current_thread() is not threading.main_thread():
+            # PR_SET_PDEATHSIG fires when the *thread* that forked exits: a server started
+            # from a worker thread (asyncio.to_thread) dies with that thread.
+            raise RuntimeError(f"start {self.name} from the main thread, not {threading.current_thread().name}")
         log.info("starting %s: %s", self.name, " ".join(self.argv))
         with open(self.log_path, "ab") as out:
             self.popen = subprocess.Popen(

@@ -1,0 +1,58 @@
+"""Test helpers for service accounts and pod objects on the cluster under test."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any, Protocol
+
+import yaml
+
+
+class KubectlRunner(Protocol):
+    def kubectl(self, *args: str, input_text: str | None = None, check: bool = True,
+                kubeconfig: Path | None = None) -> Any: ...
+
+
+def service_account_kubeconfig(cluster: KubectlRunner, namespace: str, account: str, path: Path) -> Path:
+    """A kubeconfig that authenticates as ``namespace/account`` with a fresh bound token."""
+    token = cluster.kubectl("create", "token", account, "-n", namespace, "--duration=2h").stdout.strip()
+    config = json.loads(cluster.kubectl("config", "view", "--minify", "--raw", "-o", "json").stdout)
+    config["users"] = [{"name": account, "user": {"token": token}}]
+    for context in config["contexts"]:
+        context["context"]["user"] = account
+        context["context"]["namespace"] = namespace
+    path.write_text(yaml.safe_dump(config))
+    path.chmod(0o600)
+    return path
+
+
+def grant(cluster: KubectlRunner, namespace: str, account: str, rules: list[dict[str, list[str]]]) -> None:
+    """A ServiceAccount with a Role holding exactly ``rules``, bound to it."""
+    cluster.kubectl("create", "serviceaccount", account, "-n", namespace)
+    role = {"apiVersion": "rbac.authorization.k8s.io/v1", "kind": "Role",
+            "metadata": {"name": account, "namespace": namespace}, "rules": rules}
+    binding = {"apiVersion": "rbac.authorization.k8s.io/v1", "kind": "RoleBinding",
+               "metadata": {"name": account, "namespace": namespace},
+               "roleRef": {"apiGroup": "rbac.authorization.k8s.io", "kind": "Role", "name": account},
+               "subjects": [{"kind": "ServiceAccount", "name": account, "namespace": namespace}]}
+    cluster.kubectl("apply", "-f", "-", input_text=json.dumps({"apiVersion": "v1", "kind": "List",
+                                                               "items": [role, binding]}))
+
+
+def create_pod(cluster: KubectlRunner, namespace: str, name: str, *, labels: dict[str, str] | None = None,
+               node: str = "no-kubelet") -> dict[str, Any]:
+    """A pod object bound to a node with no kubelet: it never runs, but deleting it is graceful
+    (the deletionTimestamp stays until someone force-deletes it), as with a real kubelet."""
+    pod = {"apiVersion": "v1", "kind": "Pod",
+           "metadata": {"name": name, "namespace": namespace, "labels": labels or {}},
+           "spec": {"nodeName": node, "terminationGracePeriodSeconds": 30,
+                    "containers": [{"name": "app", "image": "example.invalid/app:1"}]}}
+    out = cluster.kubectl("create", "-f", "-", "-o", "json", input_text=json.dumps(pod)).stdout
+    created: dict[str, Any] = json.loads(out)
+    return created
+
+
+def get_json(cluster: KubectlRunner, *args: str) -> dict[str, Any]:
+    result: dict[str, Any] = json.loads(cluster.kubectl("get", *args, "-o", "json").stdout)
+    return result

@@ -1,0 +1,243 @@
+"""Three real sidecar processes, each playing a pod object in the real API server, with the
+environment the downward API would give and a service account limited to the sidecar's Role:
+leadership, annotations, labels, Events, failover, fencing, pod deletion, API server restart;
+for the lease and both backends (and postgres, where the pod parts differ)."""
+
+from __future__ import annotations
+
+import asyncio
+import signal
+import sys
+import time
+import uuid
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import asyncpg
+import pytest
+
+from singleton_sidecar import contract
+from tests.conftest import Cluster
+from tests.kubehelpers import create_pod, get_json, grant, service_account_kubeconfig
+from tests.ledger import check_ledger
+from tests.sidecars import FAST_TIMINGS, SidecarProcess, leaders, one_leader, wait_for, wait_serving
+
+WORKER = str(Path(__file__).parent / "data" / "ledger_worker.py")
+SIDECAR_ACCOUNT = "singleton-sidecar"
+
+
+class PodSidecar(SidecarProcess):
+    pod: str = ""
+    namespace: str = ""
+
+
+Factory = Callable[..., list[PodSidecar]]
+
+
+@pytest.fixture
+def group() -> str:
+    return "g-" + uuid.uuid4().hex[:10]
+
+
+@pytest.fixture
+def sidecar_kubeconfig(cluster: Cluster, namespace: str, group: str, tmp_path: Path) -> Path:
+    grant(cluster, namespace, SIDECAR_ACCOUNT, contract.sidecar_rbac_rules(group))
+    return service_account_kubeconfig(cluster, namespace, SIDECAR_ACCOUNT, tmp_path / "sidecar.kubeconfig")
+
+
+@pytest.fixture
+def pod_sidecars(cluster: Cluster, namespace: str, group: str, pg_dsn: str, sidecar_kubeconfig: Path,  # noqa: PLR0917
+                 tmp_path: Path) -> Iterator[Factory]:
+    started: list[PodSidecar] = []
+
+    def make(backend: str, count: int = 3, *, gated: bool = False,
+             extra: dict[str, str] | None = None) -> list[PodSidecar]:
+        new = []
+        for _ in range(count):
+            name = f"{group}-{len(started)}"
+            pod = create_pod(cluster, namespace, name, labels={"app": group})
+            env = {"SINGLETON_GROUP": group, "SINGLETON_BACKEND": backend, "SINGLETON_NAMESPACE": namespace,
+                   "SINGLETON_POD_NAME": name, "SINGLETON_POD_UID": pod["metadata"]["uid"],
+                   "KUBECONFIG": str(sidecar_kubeconfig), "LEDGER_DSN": pg_dsn, **FAST_TIMINGS, **(extra or {})}
+            if backend != "lease":
+                env["SINGLETON_POSTGRES_DSN"] = pg_dsn
+            sidecar = PodSidecar(name, env, tmp_path / f"{name}.log",
+                                 command=[sys.executable, WORKER] if gated else [])
+            sidecar.pod, sidecar.namespace = name, namespace
+            started.append(sidecar)
+            new.append(sidecar)
+            sidecar.start()
+        wait_serving(list(new))
+        return new
+
+    yield make
+    for sidecar in started:
+        sidecar.stop()
+    cluster.kubectl("delete", "pods", "--all", "-n", namespace, "--grace-period=0", "--force", check=False)
+
+
+def pod_view(cluster: Cluster, sidecar: PodSidecar) -> tuple[dict[str, str], dict[str, str], list[Any]]:
+    pod = get_json(cluster, "pod", sidecar.pod, "-n", sidecar.namespace)
+    metadata = pod["metadata"]
+    return metadata.get("annotations") or {}, metadata.get("labels") or {}, pod["status"].get("conditions") or []
+
+
+def pods_tell(cluster: Cluster, members: list[PodSidecar], leader: PodSidecar) -> bool:
+    """Every pod's annotations and labels tell its sidecar's role (and the leader's token)."""
+    doc = leader.leader_doc()
+    if doc is None:
+        return False
+    for sidecar in members:
+        annotations, labels, _ = pod_view(cluster, sidecar)
+        role = "leader" if sidecar is leader else "standby"
+        if annotations.get(contract.ANNOTATION_ROLE) != role or labels.get(contract.LABEL_ROLE) != role:
+            return False
+        if annotations.get(contract.ANNOTATION_GROUP) != sidecar.env["SINGLETON_GROUP"]:
+            return False
+        token = annotations.get(contract.ANNOTATION_TOKEN)
+        if (token == str(doc["token"])) != (sidecar is leader):
+            return False
+        if (contract.ANNOTATION_LEADER_SINCE in annotations) != (sidecar is leader):
+            return False
+    return True
+
+
+def events_for(cluster: Cluster, sidecar: PodSidecar) -> list[str]:
+    listing = get_json(cluster, "events", "-n", sidecar.namespace,
+                       "--field-selector", f"involvedObject.name={sidecar.pod}")
+    return [item["reason"] for item in listing["items"]]
+
+
+@pytest.mark.parametrize("backend", ["lease", "both", "postgres"])
+def test_one_leader_pods_annotated_and_labelled(cluster: Cluster, pod_sidecars: Factory, backend: str) -> None:
+    members = pod_sidecars(backend, extra={"SINGLETON_READINESS_GATE": "true"})
+    leader = one_leader(members)
+    for sidecar in members:
+        assert (sidecar.get("/readyz")[0] == 200) == (sidecar is leader)
+        assert sidecar.get("/livez")[0] == 200
+    wait_for(lambda: pods_tell(cluster, members, leader), 10, "annotations and labels on every pod", 0.2)
+    # A Service can select the leader by label.
+    selected = get_json(cluster, "pods", "-n", leader.namespace, "-l",
+                        f"{contract.LABEL_ROLE}=leader,{contract.LABEL_GROUP}={leader.env['SINGLETON_GROUP']}")
+    assert [p["metadata"]["name"] for p in selected["items"]] == [leader.pod]
+    # The readiness-gate condition follows the role.
+    for sidecar in members:
+        conditions = wait_for(lambda s=sidecar: [c for c in pod_view(cluster, s)[2]
+                                                 if c["type"] == contract.CONDITION_LEADER], 5, "the condition")
+        assert conditions[0]["status"] == ("True" if sidecar is leader else "False")
+    wait_for(lambda: "LeaderElected" in events_for(cluster, leader), 5, "a LeaderElected event", 0.2)
+
+
+@pytest.mark.parametrize("backend", ["lease", "both"])
+def test_sigkill_failover_new_leader_annotated_tokens_increase(
+    cluster: Cluster, pod_sidecars: Factory, backend: str
+) -> None:
+    members = pod_sidecars(backend)
+    tokens = []
+    for _ in range(2):
+        alive = [s for s in members if s.alive()]
+        leader = one_leader(alive)
+        doc = leader.leader_doc()
+        assert doc is not None
+        tokens.append(doc["token"])
+        leader.signal(signal.SIGKILL)
+        started = time.monotonic()
+        new = one_leader([s for s in alive if s is not leader], timeout=10)
+        # A crashed holder's Lease must expire first: lease_duration (2 s here) plus a margin.
+        assert time.monotonic() - started < 2 + 1.5
+        rest = [s for s in alive if s is not leader]
+        wait_for(lambda n=new, r=rest: pods_tell(cluster, r, n), 10, "the new leader's pod annotated", 0.2)
+    doc = one_leader([s for s in members if s.alive()]).leader_doc()
+    assert doc is not None
+    tokens.append(doc["token"])
+    assert tokens == sorted(tokens) and len(set(tokens)) == 3
+
+
+@pytest.mark.parametrize("backend", ["lease", "both"])
+async def test_sigstop_past_the_lease_steps_down_and_is_fenced(
+    pod_sidecars: Factory, group: str, pg_dsn: str, backend: str
+) -> None:
+    members = pod_sidecars(backend, gated=True)
+    leader = await asyncio.to_thread(one_leader, members)
+    old = leader.leader_doc()
+    assert old is not None
+    await asyncio.sleep(0.5)
+    leader.signal(signal.SIGSTOP)
+    new = await asyncio.to_thread(one_leader, [s for s in members if s is not leader], 10)
+    new_doc = new.leader_doc()
+    assert new_doc is not None and new_doc["token"] > old["token"]
+    await asyncio.sleep(0.5)
+    leader.signal(signal.SIGCONT)
+    doc = await asyncio.to_thread(wait_for, leader.leader_doc, 3, "the old leader to answer")
+    assert doc["isLeader"] is False
+    await asyncio.sleep(1.0)
+    report = await check_ledger(pg_dsn, group)
+    assert not report.overlaps, report.overlaps
+    assert not report.regressions
+    assert len(report.terms) >= 2
+
+
+@pytest.mark.parametrize("backend", ["lease", "both", "postgres"])
+async def test_pod_deletion_drains_releases_and_hands_over(
+    cluster: Cluster, pod_sidecars: Factory, group: str, pg_dsn: str, backend: str
+) -> None:
+    members = pod_sidecars(backend, gated=True, extra={"SINGLETON_DRAIN_TIMEOUT": "10"})
+    leader = await asyncio.to_thread(one_leader, members)
+    await asyncio.sleep(0.5)
+    cluster.kubectl("delete", "pod", leader.pod, "-n", leader.namespace, "--wait=false")
+    started = time.monotonic()
+    rest = [s for s in members if s is not leader]
+    new = await asyncio.to_thread(one_leader, rest, 5)
+    handover = time.monotonic() - started
+    assert handover < 1.5, handover
+    assert await asyncio.to_thread(leader.wait_exit, 10) == 0
+    annotations = pod_view(cluster, leader)[0]
+    assert annotations[contract.ANNOTATION_ROLE] == contract.ROLE_RELEASED
+    await asyncio.to_thread(wait_for, lambda: pods_tell(cluster, rest, new), 10, "the new leader's pod", 0.2)
+    await asyncio.sleep(0.3)
+    report = await check_ledger(pg_dsn, group)
+    assert not report.overlaps, report.overlaps
+    assert not report.regressions
+    assert not [item for item in report.lost_items if f"token {report.terms[-1][0]} " not in item]
+    reasons = events_for(cluster, leader)
+    assert "LeaderDraining" in reasons and "LeadershipReleased" in reasons
+
+
+async def test_both_backend_steps_down_when_its_postgres_session_is_killed(
+    pod_sidecars: Factory, group: str, pg_admin_dsn: str
+) -> None:
+    members = pod_sidecars("both", 2)
+    leader = await asyncio.to_thread(one_leader, members)
+    conn = await asyncpg.connect(pg_admin_dsn)
+    try:
+        pid = await conn.fetchval("SELECT holder_pid FROM singleton_leases WHERE group_name = $1", group)
+        assert await conn.fetchval("SELECT pg_terminate_backend($1)", pid)
+    finally:
+        await conn.close()
+    started = time.monotonic()
+    await asyncio.to_thread(wait_for, lambda: not leader.ready() or None, 2, "the leader to step down")
+    assert time.monotonic() - started < 0.5
+    await asyncio.to_thread(one_leader, members, 10)
+
+
+@pytest.mark.parametrize("backend", ["lease", "both"])
+async def test_api_server_restart_never_gives_two_leaders(
+    cluster: Cluster, pod_sidecars: Factory, group: str, pg_dsn: str, backend: str
+) -> None:
+    if cluster.control_plane is None:
+        pytest.skip("needs the test bed's own API server")
+    members = pod_sidecars(backend, gated=True)
+    before = await asyncio.to_thread(one_leader, members)
+    await asyncio.sleep(0.3)
+    cluster.control_plane.restart_apiserver()  # main thread: servers die with the thread that started them
+    after = await asyncio.to_thread(one_leader, members, 20)
+    await asyncio.sleep(0.5)
+    assert len(leaders(members)) == 1
+    report = await check_ledger(pg_dsn, group)
+    assert not report.overlaps, report.overlaps
+    assert not report.regressions
+    doc_after = after.leader_doc()
+    assert doc_after is not None
+    if after is not before:
+        assert len(report.terms) >= 2
