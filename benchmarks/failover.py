@@ -1,18 +1,22 @@
-"""Failover and handover times of real sidecar processes (postgres backend, or lease).
+"""Failover and handover times of real sidecar processes, per backend.
 
-    .venv/bin/python -m benchmarks.failover --runs 20
+    .venv/bin/python -m benchmarks.failover --runs 20 [--backend postgres lease both]
 
-Starts its own PostgreSQL (or uses SINGLETON_TEST_DSN), runs 3 sidecars, and measures:
+Starts its own PostgreSQL (or uses SINGLETON_TEST_DSN) and, for the lease and both
+backends, the test bed's etcd + kube-apiserver. Each group is 3 sidecars, each playing
+a pod object (as in a cluster) with the backend's default timings. Measures:
 - graceful handover: SIGTERM to the leader -> another sidecar's /readyz answers 200;
 - SIGKILL failover: SIGKILL of the leader -> another sidecar's /readyz answers 200;
 - start to campaigning: process start -> /leader answers;
-- RSS of an idle standby and leader, and their CPU use over 10 s at rest.
+- at rest: RSS and CPU of each sidecar, and API requests per second for the whole group
+  (counted in the API server's audit log over --rest-seconds).
 Prints medians and p99 (nearest rank) over the runs.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import signal
 import statistics
@@ -20,13 +24,18 @@ import sys
 import tempfile
 import time
 import uuid
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
 from pathlib import Path
 
-from tests.sidecars import SidecarProcess, one_leader, wait_for
+from tests.kubehelpers import create_pod
+from tests.sidecars import SidecarProcess, one_leader, wait_for, wait_serving
 
+from singleton_sidecar.core.timings import BACKEND_DEFAULTS
+from singleton_testbed.binaries import add_to_path, find_all
+from singleton_testbed.controlplane import ControlPlane
 from singleton_testbed.postgres import PostgresServer
-
-DEFAULT_TIMINGS = {"SINGLETON_LEASE_DURATION": "6", "SINGLETON_RENEW_DEADLINE": "4", "SINGLETON_RETRY_PERIOD": "2"}
 
 
 def percentile(values: list[float], fraction: float) -> float:
@@ -52,78 +61,137 @@ def cpu_seconds(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
-def new_group(dsn: str, workdir: Path, count: int) -> list[SidecarProcess]:
-    group = "bench-" + uuid.uuid4().hex[:8]
-    members = []
-    for index in range(count):
-        env = {"SINGLETON_GROUP": group, "SINGLETON_BACKEND": "postgres", "SINGLETON_POSTGRES_DSN": dsn,
-               "SINGLETON_IDENTITY": f"b{index}-{uuid.uuid4().hex[:6]}", **DEFAULT_TIMINGS}
-        members.append(SidecarProcess(f"b{index}", env, workdir / f"{group}-{index}.log").start())
-    return members
+@dataclass
+class Bench:
+    backend: str
+    dsn: str
+    workdir: Path
+    control_plane: ControlPlane | None
+    namespace: str = "bench"
 
+    @contextmanager
+    def group(self, count: int) -> Iterator[list[SidecarProcess]]:
+        group = "bench-" + uuid.uuid4().hex[:8]
+        members = []
+        try:
+            for index in range(count):
+                env = {"SINGLETON_GROUP": group, "SINGLETON_BACKEND": self.backend,
+                       "SINGLETON_IDENTITY": f"b{index}-{uuid.uuid4().hex[:6]}"}
+                if self.backend != "lease":
+                    env["SINGLETON_POSTGRES_DSN"] = self.dsn
+                if self.control_plane is not None:
+                    name = f"{group}-{index}"
+                    pod = create_pod(self.control_plane, self.namespace, name)
+                    env.update({"KUBECONFIG": str(self.control_plane.info.kubeconfig),
+                                "SINGLETON_NAMESPACE": self.namespace, "SINGLETON_POD_NAME": name,
+                                "SINGLETON_POD_UID": pod["metadata"]["uid"]})
+                members.append(SidecarProcess(f"b{index}", env, self.workdir / f"{group}-{index}.log").start())
+            wait_serving(members, 15)
+            yield members
+        finally:
+            for member in members:
+                member.stop()
 
-def measure_takeover(dsn: str, workdir: Path, signum: int) -> float:
-    members = new_group(dsn, workdir, 3)
-    try:
-        leader = one_leader(members, timeout=15)
-        others = [m for m in members if m is not leader]
-        time.sleep(0.3)
+    def takeover(self, signum: int) -> float:
+        with self.group(3) as members:
+            leader = one_leader(members, timeout=20)
+            others = [m for m in members if m is not leader]
+            time.sleep(0.3)
+            started = time.monotonic()
+            leader.signal(signum)
+            wait_for(lambda: any(m.ready() for m in others), 30, "a new ready leader", interval=0.001)
+            return time.monotonic() - started
+
+    def start(self) -> float:
         started = time.monotonic()
-        leader.signal(signum)
-        wait_for(lambda: any(m.ready() for m in others), 15, "a new ready leader", interval=0.001)
-        return time.monotonic() - started
-    finally:
-        for member in members:
-            member.stop()
+        with self.group(1) as members:
+            wait_for(lambda: members[0].leader_doc() is not None, 15, "the sidecar to answer", interval=0.005)
+            return time.monotonic() - started
+
+    def rest(self, seconds: float) -> tuple[list[float], list[float], float | None]:
+        with self.group(3) as members:
+            one_leader(members, timeout=20)
+            time.sleep(2)
+            pids = [m.popen.pid for m in members if m.popen is not None]
+            before = [cpu_seconds(p) for p in pids]
+            audit_from = self._audit_size()
+            time.sleep(seconds)
+            cpu = [(cpu_seconds(p) - b) / seconds for p, b in zip(pids, before, strict=True)]
+            requests = self._sidecar_requests(audit_from) / seconds if self.control_plane is not None else None
+            return [rss_mb(p) for p in pids], cpu, requests
+
+    def _audit_path(self) -> Path | None:
+        return None if self.control_plane is None else self.control_plane.workdir / "audit.log"
+
+    def _audit_size(self) -> int:
+        path = self._audit_path()
+        return path.stat().st_size if path is not None and path.exists() else 0
+
+    def _sidecar_requests(self, offset: int) -> int:
+        """Requests the sidecars made (Lease, own pod, events), each counted once by auditID."""
+        path = self._audit_path()
+        assert path is not None
+        with path.open("rb") as audit:
+            audit.seek(offset)
+            entries = [entry for entry in map(json.loads, audit.read().splitlines())
+                       if entry.get("userAgent", "").startswith("singleton-sidecar")]
+        kinds: dict[str, set[str]] = {}
+        for entry in entries:
+            ref = entry.get("objectRef", {})
+            kinds.setdefault(f"{entry['verb']} {ref.get('resource')}/{ref.get('subresource', '')}", set()).add(
+                entry["auditID"])
+            if os.environ.get("BENCH_DEBUG"):
+                print(entry["requestReceivedTimestamp"], entry["verb"], ref.get("name"), entry["user"]["username"])
+        print("  sidecar API requests at rest: " + ", ".join(f"{k}: {len(v)}" for k, v in sorted(kinds.items())))
+        return len({entry["auditID"] for entry in entries})
 
 
-def measure_start(dsn: str, workdir: Path) -> float:
-    started = time.monotonic()
-    members = new_group(dsn, workdir, 1)
-    try:
-        wait_for(lambda: members[0].leader_doc() is not None, 15, "the sidecar to answer", interval=0.005)
-        return time.monotonic() - started
-    finally:
-        members[0].stop()
-
-
-def measure_rest(dsn: str, workdir: Path) -> tuple[list[float], list[float]]:
-    members = new_group(dsn, workdir, 3)
-    try:
-        one_leader(members, timeout=15)
-        time.sleep(2)
-        pids = [m.popen.pid for m in members if m.popen is not None]
-        before = [cpu_seconds(p) for p in pids]
-        time.sleep(10)
-        cpu = [(cpu_seconds(p) - b) / 10 for p, b in zip(pids, before, strict=True)]
-        return [rss_mb(p) for p in pids], cpu
-    finally:
-        for member in members:
-            member.stop()
+def run_backend(bench: Bench, runs: int, rest_seconds: float) -> None:
+    timings = BACKEND_DEFAULTS[bench.backend]
+    graceful = [bench.takeover(signal.SIGTERM) for _ in range(runs)]
+    kill = [bench.takeover(signal.SIGKILL) for _ in range(runs)]
+    start = [bench.start() for _ in range(min(runs, 10))]
+    rss, cpu, requests = bench.rest(rest_seconds)
+    print(f"\n{bench.backend} backend, 3 sidecars, timings lease {timings.lease_duration:g} s / renew deadline "
+          f"{timings.renew_deadline:g} s / retry {timings.retry_period:g} s, {os.cpu_count()} CPUs")
+    print(summary("graceful handover (SIGTERM)", graceful))
+    print(summary("SIGKILL failover", kill))
+    print(summary("start to answering /leader", start))
+    print(f"{'RSS at rest (3 sidecars)':<34} " + ", ".join(f"{v:.1f} MB" for v in rss))
+    print(f"{'CPU at rest (3 sidecars)':<34} " + ", ".join(f"{v * 100:.2f} %" for v in cpu))
+    if requests is not None:
+        print(f"{'API requests/s at rest (group)':<34} {requests:.3f} over {rest_seconds:g} s")
+    sys.stdout.flush()
 
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--runs", type=int, default=20, help="runs per scenario (default 20)")
+    parser.add_argument("--backend", nargs="+", choices=["postgres", "lease", "both"],
+                        default=["postgres", "lease", "both"], help="backends to measure (default: all)")
+    parser.add_argument("--rest-seconds", type=float, default=60.0,
+                        help="how long to watch an idle group (default 60)")
     args = parser.parse_args()
-    server = None
+    server, control_plane = None, None
     dsn = os.environ.get("SINGLETON_TEST_DSN")
-    if not dsn:
-        server = PostgresServer()
-        dsn = server.start().dsn
     workdir = Path(tempfile.mkdtemp(prefix="singleton-bench-"))
     try:
-        graceful = [measure_takeover(dsn, workdir, signal.SIGTERM) for _ in range(args.runs)]
-        kill = [measure_takeover(dsn, workdir, signal.SIGKILL) for _ in range(args.runs)]
-        start = [measure_start(dsn, workdir) for _ in range(min(args.runs, 10))]
-        rss, cpu = measure_rest(dsn, workdir)
-        print(f"postgres backend, 3 sidecars, timings {DEFAULT_TIMINGS}, {os.cpu_count()} CPUs")
-        print(summary("graceful handover (SIGTERM)", graceful))
-        print(summary("SIGKILL failover", kill))
-        print(summary("start to answering /leader", start))
-        print(f"{'RSS at rest (3 sidecars)':<34} " + ", ".join(f"{v:.1f} MB" for v in rss))
-        print(f"{'CPU at rest (3 sidecars)':<34} " + ", ".join(f"{v * 100:.2f} %" for v in cpu))
+        if not dsn:
+            server = PostgresServer()
+            dsn = server.start().dsn
+        binaries = find_all()
+        add_to_path(binaries)
+        control_plane = ControlPlane(binaries)
+        control_plane.start()
+        control_plane.kubectl("create", "namespace", "bench")
+        control_plane.kubectl("create", "serviceaccount", "default", "-n", "bench")  # no controller-manager here
+        for backend in args.backend:
+            # postgres runs as it would on a VM: no API server involved at all.
+            plane = None if backend == "postgres" else control_plane
+            run_backend(Bench(backend, dsn, workdir, plane), args.runs, args.rest_seconds)
     finally:
+        if control_plane is not None:
+            control_plane.stop()
         if server is not None:
             server.cleanup()
     return 0

@@ -120,6 +120,8 @@ class Sidecar:
             reporter = PodReporter(kube, namespace=config.namespace, pod_name=config.pod_name,
                                    readiness_gate=config.readiness_gate, on_deleting=elector.request_drain)
             elector.add_listener(reporter.on_status)
+            # Now, so a standby's pod says "standby" before its first lock wait ends.
+            reporter.on_status(elector.status)
 
         loop = asyncio.get_running_loop()
         for signum in (signal.SIGTERM, signal.SIGINT):

@@ -29,6 +29,17 @@ _EVENT_REASONS = {
     Role.STANDBY: ("LeadershipLost", "stood down in group {group}: {reason}"),
     Role.RELEASED: ("LeadershipReleased", "released group {group}"),
 }
+_LEADING = (Role.LEADER, Role.DRAINING)
+
+
+def transition_event(previous: Role | None, new: Role) -> str | None:
+    """The Event reason for a change of role, or None: only leadership changes are news
+    (a standby starting, or a standby leaving, is not)."""
+    if new is Role.LEADER and previous is not Role.LEADER:
+        return _EVENT_REASONS[Role.LEADER][0]
+    if previous in _LEADING and new is not previous and new is not Role.LEADER:
+        return _EVENT_REASONS[new][0]
+    return None
 
 
 def _now() -> str:
@@ -67,7 +78,8 @@ class PodReporter:
         self.readiness_gate = readiness_gate
         self._on_deleting = on_deleting
         self._latest: ElectionStatus | None = None
-        self._written: ElectionStatus | None = None
+        self._written: tuple[dict[str, Any], bool] | None = None
+        self._events: list[ElectionStatus] = []
         self._changed = asyncio.Event()
         self._pod_uid: str | None = None
 
@@ -80,36 +92,45 @@ class PodReporter:
 
     @property
     def pending(self) -> bool:
-        """True while the newest status has not been written to the pod yet."""
-        return self._latest is not None and self._latest != self._written
+        """True while the newest status (or an Event) has not reached the API server yet."""
+        return bool(self._events) or (self._latest is not None and self._shown(self._latest) != self._written)
+
+    def _shown(self, status: ElectionStatus) -> tuple[dict[str, Any], bool]:
+        """What the pod shows of ``status``: only a change of this is worth a write."""
+        return pod_metadata_patch(status), status.role is Role.LEADER
 
     def on_status(self, status: ElectionStatus) -> None:
+        previous = self._latest.role if self._latest is not None else None
+        if transition_event(previous, status.role) is not None:
+            self._events.append(status)
         self._latest = status
         self._changed.set()
 
     async def run(self) -> None:
-        """Write the newest status to the pod; retry with backoff until it is taken."""
+        """Write the newest status to the pod, then its Events; retry with backoff until taken."""
         backoff = 0.2
         while True:
             await self._changed.wait()
             self._changed.clear()
             status = self._latest
-            if status is None or status == self._written:
+            if status is None:
                 continue
-            try:
-                await self._write(status)
-            except KubeError as exc:
-                log.warning("pod status write failed pod=%s group=%s role=%s error=%s; retrying in %.1fs",
-                            self.pod_name, status.group, status.role, exc, backoff)
-                await asyncio.sleep(backoff)
-                backoff = min(backoff * 2, 5.0)
-                self._changed.set()
-                continue
-            backoff = 0.2
-            if self._written is None or self._written.role != status.role:
-                await self._event(status)
-            # Marked written only after its Event, so a final flush waits for both.
-            self._written = status
+            shown = self._shown(status)
+            if shown != self._written:
+                try:
+                    await self._write(status)
+                except KubeError as exc:
+                    log.warning("pod status write failed pod=%s group=%s role=%s error=%s; retrying in %.1fs",
+                                self.pod_name, status.group, status.role, exc, backoff)
+                    await asyncio.sleep(backoff)
+                    backoff = min(backoff * 2, 5.0)
+                    self._changed.set()
+                    continue
+                backoff = 0.2
+                self._written = shown
+            while self._events:
+                await self._event(self._events[0])
+                self._events.pop(0)
 
     async def _write(self, status: ElectionStatus) -> None:
         await self.client.request("PATCH", self._pod_path, body=pod_metadata_patch(status),
