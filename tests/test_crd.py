@@ -45,7 +45,7 @@ def full(name: str = "feed-poller") -> Obj:
         "spec": {
             "replicas": 3,
             "backend": "both",
-            "postgres": {"secretRef": {"name": "feed-db.credentials", "key": "dsn.url"}, "lockId": 4242},
+            "postgres": {"secretRef": {"name": "feed-db.credentials", "key": "dsn.url"}},
             # leaseDuration - renewDeadline == 500ms; renewDeadline * 5 > retryPeriod * 6 (12.5s > 12s)
             "timings": {"leaseDuration": "3s", "renewDeadline": "2500ms", "retryPeriod": "2s"},
             # drain.timeout + 2s == terminationGracePeriodSeconds
@@ -169,7 +169,7 @@ def test_object_defaults_agree_with_field_defaults() -> None:
             field_defaults = {k: v["default"] for k, v in schema["properties"].items() if "default" in v}
             assert schema["default"] == field_defaults, name
             checked += 1
-    assert checked == 5
+    assert checked == 4
 
 
 # --- defaults and valid objects --------------------------------------------------------------
@@ -182,7 +182,7 @@ def test_minimal_object_gets_defaults(cluster: Cluster, ns: str) -> None:
     spec = get(cluster, ns, name)["spec"]
     assert spec["replicas"] == 2
     assert spec["backend"] == "lease"
-    assert spec["timings"] == {"leaseDuration": "6s", "renewDeadline": "4s", "retryPeriod": "2s"}
+    assert "timings" not in spec  # the operator applies the backend's defaults
     assert spec["drain"] == {"timeout": "20s"}
     assert spec["terminationGracePeriodSeconds"] == 30
     assert spec["gating"] == {"mode": "cooperative"}
@@ -200,7 +200,6 @@ def test_partial_objects_get_field_defaults(cluster: Cluster, ns: str) -> None:
         {
             "spec.backend": "postgres",
             "spec.postgres": {"secretRef": {"name": "db"}},
-            "spec.timings": {"leaseDuration": "10s"},
             "spec.sidecar": {"image": ""},
             "spec.service": {"ports": [{"port": 80}]},
         },
@@ -209,7 +208,6 @@ def test_partial_objects_get_field_defaults(cluster: Cluster, ns: str) -> None:
     assert code == 0, err
     spec = get(cluster, ns, name)["spec"]
     assert spec["postgres"] == {"secretRef": {"name": "db", "key": "dsn"}}
-    assert spec["timings"] == {"leaseDuration": "10s", "renewDeadline": "4s", "retryPeriod": "2s"}
     assert spec["sidecar"] == {"image": "", "port": 9090, "logLevel": "info"}
     assert spec["service"] == {"type": "ClusterIP", "ports": [{"port": 80, "protocol": "TCP"}]}
 
@@ -320,7 +318,8 @@ INVALID: list[Any] = [
         id="secret-key-invalid",
     ),
     pytest.param(
-        {"spec.backend": "postgres", "spec.postgres": {**PG, "lockId": 0}}, ["spec.postgres.lockId"], id="lock-id-0"
+        {"spec.timings": {"leaseDuration": "10s"}}, ["spec.timings.renewDeadline", "Required value"],
+        id="timings-partial",
     ),
     pytest.param(
         {"spec.backend": "postgres", "spec.postgres": {"dsn": "postgresql://u:pw@db/app", **PG}},
@@ -485,7 +484,10 @@ def test_there_are_many_invalid_cases() -> None:
 # --- updates ---------------------------------------------------------------------------------
 
 BAD_UPDATES: list[Any] = [
-    pytest.param({"spec": {"timings": {"renewDeadline": "10s"}}}, "spec.timings.renewDeadline", id="renew-over-lease"),
+    pytest.param({"spec": {"timings": {"leaseDuration": "6s", "renewDeadline": "10s", "retryPeriod": "2s"}}},
+                 "spec.timings.renewDeadline", id="renew-over-lease"),
+    pytest.param({"spec": {"backend": "both", "postgres": {"secretRef": {"name": "db"}}}}, "spec.backend",
+                 id="backend-change"),
     pytest.param({"spec": {"backend": "postgres"}}, "spec.postgres", id="backend-postgres-without-postgres"),
     pytest.param({"spec": {"terminationGracePeriodSeconds": 20}}, "spec.drain.timeout", id="grace-below-drain"),
     pytest.param({"spec": {"gating": {"mode": "file"}}}, "spec.gating.mode", id="file-gating-without-command"),
@@ -516,23 +518,20 @@ def test_invalid_update_is_rejected(cluster: Cluster, ns: str, patch: Obj, field
 
 def test_valid_update_is_accepted(cluster: Cluster, ns: str) -> None:
     name = "upd-" + secrets.token_hex(4)
-    code, err = create(cluster, ns, minimal(name))
+    code, err = create(cluster, ns, edited(minimal(name), {"spec.backend": "both",
+                                                            "spec.postgres": {"secretRef": {"name": "db"}}}))
     assert code == 0, err
     patch = {
         "spec": {
-            "backend": "both",
-            "postgres": {"secretRef": {"name": "db"}},
+            "postgres": {"secretRef": {"name": "db2", "key": "url"}},
             "timings": {"leaseDuration": "10s", "renewDeadline": "8s", "retryPeriod": "3s"},
             "replicas": 3,
         }
     }
     cluster.kubectl("patch", "singletonservice", name, "-n", ns, "--type=merge", "-p", json.dumps(patch))
     spec = get(cluster, ns, name)["spec"]
-    assert (spec["backend"], spec["replicas"], spec["timings"]["renewDeadline"]) == ("both", 3, "8s")
-    # back to lease: postgres must go in the same update
-    back = {"spec": {"backend": "lease", "postgres": None}}
-    cluster.kubectl("patch", "singletonservice", name, "-n", ns, "--type=merge", "-p", json.dumps(back))
-    assert "postgres" not in get(cluster, ns, name)["spec"]
+    assert (spec["postgres"]["secretRef"]["name"], spec["replicas"], spec["timings"]["renewDeadline"]) == (
+        "db2", 3, "8s")
 
 
 # --- kubectl explain, printer columns, short name, category, status ---------------------------
