@@ -6,6 +6,7 @@ for the lease and both backends (and postgres, where the pod parts differ)."""
 from __future__ import annotations
 
 import asyncio
+import json
 import signal
 import sys
 import time
@@ -90,15 +91,17 @@ def pods_tell(cluster: Cluster, members: list[PodSidecar], leader: PodSidecar) -
         return False
     for sidecar in members:
         annotations, labels, _ = pod_view(cluster, sidecar)
-        role = "leader" if sidecar is leader else "standby"
-        if annotations.get(contract.ANNOTATION_ROLE) != role or labels.get(contract.LABEL_ROLE) != role:
-            return False
-        if annotations.get(contract.ANNOTATION_GROUP) != sidecar.env["SINGLETON_GROUP"]:
-            return False
-        token = annotations.get(contract.ANNOTATION_TOKEN)
-        if (token == str(doc["token"])) != (sidecar is leader):
-            return False
-        if (contract.ANNOTATION_LEADER_SINCE in annotations) != (sidecar is leader):
+        leading = sidecar is leader
+        role = "leader" if leading else "standby"
+        checks = [
+            annotations.get(contract.ANNOTATION_ROLE) == role,
+            labels.get(contract.LABEL_ROLE) == role,
+            annotations.get(contract.ANNOTATION_GROUP) == sidecar.env["SINGLETON_GROUP"],
+            (annotations.get(contract.ANNOTATION_TOKEN) == str(doc["token"])) == leading,
+            (contract.ANNOTATION_LEADER_SINCE in annotations) == leading,
+            (annotations.get(contract.ANNOTATION_DELETION_COST) == contract.LEADER_DELETION_COST) == leading,
+        ]
+        if not all(checks):
             return False
     return True
 
@@ -116,6 +119,7 @@ def test_one_leader_pods_annotated_and_labelled(cluster: Cluster, pod_sidecars: 
     for sidecar in members:
         assert (sidecar.get("/readyz")[0] == 200) == (sidecar is leader)
         assert sidecar.get("/livez")[0] == 200
+        assert sidecar.get("/candidate") == (200, "leader\n" if sidecar is leader else "standby\n")
     wait_for(lambda: pods_tell(cluster, members, leader), 10, "annotations and labels on every pod", 0.2)
     # A Service can select the leader by label.
     selected = get_json(cluster, "pods", "-n", leader.namespace, "-l",
@@ -252,3 +256,28 @@ def test_standby_pods_are_annotated_at_once_not_after_a_lock_wait(cluster: Clust
     leader = one_leader(members)
     wait_for(lambda: pods_tell(cluster, members, leader), 10, "both pods annotated", 0.1)
     assert time.monotonic() - started < 2.0
+
+
+async def test_drain_waits_for_the_main_container_to_stop(cluster: Cluster, pod_sidecars: Factory) -> None:
+    """Cooperative apps stop on SIGTERM from the kubelet: the sidecar releases only once the
+    pod shows the main container terminated (or the drain timeout passes)."""
+    members = pod_sidecars("lease", 2, extra={"SINGLETON_DRAIN_WAIT_CONTAINER": "app",
+                                              "SINGLETON_DRAIN_TIMEOUT": "20"})
+    leader = await asyncio.to_thread(one_leader, members)
+    other = next(s for s in members if s is not leader)
+    cluster.kubectl("delete", "pod", leader.pod, "-n", leader.namespace, "--wait=false")
+    await asyncio.to_thread(wait_for, lambda: (leader.leader_doc() or {}).get("role") == "draining", 5,
+                            "the leader to drain")
+    assert leader.get("/candidate")[0] == 503
+    await asyncio.sleep(1.5)
+    assert (leader.leader_doc() or {}).get("role") == "draining", "released before the app stopped"
+    assert not other.ready()
+    terminated = {"status": {"containerStatuses": [{
+        "name": "app", "image": "example.invalid/app:1", "imageID": "", "ready": False, "restartCount": 0,
+        "state": {"terminated": {"exitCode": 0, "reason": "Completed"}}}]}}
+    cluster.kubectl("patch", "pod", leader.pod, "-n", leader.namespace, "--subresource=status", "--type=merge",
+                    "-p", json.dumps(terminated))
+    started = time.monotonic()
+    await asyncio.to_thread(one_leader, [other], 5)
+    assert time.monotonic() - started < 1.0
+    assert await asyncio.to_thread(leader.wait_exit, 10) == 0

@@ -198,6 +198,10 @@ async def test_postgres_restart_never_gives_two_leaders(
          "SINGLETON_POSTGRES_DSN_FILE (--postgres-dsn-file): cannot read"),
         ({"SINGLETON_GROUP": "g", "SINGLETON_POSTGRES_DSN": "postgres://h/d", "SINGLETON_IDENTITY": "a b"},
          "SINGLETON_IDENTITY (--identity): identity must be"),
+        ({"SINGLETON_GROUP": "g", "SINGLETON_POSTGRES_DSN": "postgres://h/d", "SINGLETON_LOG_LEVEL": "loud"},
+         "SINGLETON_LOG_LEVEL (--log-level): must be debug, info, warning or error"),
+        ({"SINGLETON_GROUP": "g", "SINGLETON_POSTGRES_DSN": "postgres://h/d",
+          "SINGLETON_DRAIN_WAIT_CONTAINER": "app"}, "SINGLETON_DRAIN_WAIT_CONTAINER (--drain-wait-container): needs"),
     ],
     ids=lambda v: "-".join(f"{k}" for k in v) if isinstance(v, dict) else None,
 )

@@ -73,8 +73,10 @@ class Sidecar:
     def __repr__(self) -> str:
         return f"<Sidecar group={self.config.group} identity={self.identity}>"
 
-    def _drain_hook(self, gate: ExecGate | FileGate | None) -> Callable[[], Awaitable[None]]:
+    def _drain_hook(self, gate: ExecGate | FileGate | None,
+                    reporter: PodReporter | None) -> Callable[[], Awaitable[None]]:
         drain_url = self.config.drain_url
+        wait_container = self.config.drain_wait_container
 
         async def drain() -> None:
             if drain_url is not None:
@@ -85,6 +87,9 @@ class Sidecar:
                         await asyncio.Event().wait()
             if gate is not None:
                 await gate.wait_stopped()
+            if wait_container is not None and reporter is not None:
+                log.info("draining: waiting for container %s to stop", wait_container)
+                await reporter.wait_container_stopped(wait_container)
 
         return drain
 
@@ -108,17 +113,19 @@ class Sidecar:
                 refresh=config.timings.retry_period / 2,
             )
             gate.install()
-        elector = Elector(group=config.group, identity=self.identity, backend=backend, timings=config.timings,
-                          wall_clock=self.wall_clock, drain_hook=self._drain_hook(gate),
-                          drain_timeout=config.drain_timeout, on_renew=metrics.on_renew)
-        elector.add_listener(metrics.on_status)
-        if gate is not None:
-            elector.add_listener(gate.on_status)
         reporter: PodReporter | None = None
         if config.in_kubernetes and kube is not None:
             assert config.namespace is not None and config.pod_name is not None
             reporter = PodReporter(kube, namespace=config.namespace, pod_name=config.pod_name,
-                                   readiness_gate=config.readiness_gate, on_deleting=elector.request_drain)
+                                   readiness_gate=config.readiness_gate,
+                                   on_deleting=lambda: elector.request_drain())  # noqa: PLW0108 - bound below
+        elector = Elector(group=config.group, identity=self.identity, backend=backend, timings=config.timings,
+                          wall_clock=self.wall_clock, drain_hook=self._drain_hook(gate, reporter),
+                          drain_timeout=config.drain_timeout, on_renew=metrics.on_renew)
+        elector.add_listener(metrics.on_status)
+        if gate is not None:
+            elector.add_listener(gate.on_status)
+        if reporter is not None:
             elector.add_listener(reporter.on_status)
             # Now, so a standby's pod says "standby" before its first lock wait ends.
             reporter.on_status(elector.status)
@@ -155,7 +162,7 @@ class Sidecar:
                 helpers.append(group.create_task(gate.run(), name="gate"))
             if reporter is not None:
                 helpers.append(group.create_task(reporter.run(), name="pod-reporter"))
-                helpers.append(group.create_task(reporter.watch_deletion(), name="pod-watch"))
+                helpers.append(group.create_task(reporter.watch_pod(), name="pod-watch"))
             await group.create_task(elector.run(), name="elector")
             if reporter is not None:
                 # Let the final "released" status reach the pod before we go.

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import logging
 import os
 import sys
 import urllib.error
@@ -81,7 +82,7 @@ def main(argv: list[str] | None = None) -> int:  # noqa: PLR0911 - one exit per 
     from singleton_sidecar.kube import KubeConfigError
     from singleton_sidecar.logs import setup_logging
 
-    setup_logging(config.log_format)
+    setup_logging(config.log_format, getattr(logging, config.log_level.upper()))
     try:
         return asyncio.run(Sidecar(config).run())
     except KubeConfigError as exc:

@@ -72,8 +72,12 @@ class SidecarConfig:
     """Command run as a child only while this replica leads (the exec gate)."""
     readiness_gate: bool = False
     """Also set the pod condition ``singleton.dev/leader`` (for pod readiness gates)."""
+    drain_wait_container: str | None = None
+    """On drain, also wait until this container of the pod has terminated (read from the pod)."""
     log_format: Literal["json", "text"] = "json"
     """Structured JSON logs (default) or plain text."""
+    log_level: Literal["debug", "info", "warning", "error"] = "info"
+    """Least severe level logged."""
 
     @property
     def in_kubernetes(self) -> bool:
@@ -100,8 +104,10 @@ _SETTINGS: dict[str, tuple[str, str]] = {
     "gate_dir": ("--gate-dir", contract.ENV_GATE_DIR),
     "kill_grace": ("--kill-grace", "SINGLETON_KILL_GRACE"),
     "kubeconfig": ("--kubeconfig", contract.ENV_KUBECONFIG),
-    "readiness_gate": ("--readiness-gate", "SINGLETON_READINESS_GATE"),
-    "log_format": ("--log-format", "SINGLETON_LOG_FORMAT"),
+    "readiness_gate": ("--readiness-gate", contract.ENV_READINESS_GATE),
+    "drain_wait_container": ("--drain-wait-container", contract.ENV_DRAIN_WAIT_CONTAINER),
+    "log_format": ("--log-format", contract.ENV_LOG_FORMAT),
+    "log_level": ("--log-level", contract.ENV_LOG_LEVEL),
 }
 
 _HELP = {
@@ -125,7 +131,10 @@ _HELP = {
     "kill_grace": "seconds from SIGTERM to SIGKILL for a gated process that lost leadership (default 1)",
     "kubeconfig": "kubeconfig file when not running in a pod",
     "readiness_gate": "also set the pod condition singleton.dev/leader (true/false)",
+    "drain_wait_container": ("in a pod: on drain, also wait until this container of the pod has stopped "
+                             "(the main container, for apps that stop on SIGTERM)"),
     "log_format": "json (default) or text",
+    "log_level": "debug, info (default), warning or error",
 }
 
 
@@ -252,6 +261,18 @@ def load_config(args: argparse.Namespace, environ: Mapping[str, str]) -> Sidecar
     if log_format not in ("json", "text"):
         raise ConfigError(f"{label('log_format')}: must be json or text, got {log_format!r}")
 
+    log_level = raw.get("log_level", "info")
+    if log_level not in ("debug", "info", "warning", "error"):
+        raise ConfigError(f"{label('log_level')}: must be debug, info, warning or error, got {log_level!r}")
+    drain_wait_container = raw.get("drain_wait_container") or None
+    if drain_wait_container is not None:
+        if not pod_name:
+            raise ConfigError(f"{label('drain_wait_container')}: needs the pod name "
+                              f"({contract.ENV_POD_NAME}): the container's state is read from the pod")
+        if len(drain_wait_container) > 63 or not _DNS1123.match(drain_wait_container):
+            raise ConfigError(f"{label('drain_wait_container')}: must be a container name (DNS-1123 label), "
+                              f"got {drain_wait_container!r}")
+
     return SidecarConfig(
         group=group,
         backend=backend,
@@ -272,7 +293,9 @@ def load_config(args: argparse.Namespace, environ: Mapping[str, str]) -> Sidecar
         kubeconfig=raw.get("kubeconfig") or None,
         exec_command=command,
         readiness_gate=_bool(label("readiness_gate"), raw["readiness_gate"]) if "readiness_gate" in raw else False,
+        drain_wait_container=drain_wait_container,
         log_format=log_format,  # type: ignore[arg-type]
+        log_level=log_level,  # type: ignore[arg-type]
     )
 
 

@@ -17,6 +17,11 @@ ANNOTATION_IDENTITY: Final = f"{API_GROUP}/identity"
 LABEL_ROLE: Final = f"{API_GROUP}/role"
 LABEL_GROUP: Final = f"{API_GROUP}/group"
 
+# Set by the sidecar on its own pod while it leads, so a ReplicaSet scaling down during a
+# rolling update removes the standbys first and the leader last: one handover per rollout.
+ANNOTATION_DELETION_COST: Final = "controller.kubernetes.io/pod-deletion-cost"
+LEADER_DELETION_COST: Final = "1000"
+
 # The fencing token of the current term, kept on the Lease by the lease backend.
 LEASE_ANNOTATION_TOKEN: Final = f"{API_GROUP}/token"
 
@@ -45,6 +50,10 @@ ENV_RETRY_PERIOD: Final = "SINGLETON_RETRY_PERIOD"
 ENV_DRAIN_TIMEOUT: Final = "SINGLETON_DRAIN_TIMEOUT"
 ENV_DRAIN_URL: Final = "SINGLETON_DRAIN_URL"
 ENV_GATE_DIR: Final = "SINGLETON_GATE_DIR"
+ENV_DRAIN_WAIT_CONTAINER: Final = "SINGLETON_DRAIN_WAIT_CONTAINER"
+ENV_READINESS_GATE: Final = "SINGLETON_READINESS_GATE"
+ENV_LOG_FORMAT: Final = "SINGLETON_LOG_FORMAT"
+ENV_LOG_LEVEL: Final = "SINGLETON_LOG_LEVEL"
 ENV_KUBECONFIG: Final = "KUBECONFIG"
 
 

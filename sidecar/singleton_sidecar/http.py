@@ -2,6 +2,7 @@
 
 Probe app (pod network): ``GET /readyz`` (200 only for a leader that is not draining),
 ``GET /livez`` (200 while the election loop makes progress, whatever the role),
+``GET /candidate`` (200 while leader or standby: ready to lead; 503 once draining),
 ``GET /leader`` (JSON), ``GET /metrics``. Read-only by construction: it has no
 route that changes anything.
 
@@ -17,7 +18,7 @@ from typing import Any
 from aiohttp import web
 
 from singleton_sidecar.core.elector import Elector
-from singleton_sidecar.core.status import ElectionStatus
+from singleton_sidecar.core.status import ElectionStatus, Role
 from singleton_sidecar.metrics import SidecarMetrics
 
 ELECTOR: web.AppKey[Elector] = web.AppKey("elector", Elector)
@@ -63,6 +64,17 @@ async def readyz(request: web.Request) -> web.Response:
     return web.Response(status=503, text=f"{elector.status.role.value}\n")
 
 
+async def candidate(request: web.Request) -> web.Response:
+    """200 while this replica leads or stands by with a live loop: pod readiness that does
+    not depend on leading, so rolling updates progress (the leader Service selects by label)."""
+    elector = request.app[ELECTOR]
+    role = elector.status.role
+    stalled = elector.clock.monotonic() - elector.last_progress
+    if role not in (Role.LEADER, Role.STANDBY) or stalled > liveness_limit(elector):
+        return web.Response(status=503, text=f"{role.value}\n")
+    return web.Response(text=f"{role.value}\n")
+
+
 async def livez(request: web.Request) -> web.Response:
     elector = request.app[ELECTOR]
     stalled = elector.clock.monotonic() - elector.last_progress
@@ -86,6 +98,7 @@ def probe_app(elector: Elector, sidecar_metrics: SidecarMetrics) -> web.Applicat
     app[METRICS] = sidecar_metrics
     app.router.add_get("/readyz", readyz)
     app.router.add_get("/livez", livez)
+    app.router.add_get("/candidate", candidate)
     app.router.add_get("/leader", leader)
     app.router.add_get("/metrics", metrics)
     return app

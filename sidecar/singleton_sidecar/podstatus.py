@@ -16,7 +16,7 @@ from typing import Any
 
 from singleton_sidecar import contract
 from singleton_sidecar.core.status import ElectionStatus, Role
-from singleton_sidecar.kube import KubeClient, KubeError, KubeGone
+from singleton_sidecar.kube import KubeClient, KubeError, KubeGone, KubeNotFound
 
 log = logging.getLogger(__name__)
 
@@ -63,6 +63,7 @@ def pod_metadata_patch(status: ElectionStatus) -> dict[str, Any]:
                 contract.ANNOTATION_IDENTITY: status.identity,
                 contract.ANNOTATION_TOKEN: str(status.token) if leading and status.token is not None else None,
                 contract.ANNOTATION_LEADER_SINCE: _rfc3339(status.leader_since) if leading else None,
+                contract.ANNOTATION_DELETION_COST: contract.LEADER_DELETION_COST if leading else None,
             },
             "labels": {contract.LABEL_ROLE: status.role.value, contract.LABEL_GROUP: status.group},
         }
@@ -82,6 +83,10 @@ class PodReporter:
         self._events: list[ElectionStatus] = []
         self._changed = asyncio.Event()
         self._pod_uid: str | None = None
+        self._deleting = False
+        self._pod_gone = False
+        self._stopped_containers: set[str] = set()
+        self._containers_changed = asyncio.Event()
 
     def __repr__(self) -> str:
         return f"<PodReporter pod={self.namespace}/{self.pod_name}>"
@@ -164,30 +169,49 @@ class PodReporter:
         except KubeError as exc:
             log.warning("event not recorded pod=%s reason=%s error=%s", self.pod_name, reason, exc)
 
-    async def watch_deletion(self) -> None:
-        """Watch this pod; call ``on_deleting`` once when it gets a deletionTimestamp."""
+    async def wait_container_stopped(self, name: str) -> None:
+        """Return once the pod shows container ``name`` terminated (or the pod gone)."""
+        while name not in self._stopped_containers and not self._pod_gone:
+            self._containers_changed.clear()
+            await self._containers_changed.wait()
+
+    def _note_pod(self, pod: dict[str, Any], *, deleted: bool = False) -> None:
+        metadata = pod.get("metadata") or {}
+        self._pod_uid = metadata.get("uid", self._pod_uid)
+        statuses = (pod.get("status") or {}).get("containerStatuses") or []
+        stopped = {c["name"] for c in statuses if "terminated" in (c.get("state") or {})}
+        if deleted or (pod.get("status") or {}).get("phase") in ("Succeeded", "Failed"):
+            self._pod_gone = True
+        if stopped != self._stopped_containers or self._pod_gone:
+            self._stopped_containers = stopped
+            self._containers_changed.set()
+        if (deleted or metadata.get("deletionTimestamp")) and not self._deleting:
+            self._deleting = True
+            self._on_deleting()
+
+    async def watch_pod(self) -> None:
+        """Watch this pod: call ``on_deleting`` once when it gets a deletionTimestamp, and keep
+        track of which of its containers have stopped (for draining)."""
         resource_version: str | None = None
         backoff = 0.2
-        while True:
+        while not self._pod_gone:
             try:
                 if resource_version is None:
                     pod = await self.client.request("GET", self._pod_path, timeout=CALL_TIMEOUT)
-                    self._pod_uid = pod["metadata"].get("uid")
                     resource_version = pod["metadata"]["resourceVersion"]
-                    if pod["metadata"].get("deletionTimestamp"):
-                        self._on_deleting()
-                        return
+                    self._note_pod(pod)
                 params = {"fieldSelector": f"metadata.name={self.pod_name}", "resourceVersion": resource_version,
                           "timeoutSeconds": str(WATCH_SECONDS), "allowWatchBookmarks": "true"}
                 async for kind, obj in self.client.watch(f"/api/v1/namespaces/{self.namespace}/pods",
                                                          params=params, timeout=WATCH_SECONDS + 30):
                     resource_version = obj.get("metadata", {}).get("resourceVersion", resource_version)
-                    if kind == "DELETED" or (kind == "MODIFIED" and obj["metadata"].get("deletionTimestamp")):
-                        self._on_deleting()
-                        return
+                    if kind in ("ADDED", "MODIFIED", "DELETED"):
+                        self._note_pod(obj, deleted=kind == "DELETED")
                 backoff = 0.2
             except KubeGone:
                 resource_version = None
+            except KubeNotFound:
+                self._note_pod({}, deleted=True)
             except KubeError as exc:
                 log.warning("watching own pod %s failed: %s; retrying in %.1fs", self.pod_name, exc, backoff)
                 await asyncio.sleep(backoff)
