@@ -262,8 +262,9 @@ def _unlink(path: str) -> None:
 class KubeClient:
     """An API client with one aiohttp session; use ``async with`` or call ``close()``."""
 
-    def __init__(self, config: KubeConfig) -> None:
+    def __init__(self, config: KubeConfig, *, user_agent: str = "singleton-sidecar") -> None:
         self.config = config
+        self.user_agent = user_agent
         self._ssl = config.ssl_context()
         self._session: aiohttp.ClientSession | None = None
 
@@ -329,7 +330,7 @@ class KubeClient:
         return self._session
 
     def _headers(self, content_type: str | None) -> dict[str, str]:
-        headers = {"Accept": "application/json", "User-Agent": "singleton-sidecar"}
+        headers = {"Accept": "application/json", "User-Agent": self.user_agent}
         if content_type is not None:
             headers["Content-Type"] = content_type
         token = self.config.bearer_token()

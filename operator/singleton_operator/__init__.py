@@ -1,0 +1,1 @@
+"""The singleton operator: reconciles SingletonService objects into workloads with the sidecar."""

@@ -1,0 +1,89 @@
+"""``singleton-operator``: run the SingletonService operator.
+
+    singleton-operator run [--namespace NS ...] [--health-listen HOST:PORT] [--sidecar-image IMAGE]
+
+Settings: flags, then environment variables, then defaults. A bad setting exits with
+status 2 and one line naming it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import os
+import re
+import socket
+import sys
+import uuid
+from collections.abc import Mapping, Sequence
+
+from singleton_operator.runtime import OperatorConfig, run_operator
+from singleton_sidecar.config import ConfigError, Listen, _listen
+from singleton_sidecar.logs import setup_logging
+
+PROG = "singleton-operator"
+DEFAULT_SIDECAR_IMAGE = "ghcr.io/singleton-dev/singleton:0.1.0"
+_DNS1123 = re.compile(r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$")
+
+
+def parser() -> argparse.ArgumentParser:
+    top = argparse.ArgumentParser(prog=PROG, description="The singleton operator: reconciles SingletonServices.")
+    sub = top.add_subparsers(dest="action", required=True)
+    run = sub.add_parser("run", help="run the operator (one active replica; the others stand by)")
+    run.add_argument("--namespace", action="append", default=None, metavar="NS",
+                     help="watch only this namespace (repeatable; default: all) [SINGLETON_WATCH_NAMESPACES, "
+                          "comma-separated]")
+    run.add_argument("--health-listen", default=None, metavar="HOST:PORT",
+                     help="/healthz /readyz /metrics (default 0.0.0.0:8080) [SINGLETON_OPERATOR_HEALTH_LISTEN]")
+    run.add_argument("--sidecar-image", default=None, metavar="IMAGE",
+                     help=f"sidecar image injected into workloads (default {DEFAULT_SIDECAR_IMAGE}) "
+                          "[SINGLETON_SIDECAR_IMAGE]")
+    run.add_argument("--lease-namespace", default=None, metavar="NS",
+                     help="namespace of the operator's own Lease (default: its own namespace) "
+                          "[SINGLETON_OPERATOR_NAMESPACE]")
+    run.add_argument("--identity", default=None, help="election identity (default: pod name + nonce) "
+                                                      "[SINGLETON_OPERATOR_POD_NAME]")
+    run.add_argument("--kubeconfig", default=None, help="kubeconfig outside a pod [KUBECONFIG]")
+    run.add_argument("--log-format", default=None, choices=["json", "text"], help="default json")
+    run.add_argument("--log-level", default=None, choices=["debug", "info", "warning", "error"], help="default info")
+    return top
+
+
+def load(args: argparse.Namespace, environ: Mapping[str, str]) -> OperatorConfig:
+    namespaces = args.namespace or [n for n in environ.get("SINGLETON_WATCH_NAMESPACES", "").split(",") if n]
+    for namespace in namespaces:
+        if not _DNS1123.match(namespace):
+            raise ConfigError(f"--namespace (SINGLETON_WATCH_NAMESPACES): {namespace!r} is not a namespace name")
+    lease_namespace = args.lease_namespace or environ.get("SINGLETON_OPERATOR_NAMESPACE") or "default"
+    if not _DNS1123.match(lease_namespace):
+        raise ConfigError(f"--lease-namespace (SINGLETON_OPERATOR_NAMESPACE): {lease_namespace!r} is not a "
+                          "namespace name")
+    listen_text = args.health_listen or environ.get("SINGLETON_OPERATOR_HEALTH_LISTEN")
+    listen = _listen("--health-listen (SINGLETON_OPERATOR_HEALTH_LISTEN)", listen_text) if listen_text else Listen(
+        "0.0.0.0", 8080)
+    base = args.identity or environ.get("SINGLETON_OPERATOR_POD_NAME") or f"{socket.gethostname()}-{os.getpid()}"
+    return OperatorConfig(
+        identity=f"{base}/{uuid.uuid4().hex[:8]}",
+        lease_namespace=lease_namespace,
+        namespaces=tuple(namespaces),
+        sidecar_image=args.sidecar_image or environ.get("SINGLETON_SIDECAR_IMAGE") or DEFAULT_SIDECAR_IMAGE,
+        health_listen=listen,
+        kubeconfig=args.kubeconfig,
+    )
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = parser().parse_args(argv)
+    try:
+        config = load(args, os.environ)
+    except ConfigError as exc:
+        print(f"{PROG}: error: {exc}", file=sys.stderr)
+        return 2
+    setup_logging(args.log_format or os.environ.get("SINGLETON_LOG_FORMAT", "json"),  # type: ignore[arg-type]
+                  getattr(logging, (args.log_level or "info").upper()))
+    return asyncio.run(run_operator(config))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,113 @@
+"""The operator's work per group, shared by the kopf handlers: reconcile on spec changes,
+refresh the status whenever a pod or the Deployment of the group changes.
+
+Status refreshes are coalesced per group (many pod events in a burst cost one refresh),
+and run within ``REFRESH_DELAY`` of the event, well inside the 1 s the status promises.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from dataclasses import dataclass, field
+from typing import Any
+
+from singleton_operator.metrics import OperatorMetrics
+from singleton_operator.reconcile import ReconcileProblem, cr_path, observe, reconcile, write_status
+from singleton_operator.spec import GroupSpec, SpecError, read_spec
+from singleton_sidecar.kube import KubeClient, KubeError, KubeNotFound
+
+log = logging.getLogger(__name__)
+
+REFRESH_DELAY = 0.05
+CALL_TIMEOUT = 10.0
+
+GroupKey = tuple[str, str]
+
+
+@dataclass
+class Groups:
+    client: KubeClient
+    sidecar_image: str
+    metrics: OperatorMetrics
+    problems: dict[GroupKey, ReconcileProblem] = field(default_factory=dict)
+    _dirty: set[GroupKey] = field(default_factory=set)
+    _wake: asyncio.Event = field(default_factory=asyncio.Event)
+
+    def spec_of(self, body: dict[str, Any]) -> GroupSpec:
+        return read_spec(body, default_sidecar_image=self.sidecar_image)
+
+    async def reconcile(self, body: dict[str, Any]) -> None:
+        """Apply the group's objects; remember (and raise) a problem the user must fix."""
+        key = (body["metadata"]["namespace"], body["metadata"]["name"])
+        self.metrics.reconciles.inc()
+        try:
+            spec = self.spec_of(body)
+        except SpecError as exc:
+            self.problems[key] = ReconcileProblem("InvalidSpec", str(exc))
+            self.mark(*key)
+            self.metrics.reconcile_errors.inc()
+            raise
+        try:
+            await reconcile(self.client, spec)
+        except ReconcileProblem as exc:
+            self.problems[key] = exc
+            self.metrics.reconcile_errors.inc()
+            log.warning("group %s/%s: %s: %s", *key, exc.reason, exc.message)
+            raise
+        finally:
+            self.mark(*key)
+        self.problems.pop(key, None)
+
+    async def repair(self, namespace: str, name: str) -> None:
+        """Re-apply a group whose owned object vanished (if the group still exists)."""
+        try:
+            body = await self.client.request("GET", cr_path(namespace, name), timeout=CALL_TIMEOUT)
+        except KubeNotFound:
+            return
+        if body["metadata"].get("deletionTimestamp"):
+            return
+        try:
+            await self.reconcile(body)
+        except (SpecError, ReconcileProblem):
+            return
+
+    def forget(self, namespace: str, name: str) -> None:
+        self.problems.pop((namespace, name), None)
+        self._dirty.discard((namespace, name))
+
+    def mark(self, namespace: str, name: str) -> None:
+        """Refresh this group's status soon."""
+        self._dirty.add((namespace, name))
+        self._wake.set()
+
+    async def run_refresher(self) -> None:
+        while True:
+            await self._wake.wait()
+            await asyncio.sleep(REFRESH_DELAY)
+            self._wake.clear()
+            dirty, self._dirty = self._dirty, set()
+            for key in dirty:
+                try:
+                    await self.refresh(*key)
+                except KubeError as exc:
+                    log.warning("group %s/%s: status refresh failed: %s; retrying", *key, exc)
+                    self._dirty.add(key)
+                    self._wake.set()
+                    await asyncio.sleep(1.0)
+
+    async def refresh(self, namespace: str, name: str) -> None:
+        try:
+            body = await self.client.request("GET", cr_path(namespace, name), timeout=CALL_TIMEOUT)
+        except KubeNotFound:
+            self.forget(namespace, name)
+            return
+        if body["metadata"].get("deletionTimestamp"):
+            return
+        try:
+            spec = self.spec_of(body)
+        except SpecError:
+            return
+        observed = await observe(self.client, spec, self.problems.get((namespace, name)))
+        if await write_status(self.client, spec, body.get("status") or {}, observed):
+            self.metrics.status_updates.inc()

@@ -1,0 +1,78 @@
+"""kopf handlers: thin, they hand every event to ``Groups`` (found in kopf's ``memo``)."""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+import kopf
+
+from singleton_operator.groups import Groups
+from singleton_operator.reconcile import ReconcileProblem
+from singleton_operator.resources import LABEL_MANAGED_BY, MANAGED_BY
+from singleton_operator.spec import SpecError
+from singleton_sidecar import contract
+
+RETRY_DELAY = 15
+OWNED = {LABEL_MANAGED_BY: MANAGED_BY}
+
+
+def registry() -> kopf.OperatorRegistry:
+    """A fresh registry with our handlers (one per operator instance, for tests too)."""
+    reg = kopf.OperatorRegistry()
+    resource = (contract.API_GROUP, contract.API_VERSION, contract.PLURAL)
+
+    @kopf.on.startup(registry=reg)
+    def configure(settings: kopf.OperatorSettings, **_: Any) -> None:
+        prefix = f"operator.{contract.API_GROUP}"
+        settings.persistence.progress_storage = kopf.AnnotationsProgressStorage(prefix=prefix)
+        settings.persistence.diffbase_storage = kopf.AnnotationsDiffBaseStorage(
+            prefix=prefix, key="last-handled-configuration")
+        settings.persistence.finalizer = f"{prefix}/finalizer"
+        settings.peering.standalone = True  # one active replica: our own Lease election
+        settings.posting.level = logging.WARNING
+        settings.watching.server_timeout = 300
+        settings.networking.request_timeout = 30
+
+    @kopf.on.resume(*resource, registry=reg)
+    @kopf.on.create(*resource, registry=reg)
+    @kopf.on.update(*resource, field="spec", registry=reg)
+    async def reconcile(body: kopf.Body, memo: Any, **_: Any) -> None:
+        groups: Groups = memo["groups"]
+        try:
+            await groups.reconcile(dict(body))
+        except SpecError as exc:
+            raise kopf.PermanentError(str(exc)) from exc
+        except ReconcileProblem as exc:
+            # The user may fix it at any time (create the Secret, grant RBAC): try again.
+            raise kopf.TemporaryError(f"{exc.reason}: {exc.message}", delay=RETRY_DELAY) from exc
+
+    @kopf.on.delete(*resource, registry=reg, optional=True)
+    async def deleted(namespace: str | None, name: str, memo: Any, **_: Any) -> None:
+        # Owned objects go with their owner (ownerReferences); forget our bookkeeping.
+        if namespace:
+            memo["groups"].forget(namespace, name)
+
+    @kopf.timer(*resource, interval=30, idle=5, registry=reg)
+    async def refresh_periodically(namespace: str | None, name: str, memo: Any, **_: Any) -> None:
+        if namespace:
+            memo["groups"].mark(namespace, name)
+
+    @kopf.on.event("v1", "pods", labels=OWNED, registry=reg)
+    async def pod_changed(labels: kopf.Labels, namespace: str | None, memo: Any, **_: Any) -> None:
+        group = labels.get(contract.LABEL_GROUP)
+        if group and namespace:
+            memo["groups"].mark(namespace, group)
+
+    @kopf.on.event("apps", "v1", "deployments", labels=OWNED, registry=reg)
+    async def deployment_changed(event: kopf.RawEvent, name: str, namespace: str | None, memo: Any,
+                                 **_: Any) -> None:
+        if not namespace:
+            return
+        groups: Groups = memo["groups"]
+        groups.mark(namespace, name)
+        if event.get("type") == "DELETED":
+            # Deleted by someone else while its owner lives: put it back.
+            await groups.repair(namespace, name)
+
+    return reg

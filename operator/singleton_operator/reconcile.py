@@ -1,0 +1,191 @@
+"""Talking to the API server for one group: apply the owned objects, check its inputs,
+observe its pods, write its status and Events.
+
+Applies are server-side (one field manager, forced), so a reconcile is idempotent and
+survives operator restarts: the API server merges, nothing is computed from a cache.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import datetime as dt
+import logging
+import re
+from typing import Any
+
+import asyncpg
+
+from singleton_operator import resources
+from singleton_operator.spec import GroupSpec
+from singleton_operator.status import Observed, compute_status, status_changed
+from singleton_sidecar import contract
+from singleton_sidecar.kube import KubeClient, KubeError, KubeForbidden, KubeNotFound
+
+log = logging.getLogger(__name__)
+
+CALL_TIMEOUT = 10.0
+POSTGRES_CHECK_TIMEOUT = 5.0
+
+_PATHS = {
+    ("v1", "ServiceAccount"): "/api/v1/namespaces/{ns}/serviceaccounts",
+    ("v1", "Service"): "/api/v1/namespaces/{ns}/services",
+    ("rbac.authorization.k8s.io/v1", "Role"): "/apis/rbac.authorization.k8s.io/v1/namespaces/{ns}/roles",
+    ("rbac.authorization.k8s.io/v1", "RoleBinding"):
+        "/apis/rbac.authorization.k8s.io/v1/namespaces/{ns}/rolebindings",
+    ("apps/v1", "Deployment"): "/apis/apps/v1/namespaces/{ns}/deployments",
+    ("policy/v1", "PodDisruptionBudget"): "/apis/policy/v1/namespaces/{ns}/poddisruptionbudgets",
+}
+
+
+class ReconcileProblem(Exception):
+    """Something the user must fix; ``reason`` is a CamelCase word for conditions and Events."""
+
+    def __init__(self, reason: str, message: str) -> None:
+        super().__init__(message)
+        self.reason = reason
+        self.message = message
+
+
+def object_path(api_version: str, kind: str, namespace: str, name: str | None = None) -> str:
+    collection = _PATHS[(api_version, kind)].format(ns=namespace)
+    return collection if name is None else f"{collection}/{name}"
+
+
+def cr_path(namespace: str, name: str) -> str:
+    return f"/apis/{contract.API_GROUP}/{contract.API_VERSION}/namespaces/{namespace}/{contract.PLURAL}/{name}"
+
+
+async def apply(client: KubeClient, obj: dict[str, Any]) -> dict[str, Any]:
+    path = object_path(obj["apiVersion"], obj["kind"], obj["metadata"]["namespace"], obj["metadata"]["name"])
+    return await client.request("PATCH", path, body=obj, content_type="application/apply-patch+yaml",
+                                params={"fieldManager": resources.FIELD_MANAGER, "force": "true"},
+                                timeout=CALL_TIMEOUT)
+
+
+async def delete_if_present(client: KubeClient, api_version: str, kind: str, namespace: str, name: str) -> None:
+    try:
+        await client.request("DELETE", object_path(api_version, kind, namespace, name), timeout=CALL_TIMEOUT)
+    except KubeNotFound:
+        return
+
+
+_DSN_PASSWORD = re.compile(r"(://[^:/@]*:)[^@]*@")
+
+
+def _redact(text: str) -> str:
+    return _DSN_PASSWORD.sub(r"\1***@", text)
+
+
+async def check_postgres(client: KubeClient, spec: GroupSpec) -> None:
+    """The Secret exists, holds the key, and its DSN reaches PostgreSQL."""
+    assert spec.postgres_secret is not None
+    where = f"Secret {spec.namespace}/{spec.postgres_secret}"
+    try:
+        secret = await client.request("GET", f"/api/v1/namespaces/{spec.namespace}/secrets/{spec.postgres_secret}",
+                                      timeout=CALL_TIMEOUT)
+    except KubeNotFound:
+        raise ReconcileProblem("SecretNotFound", f"{where} (spec.postgres.secretRef.name) does not exist") from None
+    except KubeForbidden as exc:
+        raise ReconcileProblem("RBACDenied", f"the operator may not read {where}: {exc}") from None
+    data = secret.get("data") or {}
+    if spec.postgres_secret_key not in data:
+        keys = ", ".join(sorted(data)) or "none"
+        raise ReconcileProblem("SecretKeyMissing", f"{where} has no key {spec.postgres_secret_key!r} "
+                               f"(spec.postgres.secretRef.key); its keys: {keys}")
+    dsn = base64.b64decode(data[spec.postgres_secret_key]).decode(errors="replace").strip()
+    if not dsn.startswith(("postgres://", "postgresql://")):
+        raise ReconcileProblem("InvalidDSN", f"{where} key {spec.postgres_secret_key!r} is not a postgres:// or "
+                               "postgresql:// URL")
+    try:
+        conn = await asyncpg.connect(dsn, timeout=POSTGRES_CHECK_TIMEOUT)
+    except (OSError, asyncpg.PostgresError, asyncpg.InterfaceError, TimeoutError) as exc:
+        raise ReconcileProblem("PostgresUnreachable", f"cannot connect with the DSN in {where}: "
+                               f"{type(exc).__name__}: {_redact(str(exc))}") from None
+    await conn.close()
+
+
+def desired_objects(spec: GroupSpec) -> list[dict[str, Any]]:
+    objects = [resources.service_account(spec), resources.role(spec), resources.role_binding(spec),
+               resources.deployment(spec)]
+    for optional in (resources.leader_service(spec), resources.pod_disruption_budget(spec)):
+        if optional is not None:
+            objects.append(optional)
+    return objects
+
+
+async def reconcile(client: KubeClient, spec: GroupSpec) -> None:
+    """Make the owned objects match ``spec``. Inputs are checked first and nothing is
+    applied while one is wrong: a new group gets no pods stuck on a missing Secret, and a
+    running one keeps its pods (they hold their DSN) until the problem is fixed."""
+    if spec.uses_postgres:
+        await check_postgres(client, spec)
+    try:
+        for obj in desired_objects(spec):
+            await apply(client, obj)
+        if resources.leader_service(spec) is None:
+            await delete_if_present(client, "v1", "Service", spec.namespace, resources.leader_service_name(spec))
+        if resources.pod_disruption_budget(spec) is None:
+            await delete_if_present(client, "policy/v1", "PodDisruptionBudget", spec.namespace, spec.name)
+    except KubeForbidden as exc:
+        raise ReconcileProblem("RBACDenied", f"the operator was refused: {exc}") from None
+    except KubeError as exc:
+        if exc.status == 422:
+            raise ReconcileProblem("InvalidTemplate", f"the API server rejected the workload: {exc}") from None
+        raise
+
+
+async def observe(client: KubeClient, spec: GroupSpec, problem: ReconcileProblem | None = None) -> Observed:
+    selector = ",".join(f"{k}={v}" for k, v in resources.selector_labels(spec).items())
+    pods, deployment = await asyncio.gather(
+        client.request("GET", f"/api/v1/namespaces/{spec.namespace}/pods", params={"labelSelector": selector},
+                       timeout=CALL_TIMEOUT),
+        _get_or_none(client, object_path("apps/v1", "Deployment", spec.namespace, spec.name)),
+    )
+    return Observed(pods=pods.get("items") or [], deployment=deployment,
+                    problem=problem.message if problem else None,
+                    problem_reason=problem.reason if problem else "ReconcileFailed")
+
+
+async def _get_or_none(client: KubeClient, path: str) -> dict[str, Any] | None:
+    try:
+        return await client.request("GET", path, timeout=CALL_TIMEOUT)
+    except KubeNotFound:
+        return None
+
+
+async def write_status(client: KubeClient, spec: GroupSpec, current: dict[str, Any], observed: Observed) -> bool:
+    """Patch ``.status`` if it changed; post an Event when the leader changed. Returns
+    whether anything was written."""
+    new = compute_status(spec, observed, current)
+    if not status_changed(current, new):
+        return False
+    await client.request("PATCH", cr_path(spec.namespace, spec.name) + "/status", body={"status": new},
+                         content_type="application/merge-patch+json", timeout=CALL_TIMEOUT)
+    if new["leader"] is not None and new["leader"] != current.get("leader"):
+        was = current.get("leader")
+        message = (f"pod {new['leader']} leads with token {new['token']}"
+                   + (f" (was {was})" if was else ""))
+        await post_event(client, spec, "LeaderChanged", message)
+    if new["phase"] == "Failed" and current.get("phase") != "Failed":
+        await post_event(client, spec, observed.problem_reason, new["message"], warning=True)
+    return True
+
+
+async def post_event(client: KubeClient, spec: GroupSpec, reason: str, message: str, *,
+                     warning: bool = False) -> None:
+    now = dt.datetime.now(dt.UTC).isoformat(timespec="seconds").replace("+00:00", "Z")
+    event = {
+        "apiVersion": "v1", "kind": "Event",
+        "metadata": {"generateName": f"{spec.name}.", "namespace": spec.namespace},
+        "involvedObject": {"apiVersion": f"{contract.API_GROUP}/{contract.API_VERSION}", "kind": contract.KIND,
+                           "namespace": spec.namespace, "name": spec.name, "uid": spec.uid},
+        "reason": reason, "message": message[:1000], "type": "Warning" if warning else "Normal",
+        "source": {"component": resources.MANAGED_BY}, "firstTimestamp": now, "lastTimestamp": now, "count": 1,
+        "reportingComponent": f"{contract.API_GROUP}/operator", "reportingInstance": resources.MANAGED_BY,
+    }
+    try:
+        await client.request("POST", f"/api/v1/namespaces/{spec.namespace}/events", body=event,
+                             timeout=CALL_TIMEOUT)
+    except KubeError as exc:
+        log.warning("event not recorded group=%s/%s reason=%s error=%s", spec.namespace, spec.name, reason, exc)

@@ -1,0 +1,224 @@
+"""The objects a SingletonService owns, built as plain dicts (pure; no I/O).
+
+Per group: a ServiceAccount, Role and RoleBinding for its sidecars; a Deployment whose
+pods carry the sidecar; an optional leader-only Service; a PodDisruptionBudget.
+
+Rollouts cannot deadlock: pod readiness means "ready to lead" (the sidecar's
+``/candidate``), not "leads", so a new pod becomes Ready while the old one leads. Traffic
+reaches only the leader through the leader Service, which selects the role label the
+sidecar keeps on its own pod. The Deployment replaces one pod at a time
+(maxSurge 1, maxUnavailable 0), and the leader's pod carries a high
+``pod-deletion-cost``, so the old ReplicaSet removes its standbys first and the leader
+last, when every other pod is of the new revision: exactly one handover per rollout,
+to a new pod.
+"""
+
+from __future__ import annotations
+
+import copy
+from typing import Any
+
+from singleton_operator.spec import GroupSpec
+from singleton_sidecar import contract
+
+SIDECAR_CONTAINER = "singleton-sidecar"
+GATE_VOLUME = "singleton-gate"
+GATE_DIR = "/var/run/singleton"
+FIELD_MANAGER = "singleton-operator"
+LABEL_MANAGED_BY = "app.kubernetes.io/managed-by"
+LABEL_INSTANCE = "app.kubernetes.io/instance"
+LABEL_PART_OF = "app.kubernetes.io/part-of"
+MANAGED_BY = "singleton-operator"
+
+
+def sidecar_account(spec: GroupSpec) -> str:
+    """Name of the group's ServiceAccount, Role and RoleBinding (the chart's admission policy
+    recognises sidecars by this prefix)."""
+    return f"singleton-sidecar-{spec.name}"
+
+
+def leader_service_name(spec: GroupSpec) -> str:
+    return f"{spec.name}-leader"
+
+
+def selector_labels(spec: GroupSpec) -> dict[str, str]:
+    return {contract.LABEL_GROUP: spec.name}
+
+
+def common_labels(spec: GroupSpec) -> dict[str, str]:
+    return {LABEL_MANAGED_BY: MANAGED_BY, LABEL_INSTANCE: spec.name, LABEL_PART_OF: "singleton"}
+
+
+def owner_reference(spec: GroupSpec) -> dict[str, Any]:
+    return {"apiVersion": f"{contract.API_GROUP}/{contract.API_VERSION}", "kind": contract.KIND,
+            "name": spec.name, "uid": spec.uid, "controller": True, "blockOwnerDeletion": True}
+
+
+def _metadata(spec: GroupSpec, name: str, **extra: Any) -> dict[str, Any]:
+    return {"name": name, "namespace": spec.namespace, "labels": {**common_labels(spec), **selector_labels(spec)},
+            "ownerReferences": [owner_reference(spec)], **extra}
+
+
+def service_account(spec: GroupSpec) -> dict[str, Any]:
+    return {"apiVersion": "v1", "kind": "ServiceAccount", "metadata": _metadata(spec, sidecar_account(spec))}
+
+
+def role(spec: GroupSpec) -> dict[str, Any]:
+    return {"apiVersion": "rbac.authorization.k8s.io/v1", "kind": "Role",
+            "metadata": _metadata(spec, sidecar_account(spec)), "rules": contract.sidecar_rbac_rules(spec.name)}
+
+
+def role_binding(spec: GroupSpec) -> dict[str, Any]:
+    accounts = {sidecar_account(spec)}
+    user_account = (spec.template.get("spec") or {}).get("serviceAccountName")
+    if user_account:
+        accounts.add(user_account)
+    return {"apiVersion": "rbac.authorization.k8s.io/v1", "kind": "RoleBinding",
+            "metadata": _metadata(spec, sidecar_account(spec)),
+            "roleRef": {"apiGroup": "rbac.authorization.k8s.io", "kind": "Role", "name": sidecar_account(spec)},
+            "subjects": [{"kind": "ServiceAccount", "name": a, "namespace": spec.namespace} for a in sorted(accounts)]}
+
+
+def _field_env(name: str, path: str) -> dict[str, Any]:
+    return {"name": name, "valueFrom": {"fieldRef": {"fieldPath": path}}}
+
+
+def _seconds(value: float) -> str:
+    return f"{value:g}"
+
+
+def sidecar_env(spec: GroupSpec) -> list[dict[str, Any]]:
+    timings = spec.timings
+    env: list[dict[str, Any]] = [
+        {"name": contract.ENV_GROUP, "value": spec.name},
+        {"name": contract.ENV_BACKEND, "value": spec.backend},
+        _field_env(contract.ENV_NAMESPACE, "metadata.namespace"),
+        _field_env(contract.ENV_POD_NAME, "metadata.name"),
+        _field_env(contract.ENV_POD_UID, "metadata.uid"),
+        {"name": contract.ENV_LISTEN, "value": f"0.0.0.0:{spec.sidecar_port}"},
+        {"name": contract.ENV_CONTROL_LISTEN, "value": f"127.0.0.1:{spec.sidecar_port + 1}"},
+        {"name": contract.ENV_LEASE_DURATION, "value": _seconds(timings.lease_duration)},
+        {"name": contract.ENV_RENEW_DEADLINE, "value": _seconds(timings.renew_deadline)},
+        {"name": contract.ENV_RETRY_PERIOD, "value": _seconds(timings.retry_period)},
+        {"name": contract.ENV_DRAIN_TIMEOUT, "value": _seconds(spec.drain_timeout)},
+        {"name": contract.ENV_DRAIN_WAIT_CONTAINER, "value": spec.main_container},
+        {"name": contract.ENV_LOG_FORMAT, "value": "json"},
+        {"name": contract.ENV_LOG_LEVEL, "value": spec.sidecar_log_level},
+    ]
+    if spec.drain_hook_url:
+        env.append({"name": contract.ENV_DRAIN_URL, "value": spec.drain_hook_url})
+    if spec.gating == "file":
+        env.append({"name": contract.ENV_GATE_DIR, "value": GATE_DIR})
+    if spec.uses_postgres:
+        env.append({"name": contract.ENV_POSTGRES_DSN, "valueFrom": {"secretKeyRef": {
+            "name": spec.postgres_secret, "key": spec.postgres_secret_key}}})
+    return env
+
+
+def _probe(path: str, port: int, *, period: int, failures: int) -> dict[str, Any]:
+    return {"httpGet": {"path": path, "port": port}, "periodSeconds": period, "failureThreshold": failures,
+            "timeoutSeconds": 1}
+
+
+def sidecar_container(spec: GroupSpec) -> dict[str, Any]:
+    """A native sidecar (an init container that keeps running): it starts before the app,
+    and the kubelet stops it only after the app has stopped."""
+    container: dict[str, Any] = {
+        "name": SIDECAR_CONTAINER,
+        "image": spec.sidecar_image,
+        "command": ["singleton-sidecar", "run"],
+        "restartPolicy": "Always",
+        "env": sidecar_env(spec),
+        "ports": [{"name": "singleton", "containerPort": spec.sidecar_port, "protocol": "TCP"}],
+        "startupProbe": _probe("/livez", spec.sidecar_port, period=1, failures=60),
+        "readinessProbe": _probe("/candidate", spec.sidecar_port, period=1, failures=1),
+        "livenessProbe": _probe("/livez", spec.sidecar_port, period=5, failures=3),
+        "resources": spec.sidecar_resources or {"requests": {"cpu": "10m", "memory": "64Mi"},
+                                                "limits": {"memory": "128Mi"}},
+        "securityContext": {"runAsNonRoot": True, "readOnlyRootFilesystem": True,
+                            "allowPrivilegeEscalation": False, "capabilities": {"drop": ["ALL"]}},
+    }
+    if spec.gating == "file":
+        container["volumeMounts"] = [{"name": GATE_VOLUME, "mountPath": GATE_DIR}]
+    return container
+
+
+def _gated_command(command: list[str]) -> list[str]:
+    # gate.sh is written by the sidecar; the native sidecar starts first, but wait anyway
+    # so the wrapper also works if the app container starts early.
+    script = (f'while [ ! -f {GATE_DIR}/gate.sh ]; do sleep 0.2; done; '
+              f'exec /bin/sh {GATE_DIR}/gate.sh "$@"')
+    return ["/bin/sh", "-c", script, "singleton-gate", *command]
+
+
+def _main_container(spec: GroupSpec, container: dict[str, Any]) -> dict[str, Any]:
+    main = copy.deepcopy(container)
+    env = [e for e in main.get("env") or [] if e.get("name") not in ("SINGLETON_LEADER_URL", contract.ENV_GROUP)]
+    env += [{"name": "SINGLETON_LEADER_URL", "value": f"http://127.0.0.1:{spec.sidecar_port}/leader"},
+            {"name": contract.ENV_GROUP, "value": spec.name}]
+    main["env"] = env
+    if "readinessProbe" not in main:
+        # Ready to take over, not "leading": see the module docstring.
+        main["readinessProbe"] = _probe("/candidate", spec.sidecar_port, period=1, failures=1)
+    if spec.gating == "file":
+        main["command"] = _gated_command(list(main["command"]))
+        main["volumeMounts"] = [*(main.get("volumeMounts") or []), {"name": GATE_VOLUME, "mountPath": GATE_DIR}]
+    return main
+
+
+def pod_template(spec: GroupSpec) -> dict[str, Any]:
+    template = copy.deepcopy(spec.template)
+    metadata = template.setdefault("metadata", {})
+    metadata["labels"] = {**(metadata.get("labels") or {}), **common_labels(spec), **selector_labels(spec)}
+    pod = template.setdefault("spec", {})
+    pod["containers"] = [_main_container(spec, c) if c["name"] == spec.main_container else c
+                         for c in pod["containers"]]
+    pod["initContainers"] = [sidecar_container(spec), *(pod.get("initContainers") or [])]
+    pod.setdefault("serviceAccountName", sidecar_account(spec))
+    pod["terminationGracePeriodSeconds"] = spec.termination_grace
+    if spec.gating == "file":
+        pod["volumes"] = [*(pod.get("volumes") or []), {"name": GATE_VOLUME, "emptyDir": {"medium": "Memory"}}]
+    return template
+
+
+def deployment(spec: GroupSpec) -> dict[str, Any]:
+    return {
+        "apiVersion": "apps/v1", "kind": "Deployment",
+        "metadata": _metadata(spec, spec.name),
+        "spec": {
+            "replicas": spec.replicas,
+            "selector": {"matchLabels": selector_labels(spec)},
+            "strategy": {"type": "RollingUpdate", "rollingUpdate": {"maxSurge": 1, "maxUnavailable": 0}},
+            "minReadySeconds": 0,
+            "revisionHistoryLimit": 5,
+            "template": pod_template(spec),
+        },
+    }
+
+
+def leader_service(spec: GroupSpec) -> dict[str, Any] | None:
+    if not spec.service_ports:
+        return None
+    ports = []
+    for port in spec.service_ports:
+        entry: dict[str, Any] = {"port": port.port, "protocol": port.protocol,
+                                 "targetPort": port.target_port if port.target_port is not None else port.port}
+        if port.name:
+            entry["name"] = port.name
+        ports.append(entry)
+    return {
+        "apiVersion": "v1", "kind": "Service",
+        "metadata": _metadata(spec, leader_service_name(spec), annotations=spec.service_annotations),
+        "spec": {"type": spec.service_type, "ports": ports,
+                 "selector": {**selector_labels(spec), contract.LABEL_ROLE: contract.ROLE_LEADER}},
+    }
+
+
+def pod_disruption_budget(spec: GroupSpec) -> dict[str, Any] | None:
+    if not spec.pdb_enabled:
+        return None
+    return {
+        "apiVersion": "policy/v1", "kind": "PodDisruptionBudget",
+        "metadata": _metadata(spec, spec.name),
+        "spec": {"maxUnavailable": 1, "selector": {"matchLabels": selector_labels(spec)}},
+    }
