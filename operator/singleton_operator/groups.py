@@ -15,11 +15,13 @@ from typing import Any
 from singleton_operator.metrics import OperatorMetrics
 from singleton_operator.reconcile import ReconcileProblem, cr_path, observe, reconcile, write_status
 from singleton_operator.spec import GroupSpec, SpecError, read_spec
+from singleton_sidecar import contract
 from singleton_sidecar.kube import KubeClient, KubeError, KubeNotFound
 
 log = logging.getLogger(__name__)
 
 REFRESH_DELAY = 0.05
+PERIODIC_REFRESH = 30.0
 CALL_TIMEOUT = 10.0
 
 GroupKey = tuple[str, str]
@@ -95,6 +97,21 @@ class Groups:
                     self._dirty.add(key)
                     self._wake.set()
                     await asyncio.sleep(1.0)
+
+    async def run_periodic(self, namespaces: tuple[str, ...], interval: float = PERIODIC_REFRESH) -> None:
+        """Refresh every group now and then, as a safety net for missed events."""
+        while True:
+            await asyncio.sleep(interval)
+            paths = [f"/apis/{contract.API_GROUP}/{contract.API_VERSION}/namespaces/{ns}/{contract.PLURAL}"
+                     for ns in namespaces] or [f"/apis/{contract.API_GROUP}/{contract.API_VERSION}/{contract.PLURAL}"]
+            for path in paths:
+                try:
+                    listing = await self.client.request("GET", path, timeout=CALL_TIMEOUT)
+                except KubeError as exc:
+                    log.warning("periodic refresh: listing %s failed: %s", path, exc)
+                    continue
+                for item in listing.get("items") or []:
+                    self.mark(item["metadata"]["namespace"], item["metadata"]["name"])
 
     async def refresh(self, namespace: str, name: str) -> None:
         try:

@@ -12,14 +12,24 @@ from singleton_operator.reconcile import ReconcileProblem
 from singleton_operator.resources import LABEL_MANAGED_BY, MANAGED_BY
 from singleton_operator.spec import SpecError
 from singleton_sidecar import contract
+from singleton_sidecar.kube import KubeConfig
 
-RETRY_DELAY = 15
+RETRY_DELAY = 5
 OWNED = {LABEL_MANAGED_BY: MANAGED_BY}
 
 
-def registry() -> kopf.OperatorRegistry:
+def registry(kube_config: KubeConfig) -> kopf.OperatorRegistry:
     """A fresh registry with our handlers (one per operator instance, for tests too)."""
     reg = kopf.OperatorRegistry()
+
+    @kopf.on.login(registry=reg)
+    def login(**_: Any) -> kopf.ConnectionInfo:
+        # The same credentials as our own client; called again by kopf on a 401, so a
+        # rotated service-account token is re-read.
+        return kopf.ConnectionInfo(
+            server=kube_config.server, ca_data=kube_config.ca_data, insecure=kube_config.insecure,
+            token=kube_config.bearer_token(), certificate_path=kube_config.client_cert_file,
+            private_key_path=kube_config.client_key_file, default_namespace=kube_config.namespace)
     resource = (contract.API_GROUP, contract.API_VERSION, contract.PLURAL)
 
     @kopf.on.startup(registry=reg)
@@ -52,11 +62,6 @@ def registry() -> kopf.OperatorRegistry:
         # Owned objects go with their owner (ownerReferences); forget our bookkeeping.
         if namespace:
             memo["groups"].forget(namespace, name)
-
-    @kopf.timer(*resource, interval=30, idle=5, registry=reg)
-    async def refresh_periodically(namespace: str | None, name: str, memo: Any, **_: Any) -> None:
-        if namespace:
-            memo["groups"].mark(namespace, name)
 
     @kopf.on.event("v1", "pods", labels=OWNED, registry=reg)
     async def pod_changed(labels: kopf.Labels, namespace: str | None, memo: Any, **_: Any) -> None:

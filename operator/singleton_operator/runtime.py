@@ -34,6 +34,7 @@ log = logging.getLogger(__name__)
 
 LEASE_NAME = "singleton-operator"
 EXIT_LOST_LEADERSHIP = 3
+KOPF_STOP_GRACE = 2.0
 
 
 @dataclass(frozen=True)
@@ -122,30 +123,44 @@ async def _first(*events: asyncio.Event) -> asyncio.Event:
 async def _run_kopf_while_leading(config: OperatorConfig, client: KubeClient, metrics: OperatorMetrics,
                                   lost: asyncio.Event, stopping: asyncio.Event) -> int:
     groups = Groups(client=client, sidecar_image=config.sidecar_image, metrics=metrics)
-    stop_flag: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+    loop = asyncio.get_running_loop()
+    stop_flag: asyncio.Future[None] = loop.create_future()
+    ready_flag: asyncio.Future[None] = loop.create_future()
     kopf_task = asyncio.create_task(kopf.operator(
-        registry=registry(), memo=kopf.Memo(groups=groups), stop_flag=stop_flag,
-        clusterwide=not config.namespaces, namespaces=list(config.namespaces), standalone=True,
+        registry=registry(client.config), memo=kopf.Memo(groups=groups), stop_flag=stop_flag,
+        ready_flag=ready_flag, clusterwide=not config.namespaces, namespaces=list(config.namespaces),
+        standalone=True,
     ), name="kopf")
-    refresher = asyncio.create_task(groups.run_refresher(), name="status-refresher")
+    helpers = [asyncio.create_task(groups.run_refresher(), name="status-refresher"),
+               asyncio.create_task(groups.run_periodic(config.namespaces), name="periodic-refresh")]
     try:
+        await _first(_future_event(ready_flag), _done_event(kopf_task))
+        # kopf installs its own SIGTERM handler; ours must decide the order of shutdown.
+        for signum in (signal.SIGTERM, signal.SIGINT):
+            loop.add_signal_handler(signum, stopping.set)
         ended = await _first(lost, stopping, _done_event(kopf_task))
         if ended is lost:
             log.error("lost the operator lease: stopping kopf at once and exiting")
-            kopf_task.cancel()
             return EXIT_LOST_LEADERSHIP
         if ended is stopping:
             log.info("stopping: kopf first, then the lease is released")
             stop_flag.set_result(None)
+            # Handlers are idempotent: a short grace, then cancel whatever still runs.
             with contextlib.suppress(asyncio.CancelledError, TimeoutError):
-                await asyncio.wait_for(kopf_task, timeout=20)
+                await asyncio.wait_for(asyncio.shield(kopf_task), timeout=KOPF_STOP_GRACE)
             return 0
         log.error("kopf ended on its own: %s", kopf_task.exception() if not kopf_task.cancelled() else "cancelled")
         return 1
     finally:
-        for task in (refresher, kopf_task):
+        for task in (*helpers, kopf_task):
             task.cancel()
-        await asyncio.gather(refresher, kopf_task, return_exceptions=True)
+        await asyncio.gather(*helpers, kopf_task, return_exceptions=True)
+
+
+def _future_event(future: asyncio.Future[None]) -> asyncio.Event:
+    event = asyncio.Event()
+    future.add_done_callback(lambda _f: event.set())
+    return event
 
 
 def _done_event(task: asyncio.Task[None]) -> asyncio.Event:

@@ -1,0 +1,224 @@
+"""The operator process against the real API server (and controller-manager where owned
+objects must be garbage-collected): owned objects, status from pods, bad inputs, HA.
+
+Pods do not run here (that is the end-to-end suite with the kubelet stand-in): the tests
+play the sidecars by writing their annotations on the pods the Deployment created."""
+
+from __future__ import annotations
+
+import base64
+import json
+import signal
+import time
+import uuid
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from singleton_sidecar import contract
+from tests.conftest import Cluster
+from tests.kubehelpers import get_json
+from tests.operators import OperatorProcess
+from tests.sidecars import wait_for
+
+Factory = Callable[..., OperatorProcess]
+
+
+@pytest.fixture
+def operators(cluster: Cluster, singleton_crd: Path, namespace: str, tmp_path: Path) -> Iterator[Factory]:
+    started: list[OperatorProcess] = []
+
+    def make(name: str = "op-a") -> OperatorProcess:
+        # Watch only this test's namespace, so operators of parallel tests don't meet.
+        op = OperatorProcess(cluster.kubeconfig, namespace, tmp_path / f"{name}.log", name=name,
+                             extra_args=["--namespace", namespace])
+        started.append(op.start())
+        return op
+
+    yield make
+    for op in started:
+        op.stop()
+
+
+def service(name: str, **spec: Any) -> str:
+    body = {"apiVersion": "singleton.dev/v1alpha1", "kind": "SingletonService", "metadata": {"name": name},
+            "spec": {"replicas": 2, "template": {"spec": {"containers": [
+                {"name": "app", "image": "example.invalid/app:1", "command": ["sleep", "infinity"]}]}}, **spec}}
+    return json.dumps(body)
+
+
+def cr(cluster: Cluster, namespace: str, name: str) -> dict[str, Any]:
+    return get_json(cluster, "singletonservice", name, "-n", namespace)
+
+
+def condition(obj: dict[str, Any], kind: str) -> dict[str, Any] | None:
+    return next((c for c in (obj.get("status") or {}).get("conditions") or [] if c["type"] == kind), None)
+
+
+def exists(cluster: Cluster, namespace: str, kind: str, name: str) -> bool:
+    return cluster.kubectl("get", kind, name, "-n", namespace, check=False).returncode == 0
+
+
+def test_owned_objects_are_created_with_owner_references(cluster: Cluster, namespace: str,
+                                                         operators: Factory) -> None:
+    operators()
+    name = "feed-" + uuid.uuid4().hex[:4]
+    cluster.apply(service(name, service={"ports": [{"port": 80}]}), namespace=namespace)
+    account = f"singleton-sidecar-{name}"
+    for kind, obj in [("deployment", name), ("serviceaccount", account), ("role", account),
+                      ("rolebinding", account), ("service", f"{name}-leader"), ("pdb", name)]:
+        found = wait_for(lambda k=kind, o=obj: exists(cluster, namespace, k, o) or None, 20, f"{kind} {obj}", 0.2)
+        assert found
+        owner = get_json(cluster, kind, obj, "-n", namespace)["metadata"]["ownerReferences"][0]
+        assert (owner["kind"], owner["name"], owner["controller"]) == ("SingletonService", name, True)
+    deployment = get_json(cluster, "deployment", name, "-n", namespace)
+    sidecar = deployment["spec"]["template"]["spec"]["initContainers"][0]
+    assert sidecar["name"] == "singleton-sidecar" and sidecar["restartPolicy"] == "Always"
+    status = wait_for(lambda: (cr(cluster, namespace, name).get("status") or {}).get("phase") and
+                      cr(cluster, namespace, name)["status"], 10, "a status", 0.2)
+    assert status["observedGeneration"] == cr(cluster, namespace, name)["metadata"]["generation"]
+    # Idempotent: deleting an owned object brings it back.
+    cluster.kubectl("delete", "deployment", name, "-n", namespace)
+    wait_for(lambda: exists(cluster, namespace, "deployment", name) or None, 20, "the Deployment to return", 0.2)
+
+
+def test_spec_edits_roll_out(cluster: Cluster, namespace: str, operators: Factory) -> None:
+    operators()
+    name = "edit-" + uuid.uuid4().hex[:4]
+    cluster.apply(service(name), namespace=namespace)
+    wait_for(lambda: exists(cluster, namespace, "deployment", name) or None, 20, "the Deployment", 0.2)
+    cluster.kubectl("patch", "singletonservice", name, "-n", namespace, "--type=merge", "-p",
+                    json.dumps({"spec": {"replicas": 3, "drain": {"timeout": "7s"}}}))
+
+    def rolled() -> bool:
+        deployment = get_json(cluster, "deployment", name, "-n", namespace)
+        env = {e["name"]: e.get("value") for e in deployment["spec"]["template"]["spec"]["initContainers"][0]["env"]}
+        return deployment["spec"]["replicas"] == 3 and env[contract.ENV_DRAIN_TIMEOUT] == "7"
+
+    wait_for(rolled, 20, "the edit to reach the Deployment", 0.2)
+
+
+def test_missing_secret_is_reported_and_nothing_is_created_until_it_exists(
+    cluster: Cluster, namespace: str, operators: Factory, pg_dsn: str
+) -> None:
+    operators()
+    name = "pg-" + uuid.uuid4().hex[:4]
+    cluster.apply(service(name, backend="postgres", postgres={"secretRef": {"name": "feed-db"}}),
+                  namespace=namespace)
+    degraded = wait_for(lambda: condition(cr(cluster, namespace, name), "Degraded"), 20, "a Degraded condition", 0.2)
+    assert degraded["status"] == "True" and degraded["reason"] == "SecretNotFound"
+    assert f"Secret {namespace}/feed-db" in degraded["message"]
+    assert cr(cluster, namespace, name)["status"]["phase"] == "Failed"
+    events = get_json(cluster, "events", "-n", namespace, "--field-selector", f"involvedObject.name={name}")
+    assert "SecretNotFound" in {e["reason"] for e in events["items"]}
+    assert not exists(cluster, namespace, "deployment", name)
+    assert not exists(cluster, namespace, "serviceaccount", f"singleton-sidecar-{name}")
+    # A Secret with the wrong key is named as such.
+    cluster.kubectl("create", "secret", "generic", "feed-db", "-n", namespace, "--from-literal=url=x")
+    wait_for(lambda: (condition(cr(cluster, namespace, name), "Degraded") or {}).get("reason") == "SecretKeyMissing",
+             20, "SecretKeyMissing", 0.2)
+    # An unreachable server is named as such, without the password.
+    unreachable = "postgresql://singleton:hunter2@127.0.0.1:1/singleton"
+    patch = {"data": {"dsn": base64.b64encode(unreachable.encode()).decode()}}
+    cluster.kubectl("patch", "secret", "feed-db", "-n", namespace, "--type=merge", "-p", json.dumps(patch))
+    bad = wait_for(lambda: (c := condition(cr(cluster, namespace, name), "Degraded")) and
+                   c["reason"] == "PostgresUnreachable" and c, 20, "PostgresUnreachable", 0.2)
+    assert "hunter2" not in bad["message"]
+    assert not exists(cluster, namespace, "deployment", name)
+    # Fixed: the workload appears and the problem is gone.
+    patch = {"data": {"dsn": base64.b64encode(pg_dsn.encode()).decode()}}
+    cluster.kubectl("patch", "secret", "feed-db", "-n", namespace, "--type=merge", "-p", json.dumps(patch))
+    wait_for(lambda: exists(cluster, namespace, "deployment", name) or None, 20, "the Deployment", 0.2)
+    wait_for(lambda: (condition(cr(cluster, namespace, name), "Degraded") or {}).get("reason") != "PostgresUnreachable",
+             20, "the problem to clear", 0.2)
+
+
+def play_sidecar(cluster: Cluster, namespace: str, pod: str, role: str, token: int | None) -> None:
+    annotations: dict[str, str | None] = {contract.ANNOTATION_ROLE: role,
+                                          contract.ANNOTATION_TOKEN: str(token) if token else None,
+                                          contract.ANNOTATION_LEADER_SINCE: "2026-11-25T10:00:00.000Z" if token
+                                          else None}
+    cluster.kubectl("annotate", "pod", pod, "-n", namespace, "--overwrite",
+                    *[f"{k}={v}" if v is not None else f"{k}-" for k, v in annotations.items()])
+
+
+def test_status_follows_the_pods_within_a_second_with_an_event(
+    controllers: Cluster, namespace: str, operators: Factory
+) -> None:
+    cluster = controllers
+    operators()
+    name = "st-" + uuid.uuid4().hex[:4]
+    cluster.apply(service(name), namespace=namespace)
+    pods = wait_for(lambda: (items := get_json(cluster, "pods", "-n", namespace, "-l",
+                                               f"{contract.LABEL_GROUP}={name}")["items"]) and len(items) == 2
+                    and [p["metadata"]["name"] for p in items], 30, "two pods from the ReplicaSet", 0.2)
+    play_sidecar(cluster, namespace, pods[0], "leader", 11)
+    play_sidecar(cluster, namespace, pods[1], "standby", None)
+    started = time.monotonic()
+    wait_for(lambda: cr(cluster, namespace, name).get("status", {}).get("leader") == pods[0], 5, "leader", 0.05)
+    assert time.monotonic() - started < 1.0
+    play_sidecar(cluster, namespace, pods[0], "standby", None)
+    play_sidecar(cluster, namespace, pods[1], "leader", 12)
+    started = time.monotonic()
+    status = wait_for(lambda: (s := cr(cluster, namespace, name).get("status", {})).get("leader") == pods[1] and s,
+                      5, "the new leader", 0.05)
+    assert time.monotonic() - started < 1.0
+    assert status["token"] == 12 and status["transitions"] >= 1
+    out = cluster.kubectl("get", "sgl", name, "-n", namespace).stdout
+    assert pods[1] in out and "12" in out
+    events = get_json(cluster, "events", "-n", namespace, "--field-selector", f"involvedObject.name={name}")
+    messages = [e["message"] for e in events["items"] if e["reason"] == "LeaderChanged"]
+    assert any(pods[1] in m and "token 12" in m for m in messages), messages
+
+
+def test_deleting_the_service_removes_everything(controllers: Cluster, namespace: str, operators: Factory) -> None:
+    cluster = controllers
+    operators()
+    name = "gone-" + uuid.uuid4().hex[:4]
+    cluster.apply(service(name, service={"ports": [{"port": 80}]}), namespace=namespace)
+    wait_for(lambda: exists(cluster, namespace, "pdb", name) or None, 20, "the objects", 0.2)
+    cluster.kubectl("delete", "singletonservice", name, "-n", namespace)
+    account = f"singleton-sidecar-{name}"
+    for kind, obj in [("deployment", name), ("serviceaccount", account), ("role", account),
+                      ("rolebinding", account), ("service", f"{name}-leader"), ("pdb", name)]:
+        wait_for(lambda k=kind, o=obj: not exists(cluster, namespace, k, o), 30, f"{kind} {obj} to go", 0.2)
+    selector = f"{contract.LABEL_GROUP}={name}"
+    wait_for(lambda: not get_json(cluster, "pods", "-n", namespace, "-l", selector)["items"], 30, "pods to go", 0.2)
+
+
+def test_one_active_operator_and_fast_takeover_on_sigterm(
+    cluster: Cluster, namespace: str, operators: Factory
+) -> None:
+    first, second = operators("op-a"), operators("op-b")
+    wait_for(lambda: {first.role(), second.role()} == {"leader", "standby"}, 20, "one leader, one standby", 0.1)
+    active, standby = (first, second) if first.role() == "leader" else (second, first)
+    name = "ha-" + uuid.uuid4().hex[:4]
+    cluster.apply(service(name), namespace=namespace)
+    wait_for(lambda: exists(cluster, namespace, "deployment", name) or None, 20, "the Deployment", 0.2)
+    assert "starting kopf" not in standby.log()
+    active.signal(signal.SIGTERM)
+    started = time.monotonic()
+    wait_for(lambda: standby.role() == "leader", 10, "the standby to take over", 0.02)
+    takeover = time.monotonic() - started
+    assert takeover < 3.0, takeover
+    assert active.popen is not None and active.popen.wait(30) == 0
+    # The new active one reconciles: a new group and a repaired one.
+    other = "ha2-" + uuid.uuid4().hex[:4]
+    cluster.apply(service(other), namespace=namespace)
+    wait_for(lambda: exists(cluster, namespace, "deployment", other) or None, 20, "a Deployment from the new leader",
+             0.2)
+    metrics = standby.get("/metrics")[1]
+    assert "singleton_operator_is_leader 1.0" in metrics
+
+
+def test_bad_flags_exit_2_with_one_line(tmp_path: Path) -> None:
+    import subprocess
+    import sys
+
+    result = subprocess.run([sys.executable, "-m", "singleton_operator.cli", "run", "--namespace", "Bad_NS"],
+                            capture_output=True, text=True, timeout=30, check=False)
+    assert result.returncode == 2
+    assert result.stderr.strip().splitlines() == [
+        "singleton-operator: error: --namespace (SINGLETON_WATCH_NAMESPACES): 'Bad_NS' is not a namespace name"]
