@@ -95,7 +95,7 @@ def test_spec_edits_roll_out(cluster: Cluster, namespace: str, operators: Factor
     def rolled() -> bool:
         deployment = get_json(cluster, "deployment", name, "-n", namespace)
         env = {e["name"]: e.get("value") for e in deployment["spec"]["template"]["spec"]["initContainers"][0]["env"]}
-        return deployment["spec"]["replicas"] == 3 and env[contract.ENV_DRAIN_TIMEOUT] == "7"
+        return bool(deployment["spec"]["replicas"] == 3 and env[contract.ENV_DRAIN_TIMEOUT] == "7")
 
     wait_for(rolled, 20, "the edit to reach the Deployment", 0.2)
 

@@ -2,7 +2,10 @@
 
 ``up`` starts PostgreSQL and the control plane (with controller-manager and scheduler)
 in a background process and prints the variables to export; ``down`` stops it and
-removes its folders; ``status`` tells whether it runs.
+removes its folders; ``status`` tells whether it runs. ``kubelet --node NAME --state-dir DIR``
+runs a stand-in kubelet in the foreground (root only) so pods of that node run as local
+processes; ``--kubeconfig`` defaults to the running test bed's (see
+``singleton_testbed.kubelet`` for all options).
 """
 
 from __future__ import annotations
@@ -131,12 +134,27 @@ def _status() -> int:
     return 0
 
 
+def _kubelet(argv: list[str]) -> int:
+    from singleton_testbed import kubelet
+
+    if "--kubeconfig" not in argv and not {"-h", "--help"} & set(argv):
+        state = _read_state()
+        if state is None:
+            print("the test bed is not running: start it with `make testbed-up` or pass --kubeconfig", file=sys.stderr)
+            return 1
+        argv = ["--kubeconfig", state["KUBECONFIG"], *argv]
+    return kubelet.main(argv)
+
+
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["kubelet"]:
+        return _kubelet(argv[1:])
     parser = argparse.ArgumentParser(prog="singleton-testbed", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("command", choices=["up", "down", "status", "serve"],
+    parser.add_argument("command", choices=["up", "down", "status", "serve", "kubelet"],
                         help="up: start in the background; down: stop; status: print exports; "
-                             "serve: run in the foreground")
+                             "serve: run in the foreground; kubelet: run a stand-in kubelet (root)")
     args = parser.parse_args(argv)
     commands = {"up": _up, "down": _down, "status": _status, "serve": _serve}
     return commands[args.command]()

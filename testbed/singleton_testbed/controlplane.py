@@ -5,6 +5,12 @@ The API server runs with RBAC authorization, service-account token signing, a
 static admin token (``system:masters``), and a serving certificate from a CA made
 for the session; the written kubeconfig verifies it. Everything lives in one
 temporary folder that is removed on stop.
+
+Pods run by the stand-in kubelet (``singleton_testbed.kubelet``) reach the API server at
+the pod network's API address (10.213.0.2 by default, see ``netns``): the certificate always
+names the bridge's addresses, and when running as root (the stand-in needs root) the API
+server binds every address instead of loopback only (``serve_pods``). It still requires TLS
+and a token.
 """
 
 from __future__ import annotations
@@ -19,9 +25,11 @@ import subprocess
 import tempfile
 import urllib.error
 import urllib.request
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
+from singleton_testbed.netns import DEFAULT_NETWORK
 from singleton_testbed.procs import Process, free_port, wait_until
 
 log = logging.getLogger(__name__)
@@ -41,8 +49,8 @@ def _openssl(*args: str, cwd: Path) -> None:
     subprocess.run(["openssl", *args], cwd=cwd, check=True, capture_output=True)
 
 
-def make_pki(folder: Path) -> None:
-    """A CA, an API server serving certificate for 127.0.0.1/localhost, a service-account key."""
+def make_pki(folder: Path, extra_ips: Sequence[str] = ()) -> None:
+    """A CA, an API server serving certificate for 127.0.0.1/localhost (and ``extra_ips``), a service-account key."""
     folder.mkdir(parents=True, exist_ok=True)
     _openssl("req", "-x509", "-newkey", "rsa:2048", "-nodes", "-keyout", "ca.key", "-out", "ca.crt",
              "-days", "2", "-subj", "/CN=singleton-testbed-ca", cwd=folder)
@@ -50,7 +58,7 @@ def make_pki(folder: Path) -> None:
              "-subj", "/CN=kube-apiserver", cwd=folder)
     (folder / "san.ext").write_text(
         "subjectAltName=IP:127.0.0.1,DNS:localhost,DNS:kubernetes,DNS:kubernetes.default,"
-        "DNS:kubernetes.default.svc,IP:10.0.0.1\n"
+        "DNS:kubernetes.default.svc,IP:10.0.0.1" + "".join(f",IP:{ip}" for ip in extra_ips) + "\n"
     )
     _openssl("x509", "-req", "-in", "apiserver.csr", "-CA", "ca.crt", "-CAkey", "ca.key", "-CAcreateserial",
              "-out", "apiserver.crt", "-days", "2", "-extfile", "san.ext", cwd=folder)
@@ -72,8 +80,13 @@ def write_kubeconfig(path: Path, *, server: str, ca_file: Path, token: str, user
 
 
 class ControlPlane:
-    def __init__(self, binaries: dict[str, Path], workdir: Path | None = None) -> None:
+    def __init__(self, binaries: dict[str, Path], workdir: Path | None = None, *,
+                 serve_pods: bool | None = None, pod_addresses: Sequence[str] = DEFAULT_NETWORK.host_addresses) -> None:
+        """``serve_pods``: bind the API server on all addresses so pods can reach it (default: when
+        root); ``pod_addresses``: the addresses pods use, named in the serving certificate."""
         self.binaries = binaries
+        self.serve_pods = os.geteuid() == 0 if serve_pods is None else serve_pods
+        self.pod_addresses = tuple(pod_addresses)
         self._own_workdir = workdir is None
         self.workdir = workdir or Path(tempfile.mkdtemp(prefix="singleton-k8s-"))
         self.pki = self.workdir / "pki"
@@ -96,7 +109,7 @@ class ControlPlane:
         )
 
     def start(self) -> ClusterInfo:
-        make_pki(self.pki)
+        make_pki(self.pki, self.pod_addresses)
         (self.workdir / "tokens.csv").write_text(f'{self.token},{ADMIN_USER},{ADMIN_USER},"system:masters"\n')
         info = self.info
         write_kubeconfig(info.kubeconfig, server=info.server, ca_file=info.ca_file, token=self.token)
@@ -129,7 +142,8 @@ class ControlPlane:
             [
                 str(self.binaries["kube-apiserver"]),
                 f"--etcd-servers=http://127.0.0.1:{self.etcd_port}",
-                "--bind-address=127.0.0.1", f"--secure-port={self.api_port}",
+                f"--bind-address={'0.0.0.0' if self.serve_pods else '127.0.0.1'}",  # pods: see the module docstring
+                f"--secure-port={self.api_port}",
                 "--advertise-address=127.0.0.1",
                 f"--cert-dir={self.workdir / 'certs'}",
                 f"--tls-cert-file={pki / 'apiserver.crt'}", f"--tls-private-key-file={pki / 'apiserver.key'}",

@@ -3,6 +3,12 @@
 ``initdb`` into a temporary folder, a free port on loopback, a superuser for set-up and
 a non-superuser role (``singleton``) for the code under test. When run as root (CI is),
 the server runs as the ``postgres`` system user, since PostgreSQL refuses root.
+
+Pods of the stand-in kubelet reach the server at the pod network's ``postgres_ip``
+(10.213.0.3 by default): with ``serve_pods`` (the default when root) it listens on every IPv4
+address and ``pg_hba.conf`` admits the pod network with a password (``scram-sha-256``), so
+only the ``singleton`` role can log in from pods; other networks match no rule and are refused.
+For a pod's DSN: ``dataclasses.replace(server.info, host=PodNetworkConfig().postgres_ip).dsn``.
 """
 
 from __future__ import annotations
@@ -15,6 +21,7 @@ import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
+from singleton_testbed.netns import DEFAULT_NETWORK
 from singleton_testbed.procs import Process, free_port, wait_until
 
 APP_ROLE = "singleton"
@@ -53,7 +60,12 @@ class PostgresInfo:
 
 
 class PostgresServer:
-    def __init__(self, workdir: Path | None = None) -> None:
+    def __init__(self, workdir: Path | None = None, *, serve_pods: bool | None = None,
+                 pod_cidr: str = DEFAULT_NETWORK.cidr) -> None:
+        """``serve_pods``: also accept the pod network (default: when root, as the stand-in kubelet
+        needs root); ``pod_cidr``: the network admitted by ``pg_hba.conf``."""
+        self.serve_pods = os.geteuid() == 0 if serve_pods is None else serve_pods
+        self.pod_cidr = pod_cidr
         self._own_workdir = workdir is None
         self.workdir = workdir or Path(tempfile.mkdtemp(prefix="singleton-pg-"))
         self.datadir = self.workdir / "data"
@@ -84,9 +96,18 @@ class PostgresServer:
                 str(self.bin / "initdb"), "-D", str(self.datadir), "-U", self.superuser,
                 "--auth=trust", "--no-sync", "-E", "UTF8",
             )
+        if self.serve_pods:
+            self._admit_pods()
         self._start_process()
         self._bootstrap()
         return self.info
+
+    def _admit_pods(self) -> None:
+        hba = self.datadir / "pg_hba.conf"
+        rule = f"host all {APP_ROLE} {self.pod_cidr} scram-sha-256\n"
+        text = hba.read_text()
+        if rule not in text:
+            hba.write_text(text + "# pods of the stand-in kubelet\n" + rule)
 
     def _start_process(self) -> None:
         sockets = self.workdir / "sockets"
@@ -97,7 +118,8 @@ class PostgresServer:
             "postgres",
             [
                 str(self.bin / "postgres"), "-D", str(self.datadir), "-p", str(self.port),
-                "-c", "listen_addresses=127.0.0.1", "-c", f"unix_socket_directories={sockets}",
+                "-c", f"listen_addresses={'0.0.0.0' if self.serve_pods else '127.0.0.1'}",  # pods: see the docstring
+                "-c", f"unix_socket_directories={sockets}",
                 "-c", "fsync=off", "-c", "synchronous_commit=off", "-c", "full_page_writes=off",
                 "-c", "max_connections=200", "-c", "log_min_messages=warning",
             ],
