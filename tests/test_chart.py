@@ -1,0 +1,475 @@
+"""The Helm chart (charts/singleton): lint, rendering, the values schema, the image it points
+at (the Dockerfile's), the CRD copy, and install / upgrade / uninstall on the real API server.
+
+The test bed's helm is built from Go modules without helm's release ldflags, so it assumes
+Kubernetes v1.20 when no cluster is asked; ``helm template`` therefore always gets
+``--kube-version`` (``helm install`` and ``upgrade`` ask the API server).
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import secrets
+import subprocess
+import time
+import tomllib
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any, TypeVar
+
+import pytest
+import yaml
+
+from tests.conftest import CRD_PATH, Cluster, use_existing_cluster
+from tests.kubehelpers import get_json
+
+ROOT = Path(__file__).resolve().parent.parent
+CHART = ROOT / "charts" / "singleton"
+CHART_CRD = CHART / "crds" / CRD_PATH.name
+KUBE_VERSION = "1.34.0"
+
+Obj = dict[str, Any]
+
+STANDARD_LABELS = (
+    "app.kubernetes.io/name",
+    "app.kubernetes.io/instance",
+    "app.kubernetes.io/version",
+    "app.kubernetes.io/component",
+    "app.kubernetes.io/part-of",
+    "app.kubernetes.io/managed-by",
+    "helm.sh/chart",
+)
+
+
+def chart_meta() -> Obj:
+    meta: Obj = yaml.safe_load((CHART / "Chart.yaml").read_text())
+    return meta
+
+
+def helm(*args: str, env: dict[str, str] | None = None, check: bool = True) -> subprocess.CompletedProcess[str]:
+    result = subprocess.run(["helm", *args], capture_output=True, text=True, env=env, check=False, timeout=120)
+    if check and result.returncode != 0:
+        raise AssertionError(f"helm {' '.join(args)} failed ({result.returncode}): {result.stderr}")
+    return result
+
+
+def values_args(values: Obj | None, tmp_path: Path) -> list[str]:
+    if not values:
+        return []
+    path = tmp_path / f"values-{secrets.token_hex(4)}.yaml"
+    path.write_text(yaml.safe_dump(values))
+    return ["--values", str(path)]
+
+
+def template(tmp_path: Path, values: Obj | None = None, *extra: str, release: str = "demo",
+             namespace: str = "singleton-system", check: bool = True) -> subprocess.CompletedProcess[str]:
+    return helm("template", release, str(CHART), "--namespace", namespace, "--kube-version", KUBE_VERSION,
+                *values_args(values, tmp_path), *extra, check=check)
+
+
+def render(tmp_path: Path, values: Obj | None = None, *extra: str, release: str = "demo",
+           namespace: str = "singleton-system") -> list[Obj]:
+    out = template(tmp_path, values, *extra, release=release, namespace=namespace).stdout
+    return [doc for doc in yaml.safe_load_all(out) if doc]
+
+
+def by_kind(objects: list[Obj], kind: str) -> list[Obj]:
+    return [o for o in objects if o["kind"] == kind]
+
+
+def one(objects: list[Obj], kind: str) -> Obj:
+    found = by_kind(objects, kind)
+    assert len(found) == 1, f"expected one {kind}, got {[o['metadata']['name'] for o in found]}"
+    return found[0]
+
+
+def operator_container(objects: list[Obj]) -> Obj:
+    containers: list[Obj] = one(objects, "Deployment")["spec"]["template"]["spec"]["containers"]
+    assert [c["name"] for c in containers] == ["operator"]
+    return containers[0]
+
+
+# --- files: the CRD copy, the image ----------------------------------------------------------
+
+
+def test_chart_crd_is_identical_to_the_source_of_truth() -> None:
+    assert CHART_CRD.read_bytes() == CRD_PATH.read_bytes(), (
+        f"{CHART_CRD.relative_to(ROOT)} differs from {CRD_PATH.relative_to(ROOT)}: run `make chart-crds`"
+    )
+    assert sorted(p.name for p in CHART_CRD.parent.iterdir()) == [CRD_PATH.name]
+
+
+def dockerfile_labels(text: str) -> dict[str, str]:
+    args = dict(re.findall(r"^ARG (\w+)=(\S+)$", text, flags=re.MULTILINE))
+    labels = dict(re.findall(r'(org\.opencontainers\.image\.[\w.]+)="([^"]*)"', text))
+    return {k: re.sub(r"\$\{(\w+)\}", lambda m: args[m.group(1)], v) for k, v in labels.items()}
+
+
+def test_default_image_is_the_dockerfiles_image_and_the_package_version() -> None:
+    values = yaml.safe_load((CHART / "values.yaml").read_text())
+    meta = chart_meta()
+    version = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["version"]
+    labels = dockerfile_labels((ROOT / "Dockerfile").read_text())
+    assert meta["appVersion"] == meta["version"] == version == labels["org.opencontainers.image.version"]
+    assert values["image"]["tag"] == "", "the tag must default to the chart's appVersion"
+    # ghcr.io/<owner>/<name> is built from github.com/<owner>/<name>
+    registry, owner, name = values["image"]["repository"].split("/")
+    assert registry == "ghcr.io"
+    assert labels["org.opencontainers.image.source"] == f"https://github.com/{owner}/{name}"
+    assert labels["org.opencontainers.image.title"] == name
+    makefile = (ROOT / "Makefile").read_text()
+    image = re.search(r"^IMAGE \?= (\S+)$", makefile, flags=re.MULTILINE)
+    tag = re.search(r"^IMAGE_TAG \?= (\S+)$", makefile, flags=re.MULTILINE)
+    assert image is not None and tag is not None
+    assert (image.group(1), tag.group(1)) == (values["image"]["repository"], version)
+    # the operator's own default for the injected sidecar is the same image
+    from singleton_operator.cli import DEFAULT_SIDECAR_IMAGE
+    assert f"{values['image']['repository']}:{version}" == DEFAULT_SIDECAR_IMAGE
+
+
+def test_dockerfile_is_multi_stage_non_root_without_entrypoint() -> None:
+    text = (ROOT / "Dockerfile").read_text()
+    instructions = [line.split()[0] for line in text.splitlines() if line and not line[0].isspace()
+                    and not line.startswith(("#", "&&"))]
+    froms = re.findall(r"^FROM (\S+)", text, flags=re.MULTILINE)
+    assert froms == ["python:3.11-slim-bookworm", "python:3.11-slim-bookworm"]
+    assert "ENTRYPOINT" not in instructions and "CMD" not in instructions
+    final = text.split("\nFROM ")[-1]
+    assert "COPY --from=builder /opt/singleton /opt/singleton" in final
+    assert re.search(r"^USER 10001(:10001)?$", final, flags=re.MULTILINE)
+    assert "PYTHONDONTWRITEBYTECODE=1" in final
+    lock = (ROOT / "requirements.lock").read_text()
+    pins = [line for line in lock.splitlines() if line and not line.startswith("#")]
+    assert pins and all(re.fullmatch(r"[A-Za-z0-9_.-]+==[0-9][\w.]*", p) for p in pins), pins
+    pinned = {p.split("==")[0].lower().replace("_", "-") for p in pins}
+    deps = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["dependencies"]
+    for dep in deps:
+        assert re.split(r"[<>=!~ ;\[]", dep)[0].lower() in pinned, dep
+
+
+# --- lint and rendering ----------------------------------------------------------------------
+
+F = TypeVar("F", bound=Callable[..., None])
+
+
+def needs_helm(test: F) -> F:
+    """helm is one of the test bed's binaries (on PATH through ``testbed_binaries``)."""
+    marked: F = pytest.mark.k8s(pytest.mark.usefixtures("testbed_binaries")(test))
+    return marked
+
+
+@needs_helm
+def test_helm_lint_strict() -> None:
+    result = helm("lint", "--strict", "--kube-version", KUBE_VERSION, str(CHART))
+    assert "1 chart(s) linted, 0 chart(s) failed" in result.stdout
+    assert "[WARNING]" not in result.stdout and "[ERROR]" not in result.stdout
+
+
+@needs_helm
+def test_default_render(tmp_path: Path) -> None:
+    objects = render(tmp_path)
+    kinds = sorted(o["kind"] for o in objects)
+    assert kinds == sorted([
+        "ServiceAccount", "ClusterRole", "ClusterRoleBinding", "Role", "RoleBinding", "Deployment",
+        "PodDisruptionBudget", "Service", "NetworkPolicy", "ValidatingAdmissionPolicy",
+        "ValidatingAdmissionPolicyBinding",
+    ])
+    for obj in objects:
+        labels = obj["metadata"]["labels"]
+        assert all(labels.get(k) for k in STANDARD_LABELS), (obj["kind"], labels)
+        assert labels["app.kubernetes.io/instance"] == "demo"
+        assert labels["app.kubernetes.io/version"] == chart_meta()["appVersion"]
+        if obj["kind"] not in ("ClusterRole", "ClusterRoleBinding", "ValidatingAdmissionPolicy",
+                               "ValidatingAdmissionPolicyBinding"):
+            assert obj["metadata"]["namespace"] == "singleton-system", obj["kind"]
+
+    deployment = one(objects, "Deployment")
+    assert deployment["metadata"]["name"] == "demo-singleton-operator"
+    assert deployment["spec"]["replicas"] == 2
+    pod = deployment["spec"]["template"]
+    assert set(deployment["spec"]["selector"]["matchLabels"].items()) <= set(pod["metadata"]["labels"].items())
+    container = operator_container(objects)
+    assert container["image"] == f"ghcr.io/singleton-dev/singleton:{chart_meta()['appVersion']}"
+    assert container["command"] == ["singleton-operator", "run"]
+    assert container["args"] == ["--health-listen=0.0.0.0:8080"]
+    env = {e["name"]: e for e in container["env"]}
+    assert env["SINGLETON_OPERATOR_NAMESPACE"]["valueFrom"]["fieldRef"]["fieldPath"] == "metadata.namespace"
+    assert env["SINGLETON_OPERATOR_POD_NAME"]["valueFrom"]["fieldRef"]["fieldPath"] == "metadata.name"
+    assert env["SINGLETON_SIDECAR_IMAGE"]["value"] == container["image"]
+    assert container["ports"] == [{"name": "http", "containerPort": 8080, "protocol": "TCP"}]
+    assert container["livenessProbe"]["httpGet"] == {"path": "/healthz", "port": "http"}
+    assert container["readinessProbe"]["httpGet"] == {"path": "/readyz", "port": "http"}
+    assert container["resources"]["requests"] and container["resources"]["limits"]
+    security = container["securityContext"]
+    assert security["runAsNonRoot"] is True and security["runAsUser"] == 10001
+    assert security["readOnlyRootFilesystem"] is True and security["allowPrivilegeEscalation"] is False
+    assert security["capabilities"] == {"drop": ["ALL"]}
+    assert security["seccompProfile"] == {"type": "RuntimeDefault"}
+    assert pod["spec"]["securityContext"]["runAsNonRoot"] is True
+    assert container["volumeMounts"] == [{"name": "tmp", "mountPath": "/tmp"}]
+    assert pod["spec"]["volumes"][0]["name"] == "tmp" and "emptyDir" in pod["spec"]["volumes"][0]
+    assert pod["spec"]["affinity"]["podAntiAffinity"]["preferredDuringSchedulingIgnoredDuringExecution"]
+    assert pod["spec"]["topologySpreadConstraints"][0]["whenUnsatisfiable"] == "ScheduleAnyway"
+    assert pod["spec"]["serviceAccountName"] == one(objects, "ServiceAccount")["metadata"]["name"]
+
+    assert one(objects, "PodDisruptionBudget")["spec"]["minAvailable"] == 1
+    service = one(objects, "Service")
+    assert service["spec"]["ports"] == [{"name": "metrics", "port": 8080, "targetPort": "http", "protocol": "TCP"}]
+    assert set(service["spec"]["selector"].items()) <= set(pod["metadata"]["labels"].items())
+    role = one(objects, "Role")
+    assert {"apiGroups": ["coordination.k8s.io"], "resources": ["leases"], "resourceNames": ["singleton-operator"],
+            "verbs": ["get", "list", "watch", "update"]} in role["rules"]
+    for binding in by_kind(objects, "ClusterRoleBinding") + by_kind(objects, "RoleBinding"):
+        assert binding["subjects"] == [{"kind": "ServiceAccount", "name": "demo-singleton-operator",
+                                        "namespace": "singleton-system"}]
+    policy = one(objects, "ValidatingAdmissionPolicy")
+    assert policy["apiVersion"] == "admissionregistration.k8s.io/v1"
+    binding = one(objects, "ValidatingAdmissionPolicyBinding")
+    assert binding["spec"]["policyName"] == policy["metadata"]["name"]
+    assert binding["spec"]["validationActions"] == ["Deny"]
+    assert "matchResources" not in binding["spec"]
+
+
+@needs_helm
+def test_release_named_singleton_gives_the_documented_names(tmp_path: Path) -> None:
+    objects = render(tmp_path, release="singleton")
+    assert one(objects, "Deployment")["metadata"]["name"] == "singleton-operator"
+    assert one(objects, "ServiceAccount")["metadata"]["name"] == "singleton-operator"
+    assert one(objects, "Service")["metadata"]["name"] == "singleton-operator-metrics"
+
+
+@needs_helm
+def test_values_change_the_render(tmp_path: Path) -> None:
+    digest = "sha256:" + "ab" * 32
+    objects = render(tmp_path, {
+        "replicaCount": 1,
+        "watchNamespaces": ["team-a", "team-b"],
+        "image": {"repository": "registry.example/singleton", "tag": "9.9.9"},
+        "sidecarImage": "registry.example/sidecar:1",
+        "admissionPolicy": {"namespaceSelector": {"matchLabels": {"singleton": "on"}},
+                            "validationActions": ["Warn", "Audit"]},
+        "metrics": {"service": {"port": 9100}},
+        "networkPolicy": {"enabled": False},
+        "nodeSelector": {"kubernetes.io/os": "linux"},
+        "commonLabels": {"team": "platform"},
+    })
+    assert not by_kind(objects, "PodDisruptionBudget"), "no PDB for a single replica"
+    assert not by_kind(objects, "NetworkPolicy")
+    assert all(o["metadata"]["labels"]["team"] == "platform" for o in objects)
+    deployment = one(objects, "Deployment")
+    assert deployment["spec"]["replicas"] == 1
+    assert deployment["spec"]["template"]["spec"]["nodeSelector"] == {"kubernetes.io/os": "linux"}
+    container = operator_container(objects)
+    assert container["args"] == ["--health-listen=0.0.0.0:8080", "--namespace=team-a", "--namespace=team-b"]
+    assert container["image"] == "registry.example/singleton:9.9.9"
+    assert {e["name"]: e.get("value") for e in container["env"]}["SINGLETON_SIDECAR_IMAGE"] == \
+        "registry.example/sidecar:1"
+    assert one(objects, "Service")["spec"]["ports"][0]["port"] == 9100
+    binding = one(objects, "ValidatingAdmissionPolicyBinding")["spec"]
+    assert binding["validationActions"] == ["Warn", "Audit"]
+    assert binding["matchResources"] == {"namespaceSelector": {"matchLabels": {"singleton": "on"}}}
+
+    by_digest = operator_container(render(tmp_path, {"image": {"digest": digest}}))
+    assert by_digest["image"] == f"ghcr.io/singleton-dev/singleton@{digest}"
+
+
+@needs_helm
+def test_service_monitor_only_when_the_api_exists_or_forced(tmp_path: Path) -> None:
+    assert not by_kind(render(tmp_path), "ServiceMonitor")
+    failed = template(tmp_path, {"serviceMonitor": {"enabled": True}}, check=False)
+    assert failed.returncode != 0
+    assert "no monitoring.coreos.com/v1 ServiceMonitor" in failed.stderr
+    for extra, values in (
+        (["--api-versions", "monitoring.coreos.com/v1/ServiceMonitor"], {"serviceMonitor": {"enabled": True}}),
+        ([], {"serviceMonitor": {"enabled": True, "force": True, "interval": "15s"}}),
+    ):
+        monitor = one(render(tmp_path, values, *extra), "ServiceMonitor")
+        endpoint = monitor["spec"]["endpoints"][0]
+        assert endpoint["port"] == "metrics" and endpoint["path"] == "/metrics"
+        assert endpoint["interval"] == values["serviceMonitor"].get("interval", "30s")
+        service = one(render(tmp_path, values, *extra), "Service")
+        assert set(monitor["spec"]["selector"]["matchLabels"].items()) <= set(service["metadata"]["labels"].items())
+
+
+@needs_helm
+def test_admission_policy_api_version_follows_the_cluster(tmp_path: Path) -> None:
+    old = template(tmp_path, None, "--kube-version", "1.29.0").stdout
+    assert "ValidatingAdmissionPolicy" not in old, "1.29 without the v1beta1 API: no policy"
+    beta = [d for d in yaml.safe_load_all(template(
+        tmp_path, None, "--kube-version", "1.29.0", "--api-versions",
+        "admissionregistration.k8s.io/v1beta1/ValidatingAdmissionPolicy").stdout)
+        if d and d["kind"].startswith("ValidatingAdmissionPolicy")]
+    assert [d["apiVersion"] for d in beta] == ["admissionregistration.k8s.io/v1beta1"] * 2
+    assert "ValidatingAdmissionPolicy" not in template(tmp_path, {"admissionPolicy": {"enabled": False}}).stdout
+    too_old = template(tmp_path, None, "--kube-version", "1.28.9", check=False)
+    assert too_old.returncode != 0 and "kubeVersion" in too_old.stderr
+
+
+BAD_VALUES = [
+    pytest.param({"replicaCount": 0}, "/replicaCount", id="replicas-0"),
+    pytest.param({"replicaCount": 11}, "/replicaCount", id="replicas-11"),
+    pytest.param({"replicaCount": "two"}, "/replicaCount", id="replicas-string"),
+    pytest.param({"image": {"pullPolicy": "Sometimes"}}, "/image/pullPolicy", id="pull-policy"),
+    pytest.param({"image": {"repository": ""}}, "/image/repository", id="empty-repository"),
+    pytest.param({"image": {"tag": 1.2}}, "/image/tag", id="tag-number"),
+    pytest.param({"image": {"digest": "latest"}}, "/image/digest", id="digest"),
+    pytest.param({"replicaCont": 2}, "replicaCont", id="unknown-top-level-key"),
+    pytest.param({"watchNamespaces": ["team-a", "Bad_Name"]}, "/watchNamespaces/1", id="bad-namespace"),
+    pytest.param({"watchNamespaces": "team-a"}, "/watchNamespaces", id="namespaces-not-a-list"),
+    pytest.param({"metrics": {"service": {"port": 70000}}}, "/metrics/service/port", id="port-70000"),
+    pytest.param({"serviceMonitor": {"interval": "soon"}}, "/serviceMonitor/interval", id="interval-soon"),
+    pytest.param({"serviceMonitor": {"enabled": "yes"}}, "/serviceMonitor/enabled", id="enabled-string"),
+    pytest.param({"resources": "lots"}, "/resources", id="resources-not-object"),
+    pytest.param({"resources": {"limits": {"memory": "lots"}}}, "/resources/limits/memory", id="bad-quantity"),
+    pytest.param({"sidecarImage": 3}, "/sidecarImage", id="sidecar-image-number"),
+    pytest.param({"podDisruptionBudget": {"minAvailable": "half"}}, "/podDisruptionBudget/minAvailable",
+                 id="pdb-min-available"),
+    pytest.param({"tolerations": {"key": "x"}}, "/tolerations", id="tolerations-not-list"),
+    pytest.param({"nodeSelector": ["linux"]}, "/nodeSelector", id="node-selector-not-map"),
+    pytest.param({"admissionPolicy": {"validationActions": ["Block"]}}, "/admissionPolicy/validationActions/0",
+                 id="validation-action"),
+]
+
+
+@needs_helm
+@pytest.mark.parametrize(("values", "named"), BAD_VALUES)
+def test_schema_rejects_bad_values(tmp_path: Path, values: Obj, named: str) -> None:
+    result = template(tmp_path, values, check=False)
+    assert result.returncode != 0, f"accepted {values}"
+    assert "values don't meet the specifications of the schema" in result.stderr, result.stderr
+    assert named in result.stderr, result.stderr
+
+
+# --- on the API server -----------------------------------------------------------------------
+
+class Release:
+    def __init__(self, cluster: Cluster, name: str, namespace: str) -> None:
+        self.cluster = cluster
+        self.name = name
+        self.namespace = namespace
+
+    def helm(self, *args: str, check: bool = True) -> subprocess.CompletedProcess[str]:
+        return helm(*args, "--namespace", self.namespace, env=self.cluster.env, check=check)
+
+    @property
+    def selector(self) -> str:
+        return f"app.kubernetes.io/instance={self.name}"
+
+
+NAMESPACED = "deployments,serviceaccounts,services,roles,rolebindings,poddisruptionbudgets,networkpolicies"
+CLUSTER_SCOPED = "clusterroles,clusterrolebindings,validatingadmissionpolicies,validatingadmissionpolicybindings"
+
+
+@pytest.fixture
+def release(cluster: Cluster, namespace: str) -> Iterator[Release]:
+    rel = Release(cluster, "sgl-" + secrets.token_hex(4), namespace)
+    try:
+        yield rel
+    finally:
+        rel.helm("uninstall", rel.name, "--wait", "--timeout", "60s", check=False)
+        cluster.kubectl("delete", CLUSTER_SCOPED, "-l", rel.selector, "--ignore-not-found", check=False)
+
+
+def items(cluster: Cluster, kinds: str, *args: str) -> list[Obj]:
+    found: list[Obj] = get_json(cluster, kinds, *args)["items"]
+    return found
+
+
+def reapply_crd_like_the_fixture(cluster: Cluster) -> None:
+    """What the ``singleton_crd`` fixture does (server-side apply, forcing conflicts)."""
+    cluster.kubectl("apply", "--server-side", "--force-conflicts", "--field-manager=singleton-tests",
+                    "-f", str(CRD_PATH))
+    cluster.kubectl("wait", "--for=condition=Established", "--timeout=60s", "crd/singletonservices.singleton.dev")
+
+
+def singleton_service(name: str, namespace: str) -> Obj:
+    return {"apiVersion": "singleton.dev/v1alpha1", "kind": "SingletonService",
+            "metadata": {"name": name, "namespace": namespace},
+            "spec": {"template": {"spec": {"containers": [{"name": "app", "image": "busybox"}]}}}}
+
+
+@pytest.mark.k8s
+def test_install_creates_the_crd_then_the_fixture_still_applies(cluster: Cluster, release: Release,
+                                                                 tmp_path: Path) -> None:
+    """Order 1: helm installs the CRD (none there), then the fixture's server-side apply
+    takes it over without conflict. helm never deletes a CRD of crds/ on uninstall."""
+    if use_existing_cluster():
+        pytest.skip("deletes the SingletonService CRD (and every SingletonService): test bed only")
+    crd = "crd/singletonservices.singleton.dev"
+    source = yaml.safe_load(CRD_PATH.read_text())
+    try:
+        cluster.kubectl("delete", crd, "--ignore-not-found", "--wait=true", "--timeout=60s")
+        release.helm("install", release.name, str(CHART), *values_args({"admissionPolicy": {"enabled": False}},
+                                                                       tmp_path))
+        cluster.kubectl("wait", "--for=condition=Established", "--timeout=60s", crd)
+        installed = get_json(cluster, crd, "--show-managed-fields")
+        assert {f["manager"] for f in installed["metadata"]["managedFields"]} >= {"helm"}
+        assert installed["spec"]["names"] == source["spec"]["names"] | {"listKind": "SingletonServiceList"}
+        assert installed["spec"]["versions"][0]["schema"] == source["spec"]["versions"][0]["schema"]
+        created = singleton_service("after-helm", release.namespace)
+        cluster.kubectl("create", "-f", "-", input_text=json.dumps(created))
+    finally:
+        reapply_crd_like_the_fixture(cluster)
+    taken_over = get_json(cluster, crd, "--show-managed-fields")
+    assert "singleton-tests" in {f["manager"] for f in taken_over["metadata"]["managedFields"]}
+    release.helm("uninstall", release.name, "--wait", "--timeout", "60s")
+    assert get_json(cluster, crd)["metadata"]["uid"] == taken_over["metadata"]["uid"], "helm keeps CRDs"
+    get_json(cluster, "singletonservice", "after-helm", "-n", release.namespace)
+
+
+@pytest.mark.k8s
+def test_install_upgrade_uninstall(cluster: Cluster, singleton_crd: Path, release: Release, namespace: str,
+                                   tmp_path: Path) -> None:
+    """Order 2: the CRD is there (the fixture's); helm skips it. Then install, upgrade with
+    changed values keeping an existing SingletonService, uninstall."""
+    assert singleton_crd == CRD_PATH
+    own_namespace = {"admissionPolicy": {"namespaceSelector": {"matchLabels": {
+        "kubernetes.io/metadata.name": namespace}}}}
+    out = release.helm("install", release.name, str(CHART), *values_args(own_namespace, tmp_path)).stdout
+    assert "kubectl get singletonservices -A" in out and "singleton.dev/role=leader" in out  # NOTES.txt
+    crd = get_json(cluster, "crd/singletonservices.singleton.dev")
+    assert {c["type"]: c["status"] for c in crd["status"]["conditions"]}["Established"] == "True"
+
+    namespaced = items(cluster, NAMESPACED, "-n", namespace, "-l", release.selector)
+    cluster_scoped = items(cluster, CLUSTER_SCOPED, "-l", release.selector)
+    assert sorted(o["kind"] for o in namespaced) == sorted([
+        "Deployment", "ServiceAccount", "Service", "Role", "RoleBinding", "PodDisruptionBudget", "NetworkPolicy"])
+    assert sorted(o["kind"] for o in cluster_scoped) == sorted([
+        "ClusterRole", "ClusterRoleBinding", "ValidatingAdmissionPolicy", "ValidatingAdmissionPolicyBinding"])
+    for obj in namespaced + cluster_scoped:
+        labels = obj["metadata"]["labels"]
+        assert all(labels.get(k) for k in STANDARD_LABELS), (obj["kind"], labels)
+        assert labels["app.kubernetes.io/managed-by"] == "Helm"
+        assert obj["metadata"]["annotations"]["meta.helm.sh/release-name"] == release.name
+    deployment = get_json(cluster, "deployment", f"{release.name}-singleton-operator", "-n", namespace)
+    assert deployment["spec"]["replicas"] == 2
+
+    existing = singleton_service("kept", namespace)
+    cluster.kubectl("create", "-f", "-", input_text=json.dumps(existing))
+    before = get_json(cluster, "singletonservice", "kept", "-n", namespace)
+
+    release.helm("upgrade", release.name, str(CHART), "--reuse-values", "--set", "replicaCount=3",
+                 "--set", "metrics.service.port=9100")
+    deployment = get_json(cluster, "deployment", f"{release.name}-singleton-operator", "-n", namespace)
+    assert deployment["spec"]["replicas"] == 3
+    service = get_json(cluster, "service", f"{release.name}-singleton-operator-metrics", "-n", namespace)
+    assert service["spec"]["ports"][0]["port"] == 9100
+    assert deployment["metadata"]["labels"]["app.kubernetes.io/instance"] == release.name
+    binding = items(cluster, "validatingadmissionpolicybindings", "-l", release.selector)[0]
+    assert binding["spec"]["matchResources"]["namespaceSelector"]["matchLabels"] == {
+        "kubernetes.io/metadata.name": namespace}, "--reuse-values keeps the install's values"
+    after = get_json(cluster, "singletonservice", "kept", "-n", namespace)
+    assert after["metadata"]["resourceVersion"] == before["metadata"]["resourceVersion"]
+    assert after["metadata"]["uid"] == before["metadata"]["uid"] and after["spec"] == before["spec"]
+    history = release.helm("history", release.name, "-o", "json").stdout
+    assert [h["status"] for h in json.loads(history)] == ["superseded", "deployed"]
+
+    release.helm("uninstall", release.name, "--wait", "--timeout", "60s")
+    deadline = time.monotonic() + 30
+    while (left := items(cluster, NAMESPACED, "-n", namespace, "-l", release.selector)) and time.monotonic() < deadline:
+        time.sleep(0.5)
+    assert not left
+    assert not items(cluster, CLUSTER_SCOPED, "-l", release.selector)
+    assert get_json(cluster, "singletonservice", "kept", "-n", namespace)["metadata"]["uid"] == \
+        before["metadata"]["uid"], "uninstall keeps the CRD and the user's objects"
