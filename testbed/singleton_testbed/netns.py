@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import contextlib
 import fcntl
+import hashlib
 import ipaddress
 import json
 import logging
@@ -240,6 +241,11 @@ class HostNetwork:
         bridge, prefixlen = self.config.bridge, self.config.network.prefixlen
         if not Path(f"/sys/class/net/{bridge}").exists():
             run_ip("link", "add", bridge, "type", "bridge")
+        # A fixed address: otherwise a bridge takes the lowest MAC of its ports, which changes
+        # as pods come and go, and pods' ARP caches then point at a MAC that is gone (their
+        # connections to the API server stall for seconds).
+        digest = hashlib.sha256(bridge.encode()).digest()
+        run_ip("link", "set", bridge, "address", "02:" + ":".join(f"{b:02x}" for b in digest[:5]))
         for address in self.config.host_addresses:
             run_ip("addr", "replace", f"{address}/{prefixlen}", "dev", bridge)
         run_ip("link", "set", bridge, "up")
