@@ -13,12 +13,14 @@ import dataclasses
 import json
 import secrets
 import shutil
+import tempfile
 import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
+import yaml
 
 from singleton_sidecar import contract
 from singleton_testbed.kubelet_control import StandInKubelet
@@ -29,6 +31,7 @@ from tests.kubehelpers import get_json
 from tests.ledger import check_ledger
 from tests.operators import OperatorProcess
 from tests.sidecars import wait_for
+from tests.test_rbac import bound_token, helm_template, token_kubeconfig
 
 _SKIP = netns_supported() or ("runs pods with the stand-in kubelet" if use_existing_cluster() else None)
 pytestmark = [pytest.mark.k8s, pytest.mark.controlplane, pytest.mark.skipif(_SKIP is not None, reason=str(_SKIP))]
@@ -115,8 +118,19 @@ def bed(controllers: Cluster, singleton_crd: Path, pg_info: PostgresInfo | None,
     kubelet = StandInKubelet(kubeconfig=cluster.kubeconfig, node="e2e-" + secrets.token_hex(3),
                              state_dir=tmp_path_factory.mktemp("e2e-kubelet"))
     workdir = tmp_path_factory.mktemp("e2e-operator")
-    operator = OperatorProcess(cluster.kubeconfig, namespace, workdir / "operator.log",
-                               extra_args=["--namespace", namespace])
+    # The operator runs with the chart's RBAC, and the chart's admission policy guards the pods.
+    with tempfile.NamedTemporaryFile("w", suffix=".yaml") as values:
+        yaml.safe_dump({"admissionPolicy": {"namespaceSelector": {"matchLabels": {
+            "kubernetes.io/metadata.name": namespace}}}}, values)
+        values.flush()
+        objects = helm_template("e2e-" + secrets.token_hex(3), namespace, "--values", values.name,
+                                *[f"--show-only=templates/{t}.yaml" for t in
+                                  ("serviceaccount", "clusterrole", "role", "admission-policy")])
+    cluster.apply(json.dumps({"apiVersion": "v1", "kind": "List", "items": objects}))
+    account = next(o for o in objects if o["kind"] == "ServiceAccount")["metadata"]["name"]
+    kubeconfig = token_kubeconfig(cluster, bound_token(cluster, namespace, account), namespace,
+                                  workdir / "operator.kubeconfig")
+    operator = OperatorProcess(kubeconfig, namespace, workdir / "operator.log", extra_args=["--namespace", namespace])
     kubelet.start()
     operator.start()
     try:
@@ -124,6 +138,9 @@ def bed(controllers: Cluster, singleton_crd: Path, pg_info: PostgresInfo | None,
     finally:
         operator.stop()
         kubelet.stop()
+        cluster.kubectl("delete", *[f"{o['kind'].lower()}/{o['metadata']['name']}" for o in objects
+                                    if o["kind"].startswith(("Cluster", "ValidatingAdmission"))],
+                        "--ignore-not-found", check=False)
         cluster.kubectl("delete", "namespace", namespace, "--wait=false", check=False)
         if cluster.control_plane is not None:
             # Kept beside the pods' logs, for reading after a failure.
