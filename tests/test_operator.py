@@ -222,3 +222,38 @@ def test_bad_flags_exit_2_with_one_line(tmp_path: Path) -> None:
     assert result.returncode == 2
     assert result.stderr.strip().splitlines() == [
         "singleton-operator: error: --namespace (SINGLETON_WATCH_NAMESPACES): 'Bad_NS' is not a namespace name"]
+
+
+def test_rbac_denied_is_reported_and_nothing_is_created(cluster: Cluster, namespace: str, singleton_crd: Path,
+                                                        tmp_path: Path) -> None:
+    """The chart's ClusterRole without PodDisruptionBudgets: the group reports exactly what is
+    missing and gets no objects at all (not a Deployment without its budget)."""
+    from tests.test_rbac import bound_token, helm_template, token_kubeconfig
+
+    release = "deny-" + uuid.uuid4().hex[:4]
+    objects = helm_template(release, namespace, "--show-only=templates/serviceaccount.yaml",
+                            "--show-only=templates/clusterrole.yaml", "--show-only=templates/role.yaml")
+    for obj in objects:
+        if obj["kind"] == "ClusterRole":
+            obj["rules"] = [r for r in obj["rules"] if "poddisruptionbudgets" not in r.get("resources", [])]
+    cluster.apply(json.dumps({"apiVersion": "v1", "kind": "List", "items": objects}))
+    cluster_scoped = [f"{o['kind'].lower()}/{o['metadata']['name']}" for o in objects
+                      if o["kind"].startswith("Cluster")]
+    account = next(o for o in objects if o["kind"] == "ServiceAccount")["metadata"]["name"]
+    kubeconfig = token_kubeconfig(cluster, bound_token(cluster, namespace, account), namespace,
+                                  tmp_path / "op.kubeconfig")
+    op = OperatorProcess(kubeconfig, namespace, tmp_path / "op.log", extra_args=["--namespace", namespace]).start()
+    try:
+        name = "deny-" + uuid.uuid4().hex[:4]
+        cluster.apply(service(name), namespace=namespace)
+        degraded = wait_for(lambda: (c := condition(cr(cluster, namespace, name), "Degraded")) and
+                            c["reason"] == "RBACDenied" and c, 30, "RBACDenied", 0.2)
+        assert "create poddisruptionbudgets.policy" in degraded["message"], degraded["message"]
+        events = get_json(cluster, "events", "-n", namespace, "--field-selector", f"involvedObject.name={name}")
+        assert "RBACDenied" in {e["reason"] for e in events["items"]}
+        for kind, obj in [("deployment", name), ("serviceaccount", f"singleton-sidecar-{name}")]:
+            assert not exists(cluster, namespace, kind, obj)
+        assert op.alive(), "the operator crashed"
+    finally:
+        op.stop()
+        cluster.kubectl("delete", *cluster_scoped, "--ignore-not-found", check=False)

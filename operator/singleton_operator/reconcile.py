@@ -105,6 +105,28 @@ async def check_postgres(client: KubeClient, spec: GroupSpec) -> None:
     await conn.close()
 
 
+async def check_access(client: KubeClient, spec: GroupSpec, objects: list[dict[str, Any]]) -> None:
+    """Ask the API server (SelfSubjectAccessReview) whether we may create and patch every
+    object we are about to apply, so a missing permission creates nothing at all."""
+    wanted = sorted({(o["apiVersion"].rpartition("/")[0], _PATHS[(o["apiVersion"], o["kind"])].rsplit("/", 1)[1],
+                      verb) for o in objects for verb in ("create", "patch")})
+
+    async def allowed(group: str, resource: str, verb: str) -> bool:
+        review = {"apiVersion": "authorization.k8s.io/v1", "kind": "SelfSubjectAccessReview",
+                  "spec": {"resourceAttributes": {"namespace": spec.namespace, "group": group,
+                                                  "resource": resource, "verb": verb}}}
+        answer = await client.request("POST", "/apis/authorization.k8s.io/v1/selfsubjectaccessreviews",
+                                      body=review, timeout=CALL_TIMEOUT)
+        return bool((answer.get("status") or {}).get("allowed"))
+
+    results = await asyncio.gather(*(allowed(*item) for item in wanted))
+    missing = [f"{verb} {resource}{'.' + group if group else ''}"
+               for (group, resource, verb), ok in zip(wanted, results, strict=True) if not ok]
+    if missing:
+        raise ReconcileProblem("RBACDenied", f"the operator may not {', '.join(missing)} in namespace "
+                               f"{spec.namespace}; nothing was created (grant it, e.g. with the chart's ClusterRole)")
+
+
 def desired_objects(spec: GroupSpec) -> list[dict[str, Any]]:
     objects = [resources.service_account(spec), resources.role(spec), resources.role_binding(spec),
                resources.deployment(spec)]
@@ -120,8 +142,10 @@ async def reconcile(client: KubeClient, spec: GroupSpec) -> None:
     running one keeps its pods (they hold their DSN) until the problem is fixed."""
     if spec.uses_postgres:
         await check_postgres(client, spec)
+    objects = desired_objects(spec)
+    await check_access(client, spec, objects)
     try:
-        for obj in desired_objects(spec):
+        for obj in objects:
             await apply(client, obj)
         if resources.leader_service(spec) is None:
             await delete_if_present(client, "v1", "Service", spec.namespace, resources.leader_service_name(spec))
