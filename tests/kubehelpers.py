@@ -44,6 +44,8 @@ def create_pod(cluster: KubectlRunner, namespace: str, name: str, *, labels: dic
                node: str = "no-kubelet") -> dict[str, Any]:
     """A pod object bound to a node with no kubelet: it never runs, but deleting it is graceful
     (the deletionTimestamp stays until someone force-deletes it), as with a real kubelet."""
+    # The node must exist, or the pod garbage collector removes the pod as an orphan.
+    ensure_node(cluster, node)
     pod = {"apiVersion": "v1", "kind": "Pod",
            "metadata": {"name": name, "namespace": namespace, "labels": labels or {}},
            "spec": {"nodeName": node, "terminationGracePeriodSeconds": 30,
@@ -51,6 +53,12 @@ def create_pod(cluster: KubectlRunner, namespace: str, name: str, *, labels: dic
     out = cluster.kubectl("create", "-f", "-", "-o", "json", input_text=json.dumps(pod)).stdout
     created: dict[str, Any] = json.loads(out)
     return created
+
+
+def ensure_node(cluster: KubectlRunner, name: str) -> None:
+    """A Node object with no kubelet behind it (the test bed runs no node-lifecycle controller)."""
+    node = {"apiVersion": "v1", "kind": "Node", "metadata": {"name": name, "labels": {"singleton.dev/fake": "true"}}}
+    cluster.kubectl("apply", "-f", "-", input_text=json.dumps(node))
 
 
 def get_json(cluster: KubectlRunner, *args: str) -> dict[str, Any]:

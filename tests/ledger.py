@@ -1,4 +1,29 @@
-"""The ledger checker: judges safety from the outside, from what acting leaders wrote."""
+"""The ledger checker: judges safety from the outside, from what acting leaders wrote.
+
+The ledger (``tests/data/ledger_worker.py``, ``singleton-sample-poller``) holds one row per
+phase of each item an acting leader works on: ``start`` then ``done``, with the group, the
+writer's identity and term token, and ``at`` (the database's ``clock_timestamp()`` at the
+insert). Rows are read in ``id`` order, which is commit order for fenced writes: ``fence``
+takes the group's fence row lock before the insert draws its id and holds it until commit,
+so a group's fenced transactions commit one at a time in id order. (Unfenced writes are read
+in insert order, which is what the deliberately unsafe configurations need to be caught.)
+
+What it reports (every list is empty when the group behaved):
+
+- ``overlaps``: two terms writing in interleaved time: a term's first row is no later than
+  the last row of a term that started before it.
+- ``regressions``: the token going backwards in commit order: a row whose token is lower
+  than the row committed just before it (one entry per backwards step).
+- ``stale_accepted``: writes accepted from a stale token: every row whose token is lower than
+  a token already seen in an earlier row. A regression is where a stale run begins; each row of
+  the run is a stale write that committed.
+- ``shared_tokens``: one token written by two identities (two leaders in one term).
+- ``gaps``: the time without a writing leader between consecutive terms (last row of one term
+  to the first row of the next, by start time); ``max_gap`` the largest, ``long_gaps`` those
+  above ``gap_bound`` (the promised bound) when one is given.
+- ``lost_items`` / ``in_flight``: items started and never done. ``lost_at_handover`` keeps
+  those of terms that a later term followed (the last term's open item may still be running).
+"""
 
 from __future__ import annotations
 
@@ -7,41 +32,149 @@ from datetime import datetime
 
 import asyncpg
 
+Term = tuple[int, str, datetime, datetime]
+"""(token, identity, first row, last row)."""
+
+
+@dataclass(frozen=True)
+class Gap:
+    """Time without a writing leader, between the last row of one term and the first of the next."""
+
+    before: int
+    after: int
+    start: datetime
+    end: datetime
+
+    @property
+    def seconds(self) -> float:
+        return (self.end - self.start).total_seconds()
+
+    def __str__(self) -> str:
+        return f"{self.seconds:.3f}s without a writer between token {self.before} and token {self.after}"
+
+
+@dataclass(frozen=True)
+class Overlap:
+    earlier: int
+    later: int
+    earlier_last: datetime
+    later_first: datetime
+
+    def __str__(self) -> str:
+        return (f"token {self.earlier} wrote until {self.earlier_last}, token {self.later} from "
+                f"{self.later_first}")
+
+
+@dataclass(frozen=True)
+class StaleWrite:
+    row_id: int
+    token: int
+    newest_seen: int
+    identity: str
+    at: datetime
+
+    def __str__(self) -> str:
+        return (f"row {self.row_id}: token {self.token} ({self.identity}) committed after token "
+                f"{self.newest_seen} at {self.at}")
+
+
+@dataclass(frozen=True)
+class OpenItem:
+    token: int
+    item: int
+    started: datetime
+
 
 @dataclass
 class LedgerReport:
-    terms: list[tuple[int, str, datetime, datetime]] = field(default_factory=list)
+    terms: list[Term] = field(default_factory=list)
     overlaps: list[str] = field(default_factory=list)
     regressions: list[str] = field(default_factory=list)
     lost_items: list[str] = field(default_factory=list)
+    rows: int = 0
+    overlap_details: list[Overlap] = field(default_factory=list)
+    regression_details: list[StaleWrite] = field(default_factory=list)
+    stale_accepted: list[StaleWrite] = field(default_factory=list)
+    shared_tokens: list[str] = field(default_factory=list)
+    gaps: list[Gap] = field(default_factory=list)
+    gap_bound: float | None = None
+    long_gaps: list[Gap] = field(default_factory=list)
+    in_flight: list[OpenItem] = field(default_factory=list)
+    lost_at_handover: list[OpenItem] = field(default_factory=list)
+
+    @property
+    def max_gap(self) -> float:
+        return max((gap.seconds for gap in self.gaps), default=0.0)
+
+    @property
+    def safe(self) -> bool:
+        """No overlap, no regression, no stale write accepted, no token shared."""
+        return not (self.overlaps or self.regressions or self.stale_accepted or self.shared_tokens)
+
+    def summary(self) -> str:
+        return (f"{self.rows} rows, {len(self.terms)} terms: {len(self.overlaps)} overlaps, "
+                f"{len(self.regressions)} regressions, {len(self.stale_accepted)} stale writes accepted, "
+                f"{len(self.shared_tokens)} shared tokens, max gap {self.max_gap:.3f}s"
+                + (f" ({len(self.long_gaps)} above {self.gap_bound:g}s)" if self.gap_bound is not None else "")
+                + f", {len(self.lost_at_handover)} items lost at handovers")
 
 
-async def check_ledger(dsn: str, group: str) -> LedgerReport:
+async def read_ledger(dsn: str, group: str) -> list[asyncpg.Record]:
     conn = await asyncpg.connect(dsn)
     try:
-        rows = await conn.fetch(
-            "SELECT identity, token, item, phase, at FROM ledger WHERE group_name = $1 ORDER BY id", group)
+        return await conn.fetch(
+            "SELECT id, identity, token, item, phase, at FROM ledger WHERE group_name = $1 ORDER BY id", group)
     finally:
         await conn.close()
-    report = LedgerReport()
-    spans: dict[int, list[object]] = {}
-    open_items: dict[tuple[int, int], bool] = {}
-    last_token = 0
+
+
+async def check_ledger(dsn: str, group: str, *, gap_bound: float | None = None) -> LedgerReport:
+    return judge(await read_ledger(dsn, group), gap_bound=gap_bound)
+
+
+def judge(rows: list[asyncpg.Record], *, gap_bound: float | None = None) -> LedgerReport:
+    """The report for one group's rows, given in id (commit) order."""
+    report = LedgerReport(rows=len(rows), gap_bound=gap_bound)
+    spans: dict[int, tuple[str, datetime, datetime]] = {}
+    identities: dict[int, set[str]] = {}
+    open_items: dict[tuple[int, int], datetime] = {}
+    previous = newest = 0
     for row in rows:
-        token = row["token"]
-        if token < last_token:
-            report.regressions.append(f"token {token} written after {last_token}")
-        last_token = max(last_token, token)
-        span = spans.setdefault(token, [row["identity"], row["at"], row["at"]])
-        span[2] = row["at"]
-        key = (token, row["item"])
+        token, identity, at = int(row["token"]), str(row["identity"]), row["at"]
+        if token < previous:
+            report.regressions.append(f"token {token} written after {previous} (row {row['id']})")
+            report.regression_details.append(StaleWrite(int(row["id"]), token, previous, identity, at))
+        if token < newest:
+            report.stale_accepted.append(StaleWrite(int(row["id"]), token, newest, identity, at))
+        previous, newest = token, max(newest, token)
+        if token in spans:
+            writer, first, last = spans[token]
+            spans[token] = (writer, min(first, at), max(last, at))
+        else:
+            spans[token] = (identity, at, at)
+        identities.setdefault(token, set()).add(identity)
+        key = (token, int(row["item"]))
         if row["phase"] == "start":
-            open_items[key] = True
+            open_items[key] = at
         else:
             open_items.pop(key, None)
-    report.terms = sorted(((t, str(s[0]), s[1], s[2]) for t, s in spans.items()), key=lambda x: x[2])  # type: ignore[misc]
-    for earlier, later in zip(report.terms, report.terms[1:], strict=False):
-        if later[2] <= earlier[3]:
-            report.overlaps.append(f"token {earlier[0]} wrote until {earlier[3]}, token {later[0]} from {later[2]}")
-    report.lost_items = [f"token {t} item {i}" for (t, i) in open_items]
+    report.terms = sorted(((t, s[0], s[1], s[2]) for t, s in spans.items()), key=lambda term: term[2])
+    report.shared_tokens = [f"token {t} written by {sorted(ids)}" for t, ids in sorted(identities.items())
+                            if len(ids) > 1]
+    reach: Term | None = None  # the started term that writes until the latest
+    for term in report.terms:
+        if reach is not None and term[2] <= reach[3]:
+            report.overlap_details.append(Overlap(reach[0], term[0], reach[3], term[2]))
+        if reach is not None:
+            report.gaps.append(Gap(reach[0], term[0], reach[3], term[2]))
+        if reach is None or term[3] > reach[3]:
+            reach = term
+    report.gaps = [gap for gap in report.gaps if gap.seconds > 0]
+    report.overlaps = [str(overlap) for overlap in report.overlap_details]
+    if gap_bound is not None:
+        report.long_gaps = [gap for gap in report.gaps if gap.seconds > gap_bound]
+    report.in_flight = sorted((OpenItem(t, i, at) for (t, i), at in open_items.items()), key=lambda o: o.started)
+    report.lost_items = [f"token {o.token} item {o.item}" for o in report.in_flight]
+    last = report.terms[-1][0] if report.terms else None
+    report.lost_at_handover = [o for o in report.in_flight if o.token != last]
     return report
