@@ -808,3 +808,43 @@ async def test_term_is_what_the_fake_backend_wrote() -> None:
     assert renewed is not None and (renewed.token, renewed.written_at) == (3, T0 + 1.0)
     assert renewed.version != term.version
     assert clock.now == T0 + 2.0
+
+
+# --- holds (planned handover to another candidate) ------------------------------------------------
+
+
+async def test_a_hold_stops_campaigning_until_it_ends() -> None:
+    rig = Rig(acquire=[Held(OTHER, 3), Win(4)], renew=[BLOCK])
+    async with rig.running():
+        await rig.until(1)
+        rig.elector.request_hold(10)
+        await rig.until(9)
+        assert not leading(rig)
+        assert "holding off" in rig.elector.status.reason
+        calls_during_hold = len(rig.backend.ops("acquire"))
+        await settle(lambda: leading(rig))
+        assert rig.now >= 11
+        assert calls_during_hold == 1  # the attempt in flight was abandoned, no new one started
+
+
+async def test_a_hold_abandons_the_attempt_in_flight() -> None:
+    rig = Rig(acquire=[Hang(then=Win(5)), Win(6)], renew=[BLOCK], release=[OK])
+    async with rig.running():
+        await rig.until(0.1)
+        rig.elector.request_hold(3)
+        await rig.until(2.5)
+        assert not leading(rig)
+        await settle(lambda: leading(rig))
+        assert rig.elector.status.token == 6
+
+
+async def test_a_zero_hold_ends_a_hold_early() -> None:
+    rig = Rig(acquire=[Held(OTHER, 3), Win(4)], renew=[BLOCK])
+    async with rig.running():
+        await rig.until(1)
+        rig.elector.request_hold(60)
+        await rig.until(5)
+        assert not leading(rig)
+        rig.elector.request_hold(0)
+        await settle(lambda: leading(rig))
+        assert rig.now < 8

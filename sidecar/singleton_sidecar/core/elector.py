@@ -63,6 +63,8 @@ class Elector:
         self._released = asyncio.Event()
         self._lost_reason: str | None = None
         self._step_down_reason: str | None = None
+        self._hold_until = 0.0
+        self._hold_changed = asyncio.Event()
         self._deadline = 0.0
         self.last_progress = self.clock.monotonic()
         self._status = ElectionStatus(
@@ -118,6 +120,16 @@ class Elector:
         self._step_down_reason = reason
         self._wakeup.set()
 
+    def request_hold(self, seconds: float) -> None:
+        """Do not campaign for ``seconds`` (0 ends a hold): a planned handover to another
+        candidate holds every other standby off while the leader steps down."""
+        self._hold_until = self.clock.monotonic() + max(seconds, 0.0)
+        log.info("hold requested group=%s identity=%s seconds=%g", self.group, self.identity, seconds)
+        self._hold_changed.set()
+
+    def _holding(self) -> float:
+        return max(self._hold_until - self.clock.monotonic(), 0.0)
+
     async def wait_released(self) -> None:
         await self._released.wait()
 
@@ -139,8 +151,14 @@ class Elector:
         self._publish(role=Role.STANDBY, term=None, reason=self._status.reason)
         while not self._drain_requested.is_set():
             self.last_progress = self.clock.monotonic()
+            hold = self._holding()
+            if hold > 0:
+                self._note_observed(None, f"holding off for {hold:.1f}s: a handover to another candidate")
+                self._hold_changed.clear()
+                await self.clock.wait(self._hold_changed, min(hold, self.timings.retry_period))
+                continue
             try:
-                result = await self.backend.acquire(self.identity, timeout=self.timings.retry_period)
+                result = await self._acquire_unless_held()
             except BackendUnavailable as exc:
                 self._note_observed(None, f"lock store unavailable: {exc}")
                 await self.clock.wait(self._drain_requested, self.timings.retry_period)
@@ -149,9 +167,40 @@ class Elector:
                 if self._drain_requested.is_set():
                     await self._release(result, "acquired while draining")
                     return None
+                if self._holding() > 0:
+                    # The hold came while the lock was being granted: let the chosen one have it.
+                    await self._release(result, "acquired during a hold")
+                    continue
                 return result
+            if result is None:
+                continue
             self._note_observed(result, "standing by")
         return None
+
+    async def _acquire_unless_held(self) -> Term | LockRecord | None:
+        """One acquisition attempt, abandoned (None) if a hold is requested meanwhile."""
+        self._hold_changed.clear()
+        attempt = asyncio.ensure_future(self.backend.acquire(self.identity, timeout=self.timings.retry_period))
+        held = asyncio.ensure_future(self._hold_changed.wait())
+        try:
+            await asyncio.wait({attempt, held}, return_when=asyncio.FIRST_COMPLETED)
+        except BaseException:
+            await self._abandon(attempt)
+            raise
+        finally:
+            held.cancel()
+            await asyncio.gather(held, return_exceptions=True)
+        if attempt.done() or self._holding() <= 0:
+            return await attempt
+        await self._abandon(attempt)
+        return None
+
+    async def _abandon(self, attempt: asyncio.Future[Term | LockRecord]) -> None:
+        """Cancel an acquisition; if it had already won, give the lock back."""
+        attempt.cancel()
+        (result,) = await asyncio.gather(attempt, return_exceptions=True)
+        if isinstance(result, Term):
+            await asyncio.shield(self._release(result, "acquisition abandoned"))
 
     async def _lead(self, term: Term) -> None:
         timings = self.timings
