@@ -11,9 +11,10 @@ import sys
 import time
 import urllib.error
 import urllib.request
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 from singleton_testbed.procs import free_port
 
@@ -112,7 +113,10 @@ def wait_for(predicate: Any, timeout: float, what: str, interval: float = 0.01) 
     raise AssertionError(f"timed out after {timeout}s waiting for {what}")
 
 
-def leaders(sidecars: list[SidecarProcess]) -> list[SidecarProcess]:
+S = TypeVar("S", bound="SidecarProcess")
+
+
+def leaders(sidecars: Sequence[S]) -> list[S]:
     result = []
     for sidecar in sidecars:
         doc = sidecar.leader_doc() if sidecar.alive() else None
@@ -121,16 +125,16 @@ def leaders(sidecars: list[SidecarProcess]) -> list[SidecarProcess]:
     return result
 
 
-def one_leader(sidecars: list[SidecarProcess], timeout: float = 10.0) -> SidecarProcess:
-    def check() -> SidecarProcess | None:
+def one_leader(sidecars: Sequence[S], timeout: float = 10.0) -> S:
+    def check() -> S | None:
         found = leaders(sidecars)
         return found[0] if len(found) == 1 and found[0].ready() else None
 
-    leader: SidecarProcess = wait_for(check, timeout, "exactly one ready leader")
+    leader: S = wait_for(check, timeout, "exactly one ready leader")
     return leader
 
 
-def wait_serving(sidecars: list[SidecarProcess], timeout: float = 10.0) -> None:
+def wait_serving(sidecars: Sequence[SidecarProcess], timeout: float = 10.0) -> None:
     """Wait until every sidecar answers on its probe port."""
     for sidecar in sidecars:
         wait_for(lambda s=sidecar: s.leader_doc() is not None, timeout, f"{sidecar.name} to serve")

@@ -118,7 +118,9 @@ class Sidecar:
             assert config.namespace is not None and config.pod_name is not None
             reporter = PodReporter(kube, namespace=config.namespace, pod_name=config.pod_name,
                                    readiness_gate=config.readiness_gate,
-                                   on_deleting=lambda: elector.request_drain())  # noqa: PLW0108 - bound below
+                                   on_deleting=lambda: elector.request_drain(),  # noqa: PLW0108 - bound below
+                                   on_step_down=lambda reason: elector.request_step_down(reason),  # noqa: PLW0108
+                                   on_hold=lambda seconds: elector.request_hold(seconds))  # noqa: PLW0108
         elector = Elector(group=config.group, identity=self.identity, backend=backend, timings=config.timings,
                           wall_clock=self.wall_clock, drain_hook=self._drain_hook(gate, reporter),
                           drain_timeout=config.drain_timeout, on_renew=metrics.on_renew)

@@ -22,6 +22,13 @@ LABEL_GROUP: Final = f"{API_GROUP}/group"
 ANNOTATION_DELETION_COST: Final = "controller.kubernetes.io/pod-deletion-cost"
 LEADER_DELETION_COST: Final = "1000"
 
+# Requests written on a pod by `singletonctl handover` (anyone allowed to patch the pod):
+# "<request id>" asks the pod's leader to step down; "<request id>:<seconds>" asks a standby
+# not to campaign for that long. A sidecar acts on a new request id only, never on one it
+# found at start.
+ANNOTATION_STEP_DOWN: Final = f"{API_GROUP}/step-down"
+ANNOTATION_HOLD: Final = f"{API_GROUP}/hold"
+
 # The fencing token of the current term, kept on the Lease by the lease backend.
 LEASE_ANNOTATION_TOKEN: Final = f"{API_GROUP}/token"
 

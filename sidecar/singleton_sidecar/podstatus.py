@@ -72,12 +72,17 @@ def pod_metadata_patch(status: ElectionStatus) -> dict[str, Any]:
 
 class PodReporter:
     def __init__(self, client: KubeClient, *, namespace: str, pod_name: str, readiness_gate: bool,
-                 on_deleting: Callable[[], None]) -> None:
+                 on_deleting: Callable[[], None], on_step_down: Callable[[str], None] | None = None,
+                 on_hold: Callable[[float], None] | None = None) -> None:
         self.client = client
         self.namespace = namespace
         self.pod_name = pod_name
         self.readiness_gate = readiness_gate
         self._on_deleting = on_deleting
+        self._on_step_down = on_step_down
+        self._on_hold = on_hold
+        # Request annotations as first seen: acted on only when they change afterwards.
+        self._requests: dict[str, str | None] | None = None
         self._latest: ElectionStatus | None = None
         self._written: tuple[dict[str, Any], bool] | None = None
         self._events: list[ElectionStatus] = []
@@ -185,9 +190,30 @@ class PodReporter:
         if stopped != self._stopped_containers or self._pod_gone:
             self._stopped_containers = stopped
             self._containers_changed.set()
+        self._note_requests(metadata.get("annotations") or {})
         if (deleted or metadata.get("deletionTimestamp")) and not self._deleting:
             self._deleting = True
             self._on_deleting()
+
+    def _note_requests(self, annotations: dict[str, str]) -> None:
+        now = {key: annotations.get(key) for key in (contract.ANNOTATION_STEP_DOWN, contract.ANNOTATION_HOLD)}
+        before, self._requests = self._requests, now
+        if before is None:
+            return
+        step_down = now[contract.ANNOTATION_STEP_DOWN]
+        if step_down and step_down != before[contract.ANNOTATION_STEP_DOWN] and self._on_step_down is not None:
+            log.info("step-down requested on pod %s (request %s)", self.pod_name, step_down)
+            self._on_step_down(f"step-down requested (request {step_down[:64]})")
+        hold = now[contract.ANNOTATION_HOLD]
+        if hold != before[contract.ANNOTATION_HOLD] and self._on_hold is not None:
+            seconds = 0.0
+            if hold:
+                try:
+                    seconds = float(hold.rpartition(":")[2])
+                except ValueError:
+                    log.warning("ignoring hold request %r on pod %s: not <id>:<seconds>", hold, self.pod_name)
+                    return
+            self._on_hold(min(max(seconds, 0.0), 300.0))
 
     async def watch_pod(self) -> None:
         """Watch this pod: call ``on_deleting`` once when it gets a deletionTimestamp, and keep

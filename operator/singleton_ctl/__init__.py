@@ -1,0 +1,1 @@
+"""singletonctl: see and steer singleton groups from the command line."""
