@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import json
 import os
@@ -17,6 +18,7 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 from singleton_testbed.procs import free_port
+from tests.ledger import check_ledger
 
 FAST_TIMINGS = {"SINGLETON_LEASE_DURATION": "2", "SINGLETON_RENEW_DEADLINE": "1.5", "SINGLETON_RETRY_PERIOD": "0.5"}
 
@@ -138,3 +140,28 @@ def wait_serving(sidecars: Sequence[SidecarProcess], timeout: float = 10.0) -> N
     """Wait until every sidecar answers on its probe port."""
     for sidecar in sidecars:
         wait_for(lambda s=sidecar: s.leader_doc() is not None, timeout, f"{sidecar.name} to serve")
+
+
+async def pause_leader_past_its_lease(members: Sequence[S], pg_dsn: str, group: str) -> tuple[S, dict[str, Any]]:
+    """SIGSTOP the leader's whole "pod" (sidecar and gated worker) until another leads,
+    SIGCONT it, and check it says at once that it no longer leads and that the ledger shows
+    no overlap. Returns the old leader and its last /leader document."""
+    leader = await asyncio.to_thread(one_leader, members)
+    old = leader.leader_doc()
+    assert old is not None
+    await asyncio.sleep(0.5)  # let the gated worker write
+    leader.signal(signal.SIGSTOP)
+    new = await asyncio.to_thread(one_leader, [s for s in members if s is not leader], 10)
+    new_doc = new.leader_doc()
+    assert new_doc is not None and new_doc["token"] > old["token"]
+    await asyncio.sleep(0.5)
+    leader.signal(signal.SIGCONT)
+    # On waking, the old leader knows its deadline passed: it says so before anything else.
+    doc = await asyncio.to_thread(wait_for, leader.leader_doc, 3, "the old leader to answer")
+    assert doc["isLeader"] is False
+    await asyncio.sleep(1.0)
+    report = await check_ledger(pg_dsn, group)
+    assert not report.overlaps, report.overlaps
+    assert not report.regressions
+    assert len(report.terms) >= 2
+    return leader, old

@@ -22,7 +22,15 @@ from singleton_sidecar import contract
 from tests.conftest import Cluster
 from tests.kubehelpers import create_pod, get_json, grant, service_account_kubeconfig
 from tests.ledger import check_ledger
-from tests.sidecars import FAST_TIMINGS, SidecarProcess, leaders, one_leader, wait_for, wait_serving
+from tests.sidecars import (
+    FAST_TIMINGS,
+    SidecarProcess,
+    leaders,
+    one_leader,
+    pause_leader_past_its_lease,
+    wait_for,
+    wait_serving,
+)
 
 WORKER = str(Path(__file__).parent / "data" / "ledger_worker.py")
 SIDECAR_ACCOUNT = "singleton-sidecar"
@@ -163,23 +171,7 @@ async def test_sigstop_past_the_lease_steps_down_and_is_fenced(
     pod_sidecars: Factory, group: str, pg_dsn: str, backend: str
 ) -> None:
     members = pod_sidecars(backend, gated=True)
-    leader = await asyncio.to_thread(one_leader, members)
-    old = leader.leader_doc()
-    assert old is not None
-    await asyncio.sleep(0.5)
-    leader.signal(signal.SIGSTOP)
-    new = await asyncio.to_thread(one_leader, [s for s in members if s is not leader], 10)
-    new_doc = new.leader_doc()
-    assert new_doc is not None and new_doc["token"] > old["token"]
-    await asyncio.sleep(0.5)
-    leader.signal(signal.SIGCONT)
-    doc = await asyncio.to_thread(wait_for, leader.leader_doc, 3, "the old leader to answer")
-    assert doc["isLeader"] is False
-    await asyncio.sleep(1.0)
-    report = await check_ledger(pg_dsn, group)
-    assert not report.overlaps, report.overlaps
-    assert not report.regressions
-    assert len(report.terms) >= 2
+    await pause_leader_past_its_lease(members, pg_dsn, group)
 
 
 @pytest.mark.parametrize("backend", ["lease", "both", "postgres"])
