@@ -20,8 +20,9 @@ testbed: ## build (once) the control plane binaries from Go modules
 	bash testbed/build.sh
 
 lint: venv
-	$(BIN)/ruff check $(PACKAGES) tests benchmarks
+	$(BIN)/ruff check $(PACKAGES) tests benchmarks demo
 	$(BIN)/mypy
+	$(BIN)/mypy --strict demo
 
 test: venv testbed lint
 	$(BIN)/pytest -ra $(PYTEST_ARGS)
@@ -34,6 +35,13 @@ testbed-up: venv testbed ## start PostgreSQL + control plane in the background
 
 testbed-down: venv
 	$(BIN)/singleton-testbed down
+
+.PHONY: demo demo-down
+demo: venv ## root: test bed + stand-in kubelet + operator + 3 pollers; a live view of scripted handovers
+	$(BIN)/python -m demo run $(DEMO_ARGS)
+
+demo-down: venv ## stop everything `make demo` started and remove its files
+	$(BIN)/python -m demo down
 
 clean:
 	rm -rf $(VENV) .mypy_cache .pytest_cache .ruff_cache

@@ -136,7 +136,8 @@ def sidecar_container(spec: GroupSpec) -> dict[str, Any]:
         "resources": spec.sidecar_resources or {"requests": {"cpu": "10m", "memory": "64Mi"},
                                                 "limits": {"memory": "128Mi"}},
         "securityContext": {"runAsNonRoot": True, "readOnlyRootFilesystem": True,
-                            "allowPrivilegeEscalation": False, "capabilities": {"drop": ["ALL"]}},
+                            "allowPrivilegeEscalation": False, "capabilities": {"drop": ["ALL"]},
+                            "seccompProfile": {"type": "RuntimeDefault"}},
     }
     if spec.gating == "file":
         container["volumeMounts"] = [{"name": GATE_VOLUME, "mountPath": GATE_DIR}]

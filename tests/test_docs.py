@@ -1,0 +1,517 @@
+"""The documentation is executed: every command of every ```sh block in README.md and
+docs/*.md runs against the test bed, so the docs cannot rot.
+
+Conventions (kept small on purpose):
+
+- A command that cannot run here carries a trailing comment ``# not run by tests: REASON``
+  (anywhere in the comment on its line, or on the last line of a continued command). Commands
+  that plainly cannot run here (docker, kind, ``make test``/``make demo``, ``pip install``)
+  must carry one; ``test_unrunnable_commands_are_marked`` checks that.
+- An HTML comment on the line before a block, ``<!-- doc-test: setup=NAME [WORD=variable ...] -->``,
+  gives the block its context; ``WORD=variable`` replaces a placeholder word of the block with
+  a value of the context (a pod name, for example). Contexts:
+
+  ``plain`` (the default)
+      the session's cluster (kubectl's namespace ``default``), ``kubectl``/``helm`` of the
+      test bed and the venv's console scripts on PATH, ``SINGLETON_TESTBED_STATE`` in a
+      folder of the test's.
+  ``postgres``
+      plain, plus ``SINGLETON_POSTGRES_DSN`` exported (the session's PostgreSQL).
+  ``chart``
+      the chart is not installed yet; a kubelet stand-in runs pods (so the operator the chart
+      installs really runs), namespace ``feeds`` exists and ``my-singletonservice.yaml`` (the
+      README's SingletonService example) is in the working folder. Blocks of one document
+      share one such context; it is torn down (helm uninstall, the namespaces the block
+      created deleted) before the next document's.
+  ``group``
+      the group of ``make demo``: ``demo/feed-poller.yaml`` running in namespace ``feeds``
+      (kubectl's namespace) on a kubelet stand-in, the operator (``--lease-namespace
+      singleton-system``), backend ``postgres`` with its DSN in Secret ``feed-db``. Before
+      each block the group is settled (three ready pods, one leader, the status agreeing);
+      variables ``leader`` and ``standby`` are pod names.
+
+Each block runs as one bash script (``bash -e -x``: it stops at the first failing command),
+from a folder mirroring the repository's top level (files a command writes land there),
+with stdin closed. Background jobs a block leaves are killed with its process group.
+``make`` never reinstalls the venv (``-o .venv/bin/.installed``).
+
+Also here: every flag and variable of the README's settings tables appears in the
+``--help`` of the program concerned, every ```python block compiles and its imports work, and
+every SingletonService in a ```yaml block is accepted by the API server (dry run).
+"""
+
+from __future__ import annotations
+
+import ast
+import base64
+import contextlib
+import dataclasses
+import json
+import os
+import re
+import secrets
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+
+from singleton_testbed.kubelet_control import StandInKubelet
+from singleton_testbed.netns import PodNetworkConfig, netns_supported
+from singleton_testbed.postgres import PostgresInfo
+from tests.conftest import Cluster, use_existing_cluster
+from tests.operators import OperatorProcess
+
+REPO = Path(__file__).resolve().parent.parent
+DOCS = [REPO / "README.md", *sorted((REPO / "docs").glob("*.md"))]
+VENV_BIN = Path(sys.executable).parent
+FENCE = re.compile(r"^(?P<indent> {0,4})```(?P<lang>[\w+-]*)\s*$")
+DIRECTIVE = re.compile(r"^\s*<!--\s*doc-test:(?P<body>.*?)-->\s*$")
+MARKER = re.compile(r"#.*\bnot run by tests:\s*(?P<reason>.*?)\s*$")
+HEREDOC = re.compile(r"<<-?\s*'?\"?(?P<word>[A-Za-z_]\w*)'?\"?")
+MUST_BE_MARKED = re.compile(r"^(?:\w+=\S*\s+)*(?:docker\b|kind\b|pip3? install\b|"
+                            r"make\s+(?:test|unit|lint|demo|demo-down|docker-build|check-static)\b)")
+SETUPS = ("plain", "postgres", "chart", "group")
+VARIABLES = {"group": ("leader", "standby")}
+GROUP_NS, GROUP, RELEASE_NS = "feeds", "feed-poller", "singleton-system"
+NET = PodNetworkConfig()
+STANDIN_ROOT = Path.home() / ".cache" / "singleton" / "run"  # not /tmp: pods may mount an emptyDir at /tmp
+BLOCK_TIMEOUT = 240
+
+
+# --- reading the documents ---------------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class Command:
+    line: int
+    """Line of the document where the command starts."""
+    first: int
+    """Index of its first line within the block."""
+    lines: tuple[str, ...]
+    skip: str | None
+
+    @property
+    def text(self) -> str:
+        return "\n".join(self.lines)
+
+
+@dataclasses.dataclass(frozen=True)
+class Block:
+    doc: Path
+    line: int
+    """Line of the opening fence."""
+    lang: str
+    body: tuple[str, ...]
+    directive: str | None
+
+    @property
+    def id(self) -> str:
+        return f"{self.doc.name}:{self.line}"
+
+    @property
+    def options(self) -> dict[str, str]:
+        items = (self.directive or "").split()
+        if not all("=" in item for item in items):
+            raise ValueError(f"{self.id}: doc-test directive items must be KEY=VALUE: {self.directive!r}")
+        return dict(item.split("=", 1) for item in items)
+
+    @property
+    def setup(self) -> str:
+        return self.options.get("setup", "plain")
+
+    @property
+    def substitutions(self) -> dict[str, str]:
+        return {k: v for k, v in self.options.items() if k != "setup"}
+
+    def commands(self) -> list[Command]:
+        commands: list[Command] = []
+        index = 0
+        while index < len(self.body):
+            line = self.body[index]
+            if not line.strip() or line.lstrip().startswith("#"):
+                index += 1
+                continue
+            first = index
+            lines = [line]
+            while lines[-1].rstrip().endswith("\\") and index + 1 < len(self.body):
+                index += 1
+                lines.append(self.body[index])
+            if heredoc := HEREDOC.search(" ".join(lines)):
+                while index + 1 < len(self.body) and self.body[index].strip() != heredoc["word"]:
+                    index += 1
+                    lines.append(self.body[index])
+            marker = MARKER.search(lines[-1] if not heredoc else lines[0])
+            commands.append(Command(self.line + 1 + first, first, tuple(lines),
+                                    marker["reason"] if marker else None))
+            index += 1
+        return commands
+
+
+def read_blocks(doc: Path) -> list[Block]:
+    blocks: list[Block] = []
+    lines = doc.read_text().splitlines()
+    index = 0
+    while index < len(lines):
+        opening = FENCE.match(lines[index])
+        if opening is None or not opening["lang"]:
+            index += 1
+            continue
+        indent = len(opening["indent"])
+        previous = next((lines[i] for i in range(index - 1, -1, -1) if lines[i].strip()), "")
+        directive = DIRECTIVE.match(previous)
+        body: list[str] = []
+        start = index
+        index += 1
+        while index < len(lines) and not re.match(r"^ {0,4}```\s*$", lines[index]):
+            body.append(lines[index][indent:] if lines[index][:indent].strip() == "" else lines[index])
+            index += 1
+        blocks.append(Block(doc, start + 1, opening["lang"], tuple(body),
+                            directive["body"].strip() if directive else None))
+        index += 1
+    return blocks
+
+
+ALL_BLOCKS = [block for doc in DOCS for block in read_blocks(doc)]
+SH_BLOCKS = sorted((b for b in ALL_BLOCKS if b.lang == "sh"),
+                   key=lambda b: (SETUPS.index(b.setup) if b.setup in SETUPS else -1, DOCS.index(b.doc), b.line))
+
+
+def test_the_docs_have_commands() -> None:
+    assert len(SH_BLOCKS) >= 15, [b.id for b in SH_BLOCKS]
+    assert {b.doc.name for b in SH_BLOCKS} >= {"README.md", "gating.md", "runbook.md", "kind.md"}
+
+
+def test_directives_name_known_setups_and_variables() -> None:
+    for block in ALL_BLOCKS:
+        if block.directive is None:
+            continue
+        assert block.lang == "sh", f"{block.id}: doc-test directives apply to ```sh blocks"
+        assert block.setup in SETUPS, f"{block.id}: unknown setup {block.setup!r} (known: {SETUPS})"
+        known = VARIABLES.get(block.setup, ())
+        for word, variable in block.substitutions.items():
+            assert variable in known, f"{block.id}: {word}={variable}: setup {block.setup} provides {known}"
+            assert re.search(rf"(?<![\w-]){re.escape(word)}(?![\w-])", "\n".join(block.body)), \
+                f"{block.id}: placeholder {word!r} does not occur in the block"
+
+
+def test_unrunnable_commands_are_marked() -> None:
+    """Commands that cannot run in the tests say so, with a reason; the rest run."""
+    unmarked = []
+    for block in SH_BLOCKS:
+        for command in block.commands():
+            if command.skip is not None:
+                assert command.skip, f"{block.doc.name}:{command.line}: 'not run by tests:' needs a reason"
+            elif MUST_BE_MARKED.match(command.lines[0].strip()):
+                unmarked.append(f"{block.doc.name}:{command.line}: {command.lines[0].strip()}")
+    assert not unmarked, "mark these with '# not run by tests: REASON':\n" + "\n".join(unmarked)
+
+
+# --- the contexts ------------------------------------------------------------------------------
+
+
+def _kubeconfig_copy(cluster: Cluster, path: Path, namespace: str) -> Path:
+    config = json.loads(cluster.kubectl("config", "view", "--minify", "--raw", "-o", "json").stdout)
+    for context in config["contexts"]:
+        context["context"]["namespace"] = namespace
+    path.write_text(json.dumps(config))
+    path.chmod(0o600)
+    return path
+
+
+def _namespaces(cluster: Cluster) -> set[str]:
+    listing = json.loads(cluster.kubectl("get", "namespaces", "-o", "json").stdout)
+    return {item["metadata"]["name"] for item in listing["items"]}
+
+
+def _create_namespace(cluster: Cluster, name: str) -> None:
+    """Create it, waiting first for an earlier one of that name to finish terminating."""
+    deadline = time.monotonic() + 120
+    while name in _namespaces(cluster):
+        assert time.monotonic() < deadline, f"namespace {name} is still terminating"
+        time.sleep(0.5)
+    cluster.kubectl("create", "namespace", name)
+    cluster.kubectl("create", "serviceaccount", "default", "-n", name, check=False)
+
+
+def _delete_namespaces(cluster: Cluster, names: set[str]) -> None:
+    if names:
+        cluster.kubectl("delete", "namespace", *sorted(names), "--wait=true", "--timeout=120s",
+                        "--ignore-not-found", check=False)
+
+
+def _start_standin(cluster: Cluster) -> tuple[StandInKubelet, Path]:
+    node = "docs-" + secrets.token_hex(3)
+    folder = STANDIN_ROOT / f"doc-tests-{node}"
+    return StandInKubelet(kubeconfig=cluster.kubeconfig, node=node, state_dir=folder).start(), folder
+
+
+def _readme_example() -> str:
+    for block in read_blocks(REPO / "README.md"):
+        if block.lang == "yaml" and any(line.startswith("kind: SingletonService") for line in block.body):
+            return "\n".join(block.body) + "\n"
+    raise AssertionError("README.md has no SingletonService example")
+
+
+def _leader_and_standby(cluster: Cluster, namespace: str) -> dict[str, str] | None:
+    """The settled group's leader and a ready standby, or None while it is not settled."""
+    pods = [p for p in json.loads(cluster.kubectl("get", "pods", "-n", namespace, "-l",
+                                                  f"singleton.dev/group={GROUP}", "-o", "json").stdout)["items"]
+            if not p["metadata"].get("deletionTimestamp")]
+    status = json.loads(cluster.kubectl("get", "sgl", GROUP, "-n", namespace, "-o", "json").stdout).get("status")
+    roles = {p["metadata"]["name"]: (p["metadata"].get("annotations") or {}).get("singleton.dev/role") for p in pods}
+    ready = all(any(c["type"] == "Ready" and c["status"] == "True" for c in p["status"].get("conditions") or [])
+                for p in pods)
+    leaders = [name for name, role in roles.items() if role == "leader"]
+    standbys = sorted(name for name, role in roles.items() if role == "standby")
+    if len(pods) != 3 or not ready or len(leaders) != 1 or len(standbys) != 2 or not status:
+        return None
+    if status.get("leader") != leaders[0] or status.get("phase") != "Running" or status.get("readyStandbys") != 2:
+        return None
+    return {"leader": leaders[0], "standby": standbys[0]}
+
+
+@dataclasses.dataclass
+class Context:
+    name: str
+    kubeconfig: Path
+    env: dict[str, str] = dataclasses.field(default_factory=dict)
+    namespaces_before: set[str] = dataclasses.field(default_factory=set)
+    standin: StandInKubelet | None = None
+    standin_dir: Path | None = None
+    operator: OperatorProcess | None = None
+
+
+class Contexts:
+    """One context at a time: entering another tears the current one down."""
+
+    def __init__(self, cluster: Cluster, workdir: Path, pg_dsn: str, pg_info: PostgresInfo | None) -> None:
+        self.cluster, self.workdir, self.pg_dsn, self.pg_info = cluster, workdir, pg_dsn, pg_info
+        self.current: Context | None = None
+        self.key: tuple[str, str] | None = None
+        self.mirror = workdir / "repo"
+        self.mirror.mkdir()
+        for entry in REPO.iterdir():
+            if entry.name not in (".git", ".mypy_cache", ".pytest_cache", ".ruff_cache"):
+                (self.mirror / entry.name).symlink_to(entry)
+        tools = workdir / "tools"
+        tools.mkdir()
+        make = shutil.which("make") or "/usr/bin/make"
+        (tools / "make").write_text(f'#!/bin/sh\nexec {make} -o .venv/bin/.installed "$@"\n')
+        (tools / "make").chmod(0o755)
+        self.path = os.pathsep.join([str(tools), str(VENV_BIN), os.environ.get("PATH", "")])
+        self.testbed_state = workdir / "testbed-state"
+
+    def enter(self, block: Block) -> Context:
+        key = (block.setup, block.doc.name if block.setup == "chart" else "")
+        if self.key != key:
+            self.close()
+            self.current = self._setup(block.setup, block.doc.name)
+            self.key = key
+        assert self.current is not None
+        return self.current
+
+    def _setup(self, setup: str, doc: str) -> Context:
+        if setup in ("plain", "postgres"):
+            context = Context(setup, _kubeconfig_copy(self.cluster, self.workdir / f"{setup}.kubeconfig", "default"))
+            if setup == "postgres":
+                context.env["SINGLETON_POSTGRES_DSN"] = self.pg_dsn
+            return context
+        if use_existing_cluster():
+            pytest.skip(f"setup {setup} installs the chart or runs pods on this machine's kubelet stand-in")
+        if reason := netns_supported():
+            pytest.skip(f"setup {setup} needs the kubelet stand-in: {reason}")
+        if setup == "group" and self.pg_info is None:
+            pytest.skip("setup group needs the session's own PostgreSQL (reachable from the pod network)")
+        context = Context(setup, self.workdir / f"{setup}-{doc or 'all'}.kubeconfig",
+                          namespaces_before=_namespaces(self.cluster))
+        self.current = context  # so close() undoes a half-done setup
+        context.standin, context.standin_dir = _start_standin(self.cluster)
+        if setup == "chart":
+            _create_namespace(self.cluster, GROUP_NS)
+            (self.mirror / "my-singletonservice.yaml").write_text(_readme_example())
+            _kubeconfig_copy(self.cluster, context.kubeconfig, "default")
+            return context
+        assert self.pg_info is not None
+        for namespace in (RELEASE_NS, GROUP_NS):
+            _create_namespace(self.cluster, namespace)
+        dsn = dataclasses.replace(self.pg_info, host=NET.postgres_ip).dsn
+        secret = {"apiVersion": "v1", "kind": "Secret", "metadata": {"name": "feed-db"},
+                  "data": {"dsn": base64.b64encode(dsn.encode()).decode()}}
+        self.cluster.apply(json.dumps(secret), namespace=GROUP_NS)
+        context.operator = OperatorProcess(self.cluster.kubeconfig, RELEASE_NS, self.workdir / "operator.log",
+                                           name="docs-operator", extra_args=["--namespace", GROUP_NS]).start()
+        self.cluster.kubectl("apply", "-n", GROUP_NS, "-f", str(REPO / "demo" / "feed-poller.yaml"))
+        _kubeconfig_copy(self.cluster, context.kubeconfig, GROUP_NS)
+        self.variables(context)
+        return context
+
+    def variables(self, context: Context) -> dict[str, str]:
+        if context.name != "group":
+            return {}
+        deadline = time.monotonic() + 120
+        while (found := _leader_and_standby(self.cluster, GROUP_NS)) is None:
+            assert time.monotonic() < deadline, "the group did not settle: " + (
+                context.operator.log()[-3000:] if context.operator else "")
+            time.sleep(0.3)
+        return found
+
+    def close(self) -> None:
+        context, self.current, self.key = self.current, None, None
+        if context is None:
+            return
+        if context.name == "chart":
+            subprocess.run(["helm", "uninstall", "singleton", "-n", RELEASE_NS, "--wait", "--timeout", "90s"],
+                           env=self.cluster.env, capture_output=True, check=False, timeout=120)
+        if context.name in ("chart", "group"):
+            _delete_namespaces(self.cluster, _namespaces(self.cluster) - context.namespaces_before)
+        if context.operator is not None:
+            context.operator.stop()
+        if context.standin is not None:
+            context.standin.stop()
+        if context.standin_dir is not None:
+            shutil.rmtree(context.standin_dir, ignore_errors=True)
+        (self.mirror / "my-singletonservice.yaml").unlink(missing_ok=True)
+
+
+@pytest.fixture(scope="module")
+def contexts(controllers: Cluster, singleton_crd: Path, pg_dsn: str, pg_info: PostgresInfo | None,
+             tmp_path_factory: pytest.TempPathFactory) -> Iterator[Contexts]:
+    manager = Contexts(controllers, tmp_path_factory.mktemp("docs"), pg_dsn, pg_info)
+    try:
+        yield manager
+    finally:
+        manager.close()
+
+
+# --- running the blocks ------------------------------------------------------------------------
+
+
+def _substitute(text: str, substitutions: dict[str, str], values: dict[str, str]) -> str:
+    for word, variable in substitutions.items():
+        text = re.sub(rf"(?<![\w-]){re.escape(word)}(?![\w-])", values[variable], text)
+    return text
+
+
+def script_of(block: Block, values: dict[str, str]) -> str:
+    """The block as a bash script: skipped commands become no-ops (line numbers kept)."""
+    lines = list(block.body)
+    for command in block.commands():
+        if command.skip is not None:
+            for offset in range(len(command.lines)):
+                lines[command.first + offset] = f": skipped, not run by tests: {command.skip!r}" if offset == 0 else ""
+    return _substitute("\n".join(lines), block.substitutions, values) + "\n"
+
+
+def _run(script: str, *, cwd: Path, env: dict[str, str]) -> subprocess.CompletedProcess[str]:
+    proc = subprocess.Popen(["bash", "-e", "-x", "-c", script], cwd=cwd, env=env, stdin=subprocess.DEVNULL,
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    try:
+        output, _ = proc.communicate(timeout=BLOCK_TIMEOUT)
+    except subprocess.TimeoutExpired:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGKILL)
+        output, _ = proc.communicate()
+        return subprocess.CompletedProcess(proc.args, -9, output + f"\n(timed out after {BLOCK_TIMEOUT} s)", "")
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGKILL)  # background jobs the block left
+    return subprocess.CompletedProcess(proc.args, proc.returncode, output, "")
+
+
+@pytest.mark.k8s
+@pytest.mark.controlplane
+@pytest.mark.postgres
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize("block", SH_BLOCKS, ids=lambda b: b.id)
+def test_the_commands_of_the_docs_run(block: Block, contexts: Contexts) -> None:
+    runnable = [c for c in block.commands() if c.skip is None]
+    if not runnable:
+        pytest.skip("every command of this block is marked 'not run by tests'")
+    context = contexts.enter(block)
+    env = {**os.environ, "KUBECONFIG": str(context.kubeconfig), "PATH": contexts.path,
+           "SINGLETON_TESTBED_STATE": str(contexts.testbed_state), "PS4": "+ [doc line $LINENO] ", **context.env}
+    if any(re.search(r"(^|[\s;(|&])singletonctl\b", c.text) for c in runnable) and \
+            shutil.which("singletonctl", path=env["PATH"]) is None:
+        pytest.skip("the singletonctl console script is not installed (yet): pip install -e . provides it")
+    values = contexts.variables(context)
+    try:
+        result = _run(script_of(block, values), cwd=contexts.mirror, env=env)
+    finally:
+        if (contexts.testbed_state / "testbed.json").exists():  # a `make testbed-up` that was not brought down
+            subprocess.run([str(VENV_BIN / "singleton-testbed"), "down"], env=env, capture_output=True, check=False)
+    print(result.stdout)  # shown with -rP
+    assert result.returncode == 0, (
+        f"{block.id} (setup {block.setup}) failed with status {result.returncode}; doc line numbers are "
+        f"relative to the block (line {block.line} + N):\n{result.stdout[-6000:]}")
+
+
+# --- the other kinds of blocks, and --help -------------------------------------------------------
+
+
+PYTHON_BLOCKS = [b for b in ALL_BLOCKS if b.lang == "python"]
+YAML_GROUPS = [b for b in ALL_BLOCKS if b.lang == "yaml" and any(line.startswith("kind: SingletonService")
+                                                                 for line in b.body)]
+
+
+@pytest.mark.parametrize("block", PYTHON_BLOCKS, ids=lambda b: b.id)
+def test_python_examples_compile_and_their_imports_work(block: Block) -> None:
+    source = "\n".join(block.body)
+    tree = compile(source, block.id, "exec", flags=ast.PyCF_ONLY_AST | ast.PyCF_ALLOW_TOP_LEVEL_AWAIT)
+    compile(tree, block.id, "exec", flags=ast.PyCF_ALLOW_TOP_LEVEL_AWAIT)
+    imports = ast.Module(body=[node for node in ast.walk(tree) if isinstance(node, ast.Import | ast.ImportFrom)],
+                         type_ignores=[])
+    exec(compile(imports, block.id, "exec"), {})  # the docs' own import lines
+
+
+@pytest.mark.k8s
+@pytest.mark.parametrize("block", YAML_GROUPS, ids=lambda b: b.id)
+def test_singletonservice_examples_are_accepted(block: Block, cluster: Cluster, singleton_crd: Path,
+                                                namespace: str) -> None:
+    body: dict[str, Any] = yaml.safe_load("\n".join(block.body))
+    body["metadata"].pop("namespace", None)
+    result = cluster.kubectl("apply", "--dry-run=server", "-n", namespace, "-f", "-", input_text=json.dumps(body),
+                             check=False)
+    assert result.returncode == 0, f"{block.id}: {result.stderr}"
+
+
+def _table_rows(doc: Path, heading: str) -> list[list[str]]:
+    """The rows of the first table after ``heading``, as lists of cells."""
+    text = doc.read_text()
+    start = text.index(heading)
+    rows = []
+    for line in text[start:].splitlines()[1:]:
+        if line.startswith("|"):
+            rows.append([cell.strip() for cell in line.strip().strip("|").split("|")])
+        elif rows:
+            break
+    return rows[2:]  # header and separator
+
+
+def _help(*argv: str) -> str:
+    env = {**os.environ, "COLUMNS": "200"}
+    return subprocess.run(argv, capture_output=True, text=True, env=env, check=True).stdout
+
+
+def test_every_sidecar_setting_of_the_readme_is_in_its_help() -> None:
+    rows = _table_rows(REPO / "README.md", "### Settings")
+    assert len(rows) >= 15
+    text = _help(str(VENV_BIN / "singleton-sidecar"), "run", "--help")
+    for variables, flags, *_ in rows:
+        for name in re.findall(r"SINGLETON_[A-Z_]+", variables) + re.findall(r"--[a-z][a-z-]*", flags):
+            assert name in text, f"README's settings table names {name}, `singleton-sidecar run --help` does not"
+
+
+def test_every_operator_setting_of_the_readme_is_in_its_help() -> None:
+    rows = _table_rows(REPO / "README.md", "### High availability of the operator")
+    assert len(rows) >= 5
+    text = _help(str(VENV_BIN / "singleton-operator"), "run", "--help")
+    for flags, variables, *_ in rows:
+        for name in re.findall(r"--[a-z][a-z-]*", flags) + re.findall(r"\b[A-Z][A-Z_]+[A-Z]\b", variables):
+            assert name in text, f"README's operator table names {name}, `singleton-operator run --help` does not"
