@@ -10,8 +10,7 @@ import yaml
 
 
 class KubectlRunner(Protocol):
-    def kubectl(self, *args: str, input_text: str | None = None, check: bool = True,
-                kubeconfig: Path | None = None) -> Any: ...
+    def kubectl(self, *args: str, input_text: str | None = None, check: bool = True) -> Any: ...
 
 
 def service_account_kubeconfig(cluster: KubectlRunner, namespace: str, account: str, path: Path) -> Path:
