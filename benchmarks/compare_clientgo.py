@@ -1,0 +1,459 @@
+"""Side by side with client-go leader election, on one control plane.
+
+    .venv/bin/python -m benchmarks.compare_clientgo --runs 10
+
+Starts PostgreSQL (or uses SINGLETON_TEST_DSN; only the SIGSTOP ledger needs it) and the
+test bed's etcd + kube-apiserver, builds our client-go elector (benchmarks/clientgo) and
+measures groups of 3 of each peer:
+- ours: singleton-sidecar, lease backend, its default timings (8 s / 6.5 s / 5 s);
+- client-go at its usual defaults (15 s / 10 s / 2 s);
+- client-go with our timings (8 s / 6.5 s / 5 s).
+Per peer: graceful handover (SIGTERM to the leader -> another member's /readyz 200),
+SIGKILL failover (same, after SIGKILL), API requests/s of the group at rest (distinct
+auditIDs in the audit log by user agent), RSS and CPU at rest. Then the SIGSTOP safety
+scenario with short timings (2 s / 1.5 s / 0.5 s) for both: each member has a worker that
+appends to a PostgreSQL ledger while its elector says it leads (ours: the exec gate with
+the fenced tests/data/ledger_worker.py; client-go: benchmarks/clientgo/unfenced_worker.py
+polling /leader), the leader's process group is stopped past the lease, a new leader
+takes over, the old one is continued, and tests/ledger.py's checker counts overlaps.
+Prints tables and ratios (client-go / ours) and writes PNG plots to benchmarks/plots/.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import random
+import signal
+import statistics
+import sys
+import tempfile
+import time
+import uuid
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import asyncpg
+from tests.ledger import check_ledger
+from tests.sidecars import SidecarProcess, one_leader, wait_for, wait_serving
+
+from benchmarks.clientgo.elector import CLIENTGO_DEFAULTS, USER_AGENT, ClientGoProcess, build
+from benchmarks.clientgo.unfenced_worker import term_of
+from benchmarks.failover import Bench, cpu_seconds, percentile, rss_mb, summary
+from singleton_sidecar.core.timings import BACKEND_DEFAULTS
+from singleton_testbed.binaries import add_to_path, find_all
+from singleton_testbed.controlplane import ControlPlane
+from singleton_testbed.postgres import PostgresServer
+
+Timings = tuple[float, float, float]  # lease duration, renew deadline, retry period (s)
+OURS_DEFAULTS: Timings = (BACKEND_DEFAULTS["lease"].lease_duration, BACKEND_DEFAULTS["lease"].renew_deadline,
+                          BACKEND_DEFAULTS["lease"].retry_period)
+FAST: Timings = (2.0, 1.5, 0.5)
+SIDECAR_AGENT = "singleton-sidecar"
+FENCED_WORKER = Path(__file__).resolve().parent.parent / "tests" / "data" / "ledger_worker.py"
+PLOTS = Path(__file__).resolve().parent / "plots"
+
+
+def fmt_timings(timings: Timings) -> str:
+    return "/".join(f"{t:g}" for t in timings) + " s"
+
+
+def ms(seconds: float) -> str:
+    value = seconds * 1000
+    return f"{value:.1f} ms" if value < 1000 else f"{value / 1000:.2f} s"
+
+
+@dataclass
+class ClientGoBench(Bench):
+    """A ``Bench`` whose groups are client-go electors (optionally with unfenced ledger workers)."""
+
+    binary: Path = Path()
+    timings: Timings = CLIENTGO_DEFAULTS
+    ledger_dsn: str | None = None
+
+    @contextmanager
+    def group(self, count: int) -> Iterator[list[SidecarProcess]]:
+        assert self.control_plane is not None
+        lease = "cg-" + uuid.uuid4().hex[:8]
+        members: list[SidecarProcess] = []
+        try:
+            for index in range(count):
+                identity = f"g{index}-{uuid.uuid4().hex[:6]}"
+                members.append(ClientGoProcess(
+                    f"g{index}", {"SINGLETON_GROUP": lease, "SINGLETON_IDENTITY": identity},
+                    self.workdir / f"{lease}-{index}.log",
+                    binary=self.binary, kubeconfig=self.control_plane.info.kubeconfig, namespace=self.namespace,
+                    lease=lease, identity=identity, timings=self.timings,
+                    ledger_dsn=self.ledger_dsn).start())
+            wait_serving(members, 15)
+            yield members
+        finally:
+            for member in members:
+                member.stop()
+
+
+@dataclass
+class GatedBench(Bench):
+    """A ``Bench`` of our sidecars (lease backend, no pod objects) whose exec gate runs the
+    fenced ledger worker, with the given timings."""
+
+    timings: Timings = FAST
+
+    @contextmanager
+    def group(self, count: int) -> Iterator[list[SidecarProcess]]:
+        assert self.control_plane is not None
+        group = "stop-" + uuid.uuid4().hex[:8]
+        lease_duration, renew_deadline, retry_period = self.timings
+        members: list[SidecarProcess] = []
+        try:
+            for index in range(count):
+                env = {"SINGLETON_GROUP": group, "SINGLETON_BACKEND": self.backend,
+                       "SINGLETON_IDENTITY": f"s{index}-{uuid.uuid4().hex[:6]}", "LEDGER_DSN": self.dsn,
+                       "KUBECONFIG": str(self.control_plane.info.kubeconfig), "SINGLETON_NAMESPACE": self.namespace,
+                       "SINGLETON_LEASE_DURATION": f"{lease_duration:g}",
+                       "SINGLETON_RENEW_DEADLINE": f"{renew_deadline:g}",
+                       "SINGLETON_RETRY_PERIOD": f"{retry_period:g}"}
+                members.append(SidecarProcess(f"s{index}", env, self.workdir / f"{group}-{index}.log",
+                                              command=[sys.executable, str(FENCED_WORKER)]).start())
+            wait_serving(members, 15)
+            yield members
+        finally:
+            for member in members:
+                member.stop()
+
+
+@dataclass
+class Rest:
+    rss: list[float]
+    cpu: list[float]
+    requests: float
+    kinds: dict[str, int]
+
+
+@dataclass
+class StopRun:
+    takeover: float
+    overlaps: int  # terms that wrote in interleaved time (tests/ledger.py)
+    stale_rows: int  # rows with an older term's token written after a newer term's (tests/ledger.py)
+    woke_rows: int  # rows the old leader's worker wrote in its old term after SIGCONT
+    woke_writing: float  # for how long after SIGCONT it kept writing (s)
+    fenced_out: bool  # the old leader's worker tried and was refused by the fence
+
+
+@dataclass
+class PeerResult:
+    key: str
+    label: str
+    agent: str
+    timings: Timings
+    graceful: list[float] = field(default_factory=list)
+    kill: list[float] = field(default_factory=list)
+    rest: Rest | None = None
+    stops: list[StopRun] = field(default_factory=list)
+
+
+def audit_size(plane: ControlPlane) -> int:
+    path = plane.workdir / "audit.log"
+    return path.stat().st_size if path.exists() else 0
+
+
+def count_requests(plane: ControlPlane, start: int, end: int, agent: str) -> tuple[int, dict[str, int]]:
+    """Distinct requests (auditIDs) by user agents starting with ``agent`` in the audit log
+    between two offsets, and their count by verb and resource."""
+    with (plane.workdir / "audit.log").open("rb") as audit:
+        audit.seek(start)
+        entries = [entry for entry in map(json.loads, audit.read(end - start).splitlines())
+                   if entry.get("userAgent", "").startswith(agent)]
+    kinds: dict[str, set[str]] = {}
+    for entry in entries:
+        ref = entry.get("objectRef", {})
+        kind = f"{entry['verb']} {ref.get('resource')}" + (f"/{ref['subresource']}" if ref.get("subresource") else "")
+        kinds.setdefault(kind, set()).add(entry["auditID"])
+    return len({entry["auditID"] for entry in entries}), {k: len(v) for k, v in sorted(kinds.items())}
+
+
+def at_rest(bench: Bench, plane: ControlPlane, agent: str, seconds: float) -> Rest:
+    with bench.group(3) as members:
+        one_leader(members, timeout=30)
+        time.sleep(3)  # past the election's own requests
+        pids = [m.popen.pid for m in members if m.popen is not None]
+        before = [cpu_seconds(p) for p in pids]
+        start = audit_size(plane)
+        time.sleep(seconds)
+        end = audit_size(plane)  # before the group stops: its farewell writes are not "at rest"
+        cpu = [(cpu_seconds(p) - b) / seconds for p, b in zip(pids, before, strict=True)]
+        rss = [rss_mb(p) for p in pids]
+    count, kinds = count_requests(plane, start, end, agent)
+    return Rest(rss, cpu, count / seconds, kinds)
+
+
+def takeover(bench: Bench, signum: int, cycle: float, rng: random.Random) -> float:
+    """``Bench.takeover`` at a random phase: the signal comes 0.3 s plus a uniformly random
+    part of ``cycle`` (the peer's retry cycle) after the group elected its leader, as a
+    real SIGTERM or crash would, instead of always just after the election."""
+    with bench.group(3) as members:
+        leader = one_leader(members, timeout=30)
+        others = [m for m in members if m is not leader]
+        time.sleep(0.3 + rng.uniform(0, cycle))
+        started = time.monotonic()
+        leader.signal(signum)
+        wait_for(lambda: any(m.ready() for m in others), 60, "a new ready leader", interval=0.001)
+        return time.monotonic() - started
+
+
+def cycle_of(key: str, timings: Timings) -> float:
+    """How long one retry cycle lasts: client-go waits retry period x (1 + jitter 1.2) at most
+    between attempts; our leader renews every retry period and our standbys watch."""
+    return timings[2] * (2.2 if key.startswith("clientgo") else 1.0)
+
+
+async def stale_after(dsn: str, group: str, identity: str, token: int, woke: float) -> tuple[int, float]:
+    """Rows ``identity`` wrote in its term ``token`` after ``woke`` (epoch s), and for how long after it."""
+    conn = await asyncpg.connect(dsn)
+    try:
+        row = await conn.fetchrow("SELECT count(*) AS n, extract(epoch FROM max(at)) AS last FROM ledger "
+                                  "WHERE group_name = $1 AND identity = $2 AND token = $3 AND at > to_timestamp($4)",
+                                  group, identity, token, woke)
+    finally:
+        await conn.close()
+    assert row is not None
+    return int(row["n"]), float(row["last"]) - woke if row["n"] else 0.0
+
+
+def sigstop_run(bench: Bench, dsn: str, timings: Timings) -> StopRun:
+    """Stop the leader's process group (elector + worker) past the lease, let a new leader
+    take over and work, continue the old one, and judge the ledger."""
+    lease_duration, renew_deadline, _ = timings
+    with bench.group(3) as members:
+        group = members[0].env["SINGLETON_GROUP"]
+        leader = one_leader(members, timeout=30)
+        time.sleep(0.5)  # the leader's worker writes
+        doc = leader.leader_doc()
+        assert doc is not None
+        token = doc["token"] if doc.get("token") is not None else term_of(doc)  # client-go: its worker's term id
+        assert token is not None
+        leader.signal(signal.SIGSTOP)
+        stopped = time.monotonic()
+        one_leader([m for m in members if m is not leader], timeout=3 * lease_duration + 10)
+        takeover = time.monotonic() - stopped
+        time.sleep(0.5)  # the new leader's worker writes
+        woke = time.time()
+        leader.signal(signal.SIGCONT)
+        time.sleep(renew_deadline + 1.5)  # the old one wakes up: give it its renew deadline and more
+    report = asyncio.run(check_ledger(dsn, group))
+    rows, seconds = asyncio.run(stale_after(dsn, group, leader.env["SINGLETON_IDENTITY"], token, woke))
+    return StopRun(takeover=takeover, overlaps=len(report.overlaps), stale_rows=len(report.stale_accepted),
+                   woke_rows=rows, woke_writing=seconds, fenced_out="fenced out" in leader.log())
+
+
+def print_peer(result: PeerResult) -> None:
+    print(f"\n{result.label}: 3 members, timings {fmt_timings(result.timings)}, {os.cpu_count()} CPUs")
+    if result.graceful:
+        print(summary("graceful handover (SIGTERM)", result.graceful))
+    if result.kill:
+        print(summary("SIGKILL failover", result.kill))
+    if result.rest is not None:
+        rest = result.rest
+        print(f"{'RSS at rest (3 members)':<34} " + ", ".join(f"{v:.1f} MB" for v in rest.rss))
+        print(f"{'CPU at rest (3 members)':<34} " + ", ".join(f"{v * 100:.2f} %" for v in rest.cpu))
+        print(f"{'API requests/s at rest (group)':<34} {rest.requests:.3f}  ("
+              + ", ".join(f"{k}: {v}" for k, v in rest.kinds.items()) + ")")
+    sys.stdout.flush()
+
+
+def med_p99(values: list[float]) -> str:
+    return f"{ms(statistics.median(values))} / {ms(percentile(values, 0.99))}" if values else "-"
+
+
+def ratio(num: float, den: float) -> str:
+    return f"{num / den:,.0f}x" if den > 0 and num / den >= 10 else (f"{num / den:.1f}x" if den > 0 else "-")
+
+
+def print_tables(results: Sequence[PeerResult], stops: Sequence[PeerResult], rest_seconds: float) -> None:
+    print("\n| figure (3 members) | " + " | ".join(f"{r.label}, {fmt_timings(r.timings)}" for r in results) + " |")
+    print("|---|" + "---|" * len(results))
+    print("| graceful handover, median / p99 | " + " | ".join(
+        f"{med_p99(r.graceful)} (n={len(r.graceful)})" for r in results) + " |")
+    print("| SIGKILL failover, median / p99 | " + " | ".join(
+        f"{med_p99(r.kill)} (n={len(r.kill)})" for r in results) + " |")
+    rests = [r.rest for r in results]
+    print(f"| API requests/s at rest, group ({rest_seconds:g} s) | " + " | ".join(
+        f"{x.requests:.3f}" if x else "-" for x in rests) + " |")
+    print("| RSS at rest, per member | " + " | ".join(
+        f"{statistics.median(x.rss):.1f} MB" if x else "-" for x in rests) + " |")
+    print("| CPU at rest, per member (median, max) | " + " | ".join(
+        f"{statistics.median(x.cpu) * 100:.2f} %, {max(x.cpu) * 100:.2f} %" if x else "-" for x in rests) + " |")
+    ours, others = results[0], results[1:]
+    if ours.key == "ours" and others:
+        print("\n| client-go / ours | " + " | ".join(f"{r.label}, {fmt_timings(r.timings)}" for r in others) + " |")
+        print("|---|" + "---|" * len(others))
+        for name, pick in (("graceful handover, median", lambda r: statistics.median(r.graceful)),
+                           ("graceful handover, p99", lambda r: percentile(r.graceful, 0.99)),
+                           ("SIGKILL failover, median", lambda r: statistics.median(r.kill)),
+                           ("SIGKILL failover, p99", lambda r: percentile(r.kill, 0.99))):
+            if ours.graceful and ours.kill:
+                print(f"| {name} | " + " | ".join(
+                    ratio(pick(r), pick(ours)) if r.graceful and r.kill else "-" for r in others) + " |")
+        if ours.rest is not None:
+            print("| API requests/s at rest | " + " | ".join(
+                ratio(r.rest.requests, ours.rest.requests) if r.rest else "-" for r in others) + " |")
+    if stops:
+        print(f"\nSIGSTOP of the leader's process group past the lease, timings {fmt_timings(FAST)}:")
+        print("\n| peer | runs | runs with overlaps | stale rows accepted | old leader's rows after SIGCONT, "
+              "total (longest it kept writing) | runs where its worker was fenced out | "
+              "SIGSTOP to new leader ready, median |")
+        print("|---|---|---|---|---|---|---|")
+        for r in stops:
+            print(f"| {r.label} | {len(r.stops)} | {sum(1 for s in r.stops if s.overlaps)} | "
+                  f"{sum(s.stale_rows for s in r.stops)} | {sum(s.woke_rows for s in r.stops)} "
+                  f"({ms(max(s.woke_writing for s in r.stops))}) | {sum(1 for s in r.stops if s.fenced_out)} | "
+                  f"{ms(statistics.median(s.takeover for s in r.stops))} |")
+    sys.stdout.flush()
+
+
+def plot(results: Sequence[PeerResult], folder: Path) -> list[Path]:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    folder.mkdir(parents=True, exist_ok=True)
+    written = []
+    for attr, title, name in (("graceful", "Graceful handover: SIGTERM to the leader → new leader ready",
+                               "clientgo-graceful.png"),
+                              ("kill", "SIGKILL failover: leader killed → new leader ready", "clientgo-sigkill.png")):
+        series = [(f"{r.label}\n{fmt_timings(r.timings)}", getattr(r, attr)) for r in results if getattr(r, attr)]
+        if not series:
+            continue
+        everything = [v for _, values in series for v in values]
+        log = max(everything) / max(min(everything), 1e-6) > 20
+        scale = 1000.0 if log else 1.0
+        fig, ax = plt.subplots(figsize=(7.5, 4.2), dpi=100)
+        ax.boxplot([[v * scale for v in values] for _, values in series], whis=(0, 100), widths=0.4)
+        for index, (_, values) in enumerate(series, start=1):
+            offsets = [index + 0.15 * ((i * 0.618) % 1 - 0.5) for i in range(len(values))]
+            ax.scatter(offsets, [v * scale for v in values], s=14, alpha=0.6, zorder=3)
+            median = statistics.median(values)
+            ax.annotate(f"median {ms(median)}\np99 {ms(percentile(values, 0.99))}", (index + 0.24, median * scale),
+                        fontsize=8, va="center")
+        ax.set_xticks(range(1, len(series) + 1), [label for label, _ in series], fontsize=8)
+        ax.set_xlim(0.5, len(series) + 0.9)
+        if log:
+            ax.set_yscale("log")
+            decades = [10.0**e for e in range(-1, 6)]
+            ax.set_yticks(decades, [f"{d:g} ms" if d < 1000 else f"{d / 1000:g} s" for d in decades])
+            ax.yaxis.set_minor_formatter(matplotlib.ticker.NullFormatter())
+            ax.set_ylim(min(everything) * scale / 2, max(everything) * scale * 2)
+        else:
+            ax.set_ylim(0, max(everything) * 1.1)
+        ax.set_ylabel("time (log scale)" if log else "seconds")
+        ax.set_title(f"{title}\n3 members, one kube-apiserver, {os.cpu_count()} CPUs", fontsize=10)
+        ax.grid(axis="y", which="both", alpha=0.3)
+        fig.tight_layout()
+        path = folder / name
+        fig.savefig(path)
+        plt.close(fig)
+        written.append(path)
+    return written
+
+
+def measure(args: argparse.Namespace, binary: Path, dsn: str, workdir: Path, plane: ControlPlane) -> None:
+    started = time.monotonic()
+    rng = random.Random(args.seed)
+
+    def progress(text: str) -> None:
+        print(f"[{time.monotonic() - started:6.0f} s] {text}", flush=True)
+
+    peers = {
+        "ours": (PeerResult("ours", "ours (sidecar, lease)", SIDECAR_AGENT, OURS_DEFAULTS),
+                 Bench("lease", dsn, workdir, plane)),
+        "clientgo-defaults": (PeerResult("clientgo-defaults", "client-go", USER_AGENT, CLIENTGO_DEFAULTS),
+                              ClientGoBench("lease", dsn, workdir, plane, binary=binary, timings=CLIENTGO_DEFAULTS)),
+        "clientgo-ours": (PeerResult("clientgo-ours", "client-go", USER_AGENT, OURS_DEFAULTS),
+                          ClientGoBench("lease", dsn, workdir, plane, binary=binary, timings=OURS_DEFAULTS)),
+    }
+    results = []
+    for key in args.peers:
+        result, bench = peers[key]
+        progress(f"{key}: graceful handover x{args.runs}")
+        cycle = cycle_of(key, result.timings)
+        result.graceful = [takeover(bench, signal.SIGTERM, cycle, rng) for _ in range(args.runs)]
+        kills = args.slow_runs if key == "clientgo-defaults" else args.runs
+        progress(f"{key}: SIGKILL failover x{kills}")
+        result.kill = [takeover(bench, signal.SIGKILL, cycle, rng) for _ in range(kills)]
+        if args.rest_seconds > 0:
+            progress(f"{key}: at rest {args.rest_seconds:g} s")
+            result.rest = at_rest(bench, plane, result.agent, args.rest_seconds)
+        print_peer(result)
+        results.append(result)
+    stops = []
+    for result, bench in (
+        (PeerResult("ours-fenced", "ours (sidecar, lease, exec gate + fenced worker)", SIDECAR_AGENT, FAST),
+         GatedBench("lease", dsn, workdir, plane, timings=FAST)),
+        (PeerResult("clientgo-unfenced", "client-go + unfenced worker", USER_AGENT, FAST),
+         ClientGoBench("lease", dsn, workdir, plane, binary=binary, timings=FAST, ledger_dsn=dsn)),
+    ):
+        if args.sigstop_runs <= 0:
+            break
+        progress(f"{result.key}: SIGSTOP x{args.sigstop_runs}")
+        result.stops = [sigstop_run(bench, dsn, FAST) for _ in range(args.sigstop_runs)]
+        for run in result.stops:
+            print(f"  {result.key}: {run}")
+        stops.append(result)
+    progress(f"done; machine: {os.cpu_count()} CPUs, Linux {os.uname().release}; logs in {workdir}")
+    print_tables(results, stops, args.rest_seconds)
+    for path in plot(results, args.plots):
+        print(f"plot: {path} ({path.stat().st_size // 1024} KB)")
+    if args.json is not None:
+        args.json.write_text(json.dumps([asdict(r) for r in [*results, *stops]], indent=1))
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--runs", type=int, default=10, help="runs per failover scenario (default 10)")
+    parser.add_argument("--slow-runs", type=int, default=5,
+                        help="SIGKILL runs for client-go at its defaults, ~20 s each (default 5)")
+    parser.add_argument("--rest-seconds", type=float, default=60.0, help="how long to watch idle groups (default 60)")
+    parser.add_argument("--sigstop-runs", type=int, default=5, help="SIGSTOP runs per peer (default 5)")
+    parser.add_argument("--peers", nargs="+", choices=["ours", "clientgo-defaults", "clientgo-ours"],
+                        default=["ours", "clientgo-defaults", "clientgo-ours"])
+    parser.add_argument("--seed", type=int, default=1, help="seed of the random signal phases (default 1)")
+    parser.add_argument("--plots", type=Path, default=PLOTS, help=f"folder for the PNGs (default {PLOTS})")
+    parser.add_argument("--json", type=Path, help="also write the raw figures here")
+    parser.add_argument("--replot", type=Path, metavar="JSON", help="only redraw the plots from a --json file")
+    args = parser.parse_args()
+    if args.replot is not None:
+        saved = [PeerResult(d["key"], d["label"], d["agent"], tuple(d["timings"]), d["graceful"], d["kill"])
+                 for d in json.loads(args.replot.read_text())]
+        for path in plot([r for r in saved if r.graceful or r.kill], args.plots):
+            print(f"plot: {path} ({path.stat().st_size // 1024} KB)")
+        return 0
+    binary = build()
+    server, control_plane = None, None
+    dsn = os.environ.get("SINGLETON_TEST_DSN")
+    workdir = Path(tempfile.mkdtemp(prefix="singleton-bench-clientgo-"))
+    try:
+        if not dsn:
+            server = PostgresServer()
+            dsn = server.start().dsn
+        binaries = find_all()
+        add_to_path(binaries)
+        control_plane = ControlPlane(binaries)
+        control_plane.start()
+        control_plane.kubectl("create", "namespace", "bench")
+        control_plane.kubectl("create", "serviceaccount", "default", "-n", "bench")  # no controller-manager here
+        measure(args, binary, dsn, workdir, control_plane)
+    finally:
+        if control_plane is not None:
+            control_plane.stop()
+        if server is not None:
+            server.cleanup()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
