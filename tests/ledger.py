@@ -173,8 +173,9 @@ def judge(rows: list[asyncpg.Record], *, gap_bound: float | None = None) -> Ledg
     report.overlaps = [str(overlap) for overlap in report.overlap_details]
     if gap_bound is not None:
         report.long_gaps = [gap for gap in report.gaps if gap.seconds > gap_bound]
-    report.in_flight = sorted((OpenItem(t, i, at) for (t, i), at in open_items.items()), key=lambda o: o.started)
+    report.in_flight = sorted((OpenItem(t, i, began) for (t, i), began in open_items.items()),
+                              key=lambda o: o.started)
     report.lost_items = [f"token {o.token} item {o.item}" for o in report.in_flight]
-    last = report.terms[-1][0] if report.terms else None
-    report.lost_at_handover = [o for o in report.in_flight if o.token != last]
+    final = report.terms[-1][0] if report.terms else None
+    report.lost_at_handover = [o for o in report.in_flight if o.token != final]
     return report

@@ -9,6 +9,8 @@ Options (environment; the defaults are the safe behaviour the tests rely on):
 - ``LEDGER_FENCE=off``: write without ``fence()``, as an app that ignores its token would
   (deliberately unsafe: the ledger checker must catch what follows).
 - ``LEDGER_ITEM_SECONDS``: the work of one item, between its start and done rows (0.02).
+- ``LEDGER_TX_SECONDS``: work done inside each fenced transaction, between ``fence()`` (which
+  holds the group's fence row lock from then on) and the insert (0).
 - ``LEDGER_ESCAPE=S``: the writer escapes the gate (deliberately unsafe): the gated process
   starts a writer in a session of its own that ignores SIGTERM, so neither the gate's SIGTERM
   and SIGKILL nor a signal to the pod's process group reaches it; it writes for S seconds and
@@ -60,6 +62,7 @@ async def main() -> int:
     token, identity = int(os.environ["SINGLETON_TOKEN"]), os.environ["SINGLETON_IDENTITY"]
     fenced = os.environ.get("LEDGER_FENCE", "on") != "off"
     item_seconds = float(os.environ.get("LEDGER_ITEM_SECONDS", "0.02"))
+    tx_seconds = float(os.environ.get("LEDGER_TX_SECONDS", "0"))
     stop = asyncio.Event()
     if escaped := os.environ.get("LEDGER_ESCAPED"):
         signal.signal(signal.SIGTERM, signal.SIG_IGN)
@@ -81,6 +84,8 @@ async def main() -> int:
                 async with conn.transaction():
                     if fenced:
                         await fence(conn, group=group, token=token)
+                    if tx_seconds:
+                        await asyncio.sleep(tx_seconds)
                     await conn.execute(
                         "INSERT INTO ledger (group_name, identity, token, item, phase) VALUES ($1,$2,$3,$4,$5)",
                         group, identity, token, item, phase)
