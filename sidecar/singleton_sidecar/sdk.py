@@ -13,6 +13,10 @@ A term ends when the sidecar stops leading, the token changes, or the sidecar ca
 asked within ``timeout`` (then the app must assume it lost: it cannot prove it leads).
 Writes inside ``fenced`` carry the term's token; a newer leader's write has raised the
 fence, so a stale writer's transaction raises ``StaleToken`` and commits nothing.
+
+Open fenced connections with ``server_settings={"idle_in_transaction_session_timeout":
+"<lease duration in ms>"}``: a deposed leader that vanishes mid-transaction holds the
+fence row's lock until the server ends its transaction, stalling the new leader's writes.
 """
 
 from __future__ import annotations
