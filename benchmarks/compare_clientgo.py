@@ -29,7 +29,6 @@ import random
 import signal
 import statistics
 import sys
-import tempfile
 import time
 import uuid
 from collections.abc import Iterator, Sequence
@@ -43,11 +42,9 @@ from tests.sidecars import SidecarProcess, one_leader, wait_for, wait_serving
 
 from benchmarks.clientgo.elector import CLIENTGO_DEFAULTS, USER_AGENT, ClientGoProcess, build
 from benchmarks.clientgo.unfenced_worker import term_of
-from benchmarks.failover import Bench, cpu_seconds, percentile, rss_mb, summary
+from benchmarks.failover import Bench, bench_servers, cpu_seconds, percentile, rss_mb, summary
 from singleton_sidecar.core.timings import BACKEND_DEFAULTS
-from singleton_testbed.binaries import add_to_path, find_all
 from singleton_testbed.controlplane import ControlPlane
-from singleton_testbed.postgres import PostgresServer
 
 Timings = tuple[float, float, float]  # lease duration, renew deadline, retry period (s)
 OURS_DEFAULTS: Timings = (BACKEND_DEFAULTS["lease"].lease_duration, BACKEND_DEFAULTS["lease"].renew_deadline,
@@ -433,25 +430,8 @@ def main() -> int:
             print(f"plot: {path} ({path.stat().st_size // 1024} KB)")
         return 0
     binary = build()
-    server, control_plane = None, None
-    dsn = os.environ.get("SINGLETON_TEST_DSN")
-    workdir = Path(tempfile.mkdtemp(prefix="singleton-bench-clientgo-"))
-    try:
-        if not dsn:
-            server = PostgresServer()
-            dsn = server.start().dsn
-        binaries = find_all()
-        add_to_path(binaries)
-        control_plane = ControlPlane(binaries)
-        control_plane.start()
-        control_plane.kubectl("create", "namespace", "bench")
-        control_plane.kubectl("create", "serviceaccount", "default", "-n", "bench")  # no controller-manager here
+    with bench_servers("singleton-bench-clientgo-") as (dsn, control_plane, workdir):
         measure(args, binary, dsn, workdir, control_plane)
-    finally:
-        if control_plane is not None:
-            control_plane.stop()
-        if server is not None:
-            server.cleanup()
     return 0
 
 

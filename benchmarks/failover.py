@@ -172,9 +172,21 @@ def main() -> int:
     parser.add_argument("--rest-seconds", type=float, default=60.0,
                         help="how long to watch an idle group (default 60)")
     args = parser.parse_args()
+    with bench_servers("singleton-bench-") as (dsn, control_plane, workdir):
+        for backend in args.backend:
+            # postgres runs as it would on a VM: no API server involved at all.
+            plane = None if backend == "postgres" else control_plane
+            run_backend(Bench(backend, dsn, workdir, plane), args.runs, args.rest_seconds)
+    return 0
+
+
+@contextmanager
+def bench_servers(prefix: str) -> Iterator[tuple[str, ControlPlane, Path]]:
+    """PostgreSQL (or SINGLETON_TEST_DSN's), etcd + kube-apiserver with a ``bench`` namespace,
+    and a work folder: (dsn, control plane, folder). Stopped on exit."""
     server, control_plane = None, None
     dsn = os.environ.get("SINGLETON_TEST_DSN")
-    workdir = Path(tempfile.mkdtemp(prefix="singleton-bench-"))
+    workdir = Path(tempfile.mkdtemp(prefix=prefix))
     try:
         if not dsn:
             server = PostgresServer()
@@ -185,16 +197,12 @@ def main() -> int:
         control_plane.start()
         control_plane.kubectl("create", "namespace", "bench")
         control_plane.kubectl("create", "serviceaccount", "default", "-n", "bench")  # no controller-manager here
-        for backend in args.backend:
-            # postgres runs as it would on a VM: no API server involved at all.
-            plane = None if backend == "postgres" else control_plane
-            run_backend(Bench(backend, dsn, workdir, plane), args.runs, args.rest_seconds)
+        yield dsn, control_plane, workdir
     finally:
         if control_plane is not None:
             control_plane.stop()
         if server is not None:
             server.cleanup()
-    return 0
 
 
 if __name__ == "__main__":
