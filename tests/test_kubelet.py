@@ -484,3 +484,15 @@ def test_in_process_stand_in_runs_a_pod(controllers: Cluster, namespace: str, tm
     finally:
         threaded.stop()
     assert not process_alive(pid)
+
+
+def test_a_volume_never_hides_the_host_paths_containers_run_from(tmp_path: Path) -> None:
+    """Pods run the host's programs: a chart that mounts an emptyDir at /tmp must still find a
+    virtualenv that lives below /tmp (as in a CI checkout under /tmp)."""
+    from singleton_testbed.kubelet_spec import hides_host_paths
+
+    venv = Path(sys.prefix)
+    assert hides_host_paths(str(venv), [])
+    assert hides_host_paths(str(venv.parent), [])
+    assert hides_host_paths("/tmp", [Path("/tmp/state/pod/volumes/x")])
+    assert not hides_host_paths("/var/run/singleton", [tmp_path / "vol"])

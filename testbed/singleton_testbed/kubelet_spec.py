@@ -14,7 +14,8 @@ import logging
 import math
 import re
 import shutil
-from collections.abc import Mapping
+import sys
+from collections.abc import Iterable, Mapping
 from decimal import Decimal, InvalidOperation
 from pathlib import Path
 from typing import Any, Protocol
@@ -353,6 +354,14 @@ def _host_path(spec: Obj) -> Path:
     return path
 
 
+def hides_host_paths(target: str, sources: Iterable[Path]) -> bool:
+    """Whether a mount at ``target`` would cover the interpreter, the working folder or a
+    volume's source folder (all on the host filesystem here)."""
+    needed = [Path(sys.prefix), Path(sys.base_prefix), Path.cwd(), *sources]
+    mount_point = Path(target)
+    return any(path == mount_point or mount_point in path.parents for path in needed)
+
+
 def container_mounts(container: Obj, volumes: Mapping[str, Path], env: Mapping[str, str]) -> list[Mount]:
     """The container's bind mounts, parents before children; the implicit token volume (if we
     made one) at the standard service-account path."""
@@ -368,6 +377,12 @@ def container_mounts(container: Obj, volumes: Mapping[str, Path], env: Mapping[s
             source = source / sub
             if not source.exists():
                 source.mkdir(parents=True)
+        if hides_host_paths(spec["mountPath"], volumes.values()):
+            # Containers run the host's programs: a volume at, say, /tmp must not hide a
+            # virtualenv or the pod's own volume folders that live below it.
+            log.warning("volumeMount %s not mounted: it would hide host paths the container runs from",
+                        spec["mountPath"])
+            continue
         mounts.append(Mount(source=source, target=spec["mountPath"], read_only=bool(spec.get("readOnly"))))
     if IMPLICIT_TOKEN_VOLUME in volumes:
         mounts.append(Mount(source=volumes[IMPLICIT_TOKEN_VOLUME], target=SERVICE_ACCOUNT_PATH, read_only=True))
