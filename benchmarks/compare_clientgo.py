@@ -312,7 +312,7 @@ def print_tables(results: Sequence[PeerResult], stops: Sequence[PeerResult], res
     sys.stdout.flush()
 
 
-def plot(results: Sequence[PeerResult], folder: Path) -> list[Path]:
+def plot(results: Sequence[PeerResult], folder: Path, prefix: str = "clientgo") -> list[Path]:
     import matplotlib
 
     matplotlib.use("Agg")
@@ -321,8 +321,8 @@ def plot(results: Sequence[PeerResult], folder: Path) -> list[Path]:
     folder.mkdir(parents=True, exist_ok=True)
     written = []
     for attr, title, name in (("graceful", "Graceful handover: SIGTERM to the leader → new leader ready",
-                               "clientgo-graceful.png"),
-                              ("kill", "SIGKILL failover: leader killed → new leader ready", "clientgo-sigkill.png")):
+                               f"{prefix}-graceful.png"),
+                              ("kill", "SIGKILL failover: leader killed → new leader ready", f"{prefix}-sigkill.png")):
         series = [(f"{r.label}\n{fmt_timings(r.timings)}", getattr(r, attr)) for r in results if getattr(r, attr)]
         if not series:
             continue

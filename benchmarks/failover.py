@@ -146,7 +146,8 @@ class Bench:
         return len({entry["auditID"] for entry in entries})
 
 
-def run_backend(bench: Bench, runs: int, rest_seconds: float) -> None:
+def run_backend(bench: Bench, runs: int, rest_seconds: float) -> tuple[list[float], list[float]]:
+    """Measure one backend and print its figures; returns (graceful, SIGKILL) times."""
     timings = BACKEND_DEFAULTS[bench.backend]
     graceful = [bench.takeover(signal.SIGTERM) for _ in range(runs)]
     kill = [bench.takeover(signal.SIGKILL) for _ in range(runs)]
@@ -162,6 +163,7 @@ def run_backend(bench: Bench, runs: int, rest_seconds: float) -> None:
     if requests is not None:
         print(f"{'API requests/s at rest (group)':<34} {requests:.3f} over {rest_seconds:g} s")
     sys.stdout.flush()
+    return graceful, kill
 
 
 def main() -> int:
@@ -171,12 +173,27 @@ def main() -> int:
                         default=["postgres", "lease", "both"], help="backends to measure (default: all)")
     parser.add_argument("--rest-seconds", type=float, default=60.0,
                         help="how long to watch an idle group (default 60)")
+    parser.add_argument("--plots", type=Path, default=None, metavar="DIR",
+                        help="also draw the failover-time distributions per backend into DIR (needs matplotlib)")
     args = parser.parse_args()
+    measured = []
     with bench_servers("singleton-bench-") as (dsn, control_plane, workdir):
         for backend in args.backend:
             # postgres runs as it would on a VM: no API server involved at all.
             plane = None if backend == "postgres" else control_plane
-            run_backend(Bench(backend, dsn, workdir, plane), args.runs, args.rest_seconds)
+            graceful, kill = run_backend(Bench(backend, dsn, workdir, plane), args.runs, args.rest_seconds)
+            measured.append((backend, graceful, kill))
+    if args.plots is not None:
+        from benchmarks.compare_clientgo import PeerResult, plot  # matplotlib only when asked
+
+        def triple(backend: str) -> tuple[float, float, float]:
+            t = BACKEND_DEFAULTS[backend]
+            return t.lease_duration, t.renew_deadline, t.retry_period
+
+        results = [PeerResult(backend, f"{backend} backend", "singleton-sidecar", triple(backend), graceful, kill)
+                   for backend, graceful, kill in measured]
+        for path in plot(results, args.plots, prefix="backends"):
+            print(f"plot: {path}")
     return 0
 
 
