@@ -19,7 +19,7 @@ from typing import Any
 import asyncpg
 
 from singleton_sidecar import contract
-from singleton_sidecar.kube import KubeClient, KubeNotFound
+from singleton_sidecar.kube import KubeClient, KubeNotFound, event_body
 
 CALL_TIMEOUT = 10.0
 CRS = f"/apis/{contract.API_GROUP}/{contract.API_VERSION}"
@@ -127,15 +127,10 @@ class Ctl:
 
     async def record(self, body: dict[str, Any], reason: str, message: str) -> None:
         metadata = body["metadata"]
-        now = dt.datetime.now(dt.UTC).isoformat(timespec="seconds").replace("+00:00", "Z")
-        event = {"apiVersion": "v1", "kind": "Event",
-                 "metadata": {"generateName": f"{metadata['name']}.", "namespace": metadata["namespace"]},
-                 "involvedObject": {"apiVersion": f"{contract.API_GROUP}/{contract.API_VERSION}",
-                                    "kind": contract.KIND, "namespace": metadata["namespace"],
-                                    "name": metadata["name"], "uid": metadata["uid"]},
-                 "reason": reason, "message": message[:1000], "type": "Normal",
-                 "source": {"component": "singletonctl"}, "firstTimestamp": now, "lastTimestamp": now, "count": 1,
-                 "reportingComponent": "singleton.dev/singletonctl", "reportingInstance": "singletonctl"}
+        involved = {"apiVersion": f"{contract.API_GROUP}/{contract.API_VERSION}", "kind": contract.KIND,
+                    "namespace": metadata["namespace"], "name": metadata["name"], "uid": metadata["uid"]}
+        event = event_body(involved, reason=reason, message=message, component="singleton.dev/singletonctl",
+                           instance="singletonctl")
         await self.client.request("POST", f"/api/v1/namespaces/{metadata['namespace']}/events", body=event,
                                   timeout=CALL_TIMEOUT)
 

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import asyncio
 import base64
-import datetime as dt
 import logging
 import re
 from typing import Any
@@ -20,7 +19,7 @@ from singleton_operator import resources
 from singleton_operator.spec import GroupSpec
 from singleton_operator.status import Observed, compute_status, status_changed
 from singleton_sidecar import contract
-from singleton_sidecar.kube import KubeClient, KubeError, KubeForbidden, KubeNotFound
+from singleton_sidecar.kube import KubeClient, KubeError, KubeForbidden, KubeNotFound, event_body
 
 log = logging.getLogger(__name__)
 
@@ -198,16 +197,10 @@ async def write_status(client: KubeClient, spec: GroupSpec, current: dict[str, A
 
 async def post_event(client: KubeClient, spec: GroupSpec, reason: str, message: str, *,
                      warning: bool = False) -> None:
-    now = dt.datetime.now(dt.UTC).isoformat(timespec="seconds").replace("+00:00", "Z")
-    event = {
-        "apiVersion": "v1", "kind": "Event",
-        "metadata": {"generateName": f"{spec.name}.", "namespace": spec.namespace},
-        "involvedObject": {"apiVersion": f"{contract.API_GROUP}/{contract.API_VERSION}", "kind": contract.KIND,
-                           "namespace": spec.namespace, "name": spec.name, "uid": spec.uid},
-        "reason": reason, "message": message[:1000], "type": "Warning" if warning else "Normal",
-        "source": {"component": resources.MANAGED_BY}, "firstTimestamp": now, "lastTimestamp": now, "count": 1,
-        "reportingComponent": f"{contract.API_GROUP}/operator", "reportingInstance": resources.MANAGED_BY,
-    }
+    involved = {"apiVersion": f"{contract.API_GROUP}/{contract.API_VERSION}", "kind": contract.KIND,
+                "namespace": spec.namespace, "name": spec.name, "uid": spec.uid}
+    event = event_body(involved, reason=reason, message=message, warning=warning,
+                       component=f"{contract.API_GROUP}/{resources.MANAGED_BY}", instance=resources.MANAGED_BY)
     try:
         await client.request("POST", f"/api/v1/namespaces/{spec.namespace}/events", body=event,
                              timeout=CALL_TIMEOUT)

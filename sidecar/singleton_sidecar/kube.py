@@ -21,6 +21,7 @@ import asyncio
 import atexit
 import base64
 import binascii
+import datetime as dt
 import json
 import os
 import ssl
@@ -375,3 +376,19 @@ def _event(line: bytes) -> tuple[str, dict[str, Any]]:
     if kind == "ERROR":
         raise _status_error(int(obj.get("code") or 500), str(obj.get("reason") or "Error"), json.dumps(obj).encode())
     return kind, obj
+
+
+def event_body(involved: dict[str, str], *, reason: str, message: str, warning: bool = False,
+               component: str, instance: str) -> dict[str, Any]:
+    """A core/v1 Event about ``involved`` (apiVersion, kind, namespace, name, optional uid),
+    ready to POST to ``/api/v1/namespaces/<namespace>/events``."""
+    now = dt.datetime.now(dt.UTC).isoformat(timespec="seconds").replace("+00:00", "Z")
+    return {
+        "apiVersion": "v1", "kind": "Event",
+        "metadata": {"generateName": f"{involved['name']}.", "namespace": involved["namespace"]},
+        "involvedObject": involved,
+        "reason": reason, "message": message[:1000], "type": "Warning" if warning else "Normal",
+        "source": {"component": component.rpartition("/")[2]},
+        "firstTimestamp": now, "lastTimestamp": now, "count": 1,
+        "reportingComponent": component, "reportingInstance": instance[:128],
+    }

@@ -16,7 +16,7 @@ from typing import Any
 
 from singleton_sidecar import contract
 from singleton_sidecar.core.status import ElectionStatus, Role
-from singleton_sidecar.kube import KubeClient, KubeError, KubeGone, KubeNotFound
+from singleton_sidecar.kube import KubeClient, KubeError, KubeGone, KubeNotFound, event_body
 
 log = logging.getLogger(__name__)
 
@@ -156,18 +156,11 @@ class PodReporter:
     async def _event(self, status: ElectionStatus) -> None:
         reason, template = _EVENT_REASONS[status.role]
         message = template.format(group=status.group, token=status.token, reason=status.reason)
-        now = _now()
-        event = {
-            "apiVersion": "v1", "kind": "Event",
-            "metadata": {"generateName": f"{self.pod_name}.", "namespace": self.namespace},
-            "involvedObject": {"apiVersion": "v1", "kind": "Pod", "namespace": self.namespace,
-                               "name": self.pod_name, **({"uid": self._pod_uid} if self._pod_uid else {})},
-            "reason": reason, "message": message[:1000],
-            "type": "Warning" if status.role is Role.STANDBY and "stepped down" in status.reason else "Normal",
-            "source": {"component": "singleton-sidecar"},
-            "firstTimestamp": now, "lastTimestamp": now, "count": 1,
-            "reportingComponent": "singleton.dev/sidecar", "reportingInstance": status.identity[:128],
-        }
+        involved = {"apiVersion": "v1", "kind": "Pod", "namespace": self.namespace, "name": self.pod_name,
+                    **({"uid": self._pod_uid} if self._pod_uid else {})}
+        event = event_body(involved, reason=reason, message=message,
+                           warning=status.role is Role.STANDBY and "stepped down" in status.reason,
+                           component="singleton.dev/singleton-sidecar", instance=status.identity)
         try:
             await self.client.request("POST", f"/api/v1/namespaces/{self.namespace}/events", body=event,
                                       timeout=CALL_TIMEOUT)
