@@ -37,6 +37,7 @@ FINAL_STATUS_TIMEOUT = 3.0
 
 def build_backend(config: SidecarConfig, kube: KubeClient | None) -> LockBackend:
     """The one place that chooses the backend."""
+    from singleton_sidecar.backends.lease import LeaseBackend
     from singleton_sidecar.backends.postgres import PostgresBackend
 
     timings = config.timings
@@ -46,9 +47,7 @@ def build_backend(config: SidecarConfig, kube: KubeClient | None) -> LockBackend
         return PostgresBackend(group=config.group, dsn=config.postgres_dsn, lease_duration=timings.lease_duration,
                                renew_deadline=timings.renew_deadline)
 
-    def lease() -> LockBackend:
-        from singleton_sidecar.backends.lease import LeaseBackend
-
+    def lease() -> LeaseBackend:
         assert kube is not None and config.namespace is not None
         return LeaseBackend(client=kube, namespace=config.namespace, name=config.group,
                             lease_duration=timings.lease_duration)

@@ -11,6 +11,9 @@ Options (environment; the defaults are the safe behaviour the tests rely on):
 - ``LEDGER_ITEM_SECONDS``: the work of one item, between its start and done rows (0.02).
 - ``LEDGER_TX_SECONDS``: work done inside each fenced transaction, between ``fence()`` (which
   holds the group's fence row lock from then on) and the insert (0).
+- ``LEDGER_IDLE_TX_TIMEOUT_MS``: the connection's ``idle_in_transaction_session_timeout``, as
+  the README advises for fenced writers (1000; 0 turns it off): a worker cut off in the middle
+  of a transaction then holds the fence row at most this long after its last statement.
 - ``LEDGER_ESCAPE=S``: the writer escapes the gate (deliberately unsafe): the gated process
   starts a writer in a session of its own that ignores SIGTERM, so neither the gate's SIGTERM
   and SIGKILL nor a signal to the pod's process group reaches it; it writes for S seconds and
@@ -69,7 +72,8 @@ async def main() -> int:
         asyncio.get_running_loop().call_later(float(escaped), stop.set)
     else:
         asyncio.get_running_loop().add_signal_handler(signal.SIGTERM, stop.set)
-    conn = await asyncpg.connect(dsn)
+    idle_tx_timeout = os.environ.get("LEDGER_IDLE_TX_TIMEOUT_MS", "1000")
+    conn = await asyncpg.connect(dsn, server_settings={"idle_in_transaction_session_timeout": idle_tx_timeout})
     await conn.execute("SELECT pg_advisory_lock(777)")
     try:
         await conn.execute(DDL)

@@ -19,10 +19,11 @@ from singleton_sidecar.backends.base import (
     LossCallback,
     Term,
 )
+from singleton_sidecar.backends.lease import LeaseBackend
 
 
 class BothBackend:
-    def __init__(self, *, postgres: LockBackend, lease: LockBackend,
+    def __init__(self, *, postgres: LockBackend, lease: LeaseBackend,
                  clock: Callable[[], float] = time.monotonic) -> None:
         self.postgres = postgres
         self.lease = lease
@@ -43,6 +44,9 @@ class BothBackend:
 
     async def acquire(self, identity: Identity, *, timeout: float) -> Term | LockRecord:
         started = self._clock()
+        # A standby spends its time blocked on the PostgreSQL lock. The Lease's expiry must
+        # count from its last change, not from when that lock comes: watch it from now on.
+        self.lease.follow()
         pg = await self.postgres.acquire(identity, timeout=timeout)
         if not isinstance(pg, Term):
             return pg
@@ -73,6 +77,10 @@ class BothBackend:
         results = await asyncio.gather(self.postgres.renew(pg, timeout=timeout),
                                        self.lease.renew(lease, timeout=timeout), return_exceptions=True)
         new_pg, new_lease = results
+        # Keep each side's own progress even when the other failed: a release must name the
+        # term as the store last saw it, or it would free nothing.
+        self._parts = {term.token: (new_pg if isinstance(new_pg, Term) else pg,
+                                    new_lease if isinstance(new_lease, Term) else lease)}
         for result in results:
             if isinstance(result, BaseException) and not isinstance(result, BackendUnavailable):
                 raise result

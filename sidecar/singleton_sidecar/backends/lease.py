@@ -142,7 +142,7 @@ class LeaseBackend:
 
     async def acquire(self, identity: Identity, *, timeout: float) -> Term | LockRecord:
         deadline = self._clock() + timeout
-        self._start_watch()
+        self.follow()
         with self._unavailable("acquire", identity):
             if not self._synced or self._seen is None:
                 await self._read(deadline)
@@ -193,6 +193,11 @@ class LeaseBackend:
     async def observe(self, *, timeout: float) -> LockRecord:
         with self._unavailable("observe"):
             return (await self._read(self._clock() + timeout)).record()
+
+    def follow(self) -> None:
+        """Start watching the Lease (idempotent), so its expiry counts from when it last
+        changed, not from our next ``acquire``. ``acquire`` calls it too."""
+        self._start_watch()
 
     async def close(self) -> None:
         task, self._watch_task = self._watch_task, None

@@ -1,0 +1,124 @@
+"""BothBackend against the real PostgreSQL and the real API server of the test session,
+the API server reached through a proxy the tests can cut (a partition)."""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import time
+import uuid
+from collections.abc import AsyncIterator
+from urllib.parse import urlsplit
+
+import pytest
+import pytest_asyncio
+
+from singleton_sidecar.backends.base import BackendUnavailable, Identity, Term
+from singleton_sidecar.backends.both import BothBackend
+from singleton_sidecar.backends.lease import LeaseBackend
+from singleton_sidecar.backends.postgres import PostgresBackend
+from singleton_sidecar.kube import KubeClient, load_kube_config
+from tests.conftest import Cluster
+from tests.tcpproxy import CuttableProxy
+
+pytestmark = [pytest.mark.k8s, pytest.mark.postgres, pytest.mark.timeout(60)]
+
+LEASE_DURATION = 2.0
+RENEW_DEADLINE = 1.5
+
+
+@dataclasses.dataclass
+class Stores:
+    group: str
+    namespace: str
+    pg_dsn: str
+    client: KubeClient
+    """Straight to the API server."""
+    cut_client: KubeClient
+    """Through ``proxy``."""
+    proxy: CuttableProxy
+    made: list[PostgresBackend | LeaseBackend] = dataclasses.field(default_factory=list)
+
+    def postgres(self) -> PostgresBackend:
+        backend = PostgresBackend(group=self.group, dsn=self.pg_dsn, lease_duration=LEASE_DURATION,
+                                  renew_deadline=RENEW_DEADLINE)
+        self.made.append(backend)
+        return backend
+
+    def lease(self, *, through_proxy: bool = False) -> LeaseBackend:
+        backend = LeaseBackend(client=self.cut_client if through_proxy else self.client, namespace=self.namespace,
+                               name=self.group, lease_duration=LEASE_DURATION)
+        self.made.append(backend)
+        return backend
+
+    def both(self, *, through_proxy: bool = False) -> BothBackend:
+        return BothBackend(postgres=self.postgres(), lease=self.lease(through_proxy=through_proxy))
+
+
+@pytest_asyncio.fixture(loop_scope="function")
+async def stores(cluster: Cluster, namespace: str, pg_dsn: str) -> AsyncIterator[Stores]:
+    config = load_kube_config(str(cluster.kubeconfig))
+    server = urlsplit(config.server)
+    assert server.hostname is not None and server.port is not None
+    proxy = await CuttableProxy(server.hostname, server.port).start()
+    cut_config = dataclasses.replace(config, server=f"https://127.0.0.1:{proxy.port}")
+    async with KubeClient(config) as client, KubeClient(cut_config) as cut_client:
+        made = Stores(f"both-{uuid.uuid4().hex[:10]}", namespace, pg_dsn, client, cut_client, proxy)
+        try:
+            yield made
+        finally:
+            proxy.heal()
+            for backend in made.made:
+                await backend.close()
+            await proxy.close()
+
+
+async def test_a_leader_cut_off_from_the_api_server_still_frees_postgres_when_it_steps_down(
+        stores: Stores) -> None:
+    """The PostgreSQL half of a renewal succeeds while the Lease half times out; the
+    step-down's release must then name the renewed PostgreSQL term, or the lock stays
+    held until PostgreSQL's own expiry and the failover waits for it."""
+    leader = stores.both(through_proxy=True)
+    term = await leader.acquire(Identity("pod-a"), timeout=5)
+    assert isinstance(term, Term)
+    stores.proxy.cut()
+    with pytest.raises(BackendUnavailable):
+        await leader.renew(term, timeout=0.5)
+    with pytest.raises(BackendUnavailable):  # the Lease half cannot be written
+        await leader.release(term, timeout=0.5)
+    standby = stores.postgres()
+    started = time.monotonic()
+    taken = await standby.acquire(Identity("pod-b"), timeout=1.0)
+    assert isinstance(taken, Term), f"the PostgreSQL lock is still held: {taken}"
+    assert taken.token > term.token
+    assert time.monotonic() - started < 0.5
+
+
+async def test_a_standby_times_the_lease_from_its_last_change_while_it_waits_for_postgres(
+        stores: Stores) -> None:
+    """A `both` leader whose Lease went silent keeps the PostgreSQL lock until it steps down
+    (here after 1.5 s). The standby, blocked on PostgreSQL all that time, must still take over
+    one lease duration after the Lease last changed, not one lease duration after it got the
+    PostgreSQL lock."""
+    old_pg, old_lease = stores.postgres(), stores.lease()
+    pg_term = await old_pg.acquire(Identity("pod-a"), timeout=5)
+    assert isinstance(pg_term, Term)
+    lease_term = await old_lease.acquire(Identity("pod-a"), timeout=5)
+    assert isinstance(lease_term, Term)
+    last_write = time.monotonic()  # no renewal from here on: the leader is cut off from the API
+
+    standby = stores.both()
+
+    async def campaign() -> float:
+        while True:
+            result = await standby.acquire(Identity("pod-b"), timeout=0.5)
+            if isinstance(result, Term):
+                return time.monotonic()
+
+    campaigning = asyncio.create_task(campaign())
+    await asyncio.sleep(RENEW_DEADLINE - (time.monotonic() - last_write))
+    await old_pg.release(pg_term, timeout=2)  # the old leader steps down at its renew deadline
+    took_over = await asyncio.wait_for(campaigning, 10)
+    assert took_over - last_write < LEASE_DURATION + 0.4, (
+        f"took over {took_over - last_write:.2f}s after the Lease's last change")
+    assert took_over - last_write >= LEASE_DURATION - 0.05  # and never before the Lease expired
