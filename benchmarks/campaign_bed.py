@@ -18,6 +18,7 @@ import secrets
 import sys
 import time
 import urllib.error
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -44,6 +45,36 @@ REPLICAS = 3
 
 class CampaignError(Exception):
     """The bed or a group got into a state the campaign cannot go on from."""
+
+
+def admin_call(api: Api, method: str, path: str, body: dict[str, Any] | None = None, *,
+               ok: tuple[int, ...] = (200, 201, 202), attempts: int = 20) -> dict[str, Any]:
+    """An admin API call, retried while the API server is coming back."""
+    for _ in range(attempts):
+        try:
+            status, answer = api.request(method, path, body)
+        except (urllib.error.URLError, OSError):
+            time.sleep(0.5)
+            continue
+        if status in ok:
+            return answer
+        if status < 500 and status != 429:
+            raise CampaignError(f"{method} {path}: {status} {answer}")
+        time.sleep(0.5)
+    raise CampaignError(f"{method} {path}: the API server did not answer")
+
+
+def create_account(call: Callable[..., dict[str, Any]], namespace: str, account: str, group: str) -> None:
+    """A namespace, and in it a ServiceAccount bound to a Role with only the sidecar's rules
+    for ``group`` (``contract.sidecar_rbac_rules``); ``call`` is ``Bed.call``."""
+    call("POST", "/api/v1/namespaces", {"metadata": {"name": namespace}})
+    call("POST", f"/api/v1/namespaces/{namespace}/serviceaccounts", {"metadata": {"name": account}})
+    rbac = f"/apis/rbac.authorization.k8s.io/v1/namespaces/{namespace}"
+    call("POST", f"{rbac}/roles", {"metadata": {"name": account}, "rules": contract.sidecar_rbac_rules(group)})
+    call("POST", f"{rbac}/rolebindings", {
+        "metadata": {"name": account},
+        "roleRef": {"apiGroup": "rbac.authorization.k8s.io", "kind": "Role", "name": account},
+        "subjects": [{"kind": "ServiceAccount", "name": account, "namespace": namespace}]})
 
 
 class Bed:
@@ -105,19 +136,7 @@ class Bed:
 
     def call(self, method: str, path: str, body: dict[str, Any] | None = None,
              ok: tuple[int, ...] = (200, 201, 202), attempts: int = 20) -> dict[str, Any]:
-        """An admin API call, retried while the API server is coming back."""
-        for _ in range(attempts):
-            try:
-                status, answer = self.admin.request(method, path, body)
-            except (urllib.error.URLError, OSError):
-                time.sleep(0.5)
-                continue
-            if status in ok:
-                return answer
-            if status < 500 and status != 429:
-                raise CampaignError(f"{method} {path}: {status} {answer}")
-            time.sleep(0.5)
-        raise CampaignError(f"{method} {path}: the API server did not answer")
+        return admin_call(self.admin, method, path, body, ok=ok, attempts=attempts)
 
 
 @dataclasses.dataclass
@@ -141,16 +160,7 @@ class Group:
         self.account = "singleton-sidecar"
 
     def setup(self) -> None:
-        ns, bed = self.namespace, self.bed
-        bed.call("POST", "/api/v1/namespaces", {"metadata": {"name": ns}})
-        bed.call("POST", f"/api/v1/namespaces/{ns}/serviceaccounts", {"metadata": {"name": self.account}})
-        rbac = f"/apis/rbac.authorization.k8s.io/v1/namespaces/{ns}"
-        bed.call("POST", f"{rbac}/roles", {"metadata": {"name": self.account},
-                                           "rules": contract.sidecar_rbac_rules(self.name)})
-        bed.call("POST", f"{rbac}/rolebindings", {
-            "metadata": {"name": self.account},
-            "roleRef": {"apiGroup": "rbac.authorization.k8s.io", "kind": "Role", "name": self.account},
-            "subjects": [{"kind": "ServiceAccount", "name": self.account, "namespace": ns}]})
+        create_account(self.bed.call, self.namespace, self.account, self.name)
         for _ in range(REPLICAS):
             self.add_pod()
 

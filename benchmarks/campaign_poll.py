@@ -116,6 +116,11 @@ class Poller:
                 return sample
         return None
 
+    def last_ready(self, pod: str, after: float) -> Sample | None:
+        """``pod``'s last ready sample sent at or after ``after``."""
+        with self._cond:
+            return next((s for s in reversed(self._ready) if s.pod == pod and s.sent >= after), None)
+
     def wait_ready(self, after: float, above: int | None, timeout: float) -> Sample | None:
         """The first ready sample sent at or after ``after`` (with a token above ``above``)."""
         deadline = time.monotonic() + timeout

@@ -10,7 +10,9 @@ measures groups of 3 of each peer:
 - client-go with our timings (8 s / 6.5 s / 5 s).
 Per peer: graceful handover (SIGTERM to the leader -> another member's /readyz 200),
 SIGKILL failover (same, after SIGKILL), API requests/s of the group at rest (distinct
-auditIDs in the audit log by user agent), RSS and CPU at rest. Then the SIGSTOP safety
+auditIDs in the audit log by user agent), RSS and CPU at rest; with root and ``ip netns``,
+partition failover (``benchmarks/compare_partition.py``: groups of 3 pods on a stand-in
+kubelet, the leader's pod cut off from the API server). Then the SIGSTOP safety
 scenario with short timings (2 s / 1.5 s / 0.5 s) for both: each member has a worker that
 appends to a PostgreSQL ledger while its elector says it leads (ours: the exec gate with
 the fenced tests/data/ledger_worker.py; client-go: benchmarks/clientgo/unfenced_worker.py
@@ -40,8 +42,10 @@ import asyncpg
 from tests.ledger import check_ledger
 from tests.sidecars import SidecarProcess, one_leader, wait_for, wait_serving
 
+from benchmarks.campaign_bed import CampaignError
 from benchmarks.clientgo.elector import CLIENTGO_DEFAULTS, USER_AGENT, ClientGoProcess, build
 from benchmarks.clientgo.unfenced_worker import term_of
+from benchmarks.compare_partition import PartitionRun, PodPeer, partition_runs
 from benchmarks.failover import Bench, bench_servers, cpu_seconds, percentile, rss_mb, summary
 from singleton_sidecar.core.timings import BACKEND_DEFAULTS
 from singleton_testbed.controlplane import ControlPlane
@@ -149,6 +153,10 @@ class PeerResult:
     timings: Timings
     graceful: list[float] = field(default_factory=list)
     kill: list[float] = field(default_factory=list)
+    partition: list[float] = field(default_factory=list)
+    """Partition failovers (s)."""
+    partition_margin: list[float] = field(default_factory=list)
+    """Per partition: the new leader's first ready answer minus the cut-off one's last (s); < 0: overlap."""
     rest: Rest | None = None
     stops: list[StopRun] = field(default_factory=list)
 
@@ -253,6 +261,10 @@ def print_peer(result: PeerResult) -> None:
         print(summary("graceful handover (SIGTERM)", result.graceful))
     if result.kill:
         print(summary("SIGKILL failover", result.kill))
+    if result.partition:
+        print(summary("partition failover (API server)", result.partition))
+        print(f"{'old stopped -> new began (margin)':<34} min {ms(min(result.partition_margin))}, "
+              f"overlaps {sum(1 for m in result.partition_margin if m < 0)}")
     if result.rest is not None:
         rest = result.rest
         print(f"{'RSS at rest (3 members)':<34} " + ", ".join(f"{v:.1f} MB" for v in rest.rss))
@@ -277,6 +289,12 @@ def print_tables(results: Sequence[PeerResult], stops: Sequence[PeerResult], res
         f"{med_p99(r.graceful)} (n={len(r.graceful)})" for r in results) + " |")
     print("| SIGKILL failover, median / p99 | " + " | ".join(
         f"{med_p99(r.kill)} (n={len(r.kill)})" for r in results) + " |")
+    if any(r.partition for r in results):
+        print("| partition failover, median / p99 | " + " | ".join(
+            f"{med_p99(r.partition)} (n={len(r.partition)})" if r.partition else "-" for r in results) + " |")
+        print("| partition: old leader's last ready → new leader's first, min (overlaps) | " + " | ".join(
+            f"{ms(min(r.partition_margin))} ({sum(1 for m in r.partition_margin if m < 0)})"
+            if r.partition_margin else "-" for r in results) + " |")
     rests = [r.rest for r in results]
     print(f"| API requests/s at rest, group ({rest_seconds:g} s) | " + " | ".join(
         f"{x.requests:.3f}" if x else "-" for x in rests) + " |")
@@ -295,6 +313,11 @@ def print_tables(results: Sequence[PeerResult], stops: Sequence[PeerResult], res
             if ours.graceful and ours.kill:
                 print(f"| {name} | " + " | ".join(
                     ratio(pick(r), pick(ours)) if r.graceful and r.kill else "-" for r in others) + " |")
+        for name, pick in (("partition failover, median", lambda r: statistics.median(r.partition)),
+                           ("partition failover, p99", lambda r: percentile(r.partition, 0.99))):
+            if ours.partition:
+                print(f"| {name} | " + " | ".join(
+                    ratio(pick(r), pick(ours)) if r.partition else "-" for r in others) + " |")
         if ours.rest is not None:
             print("| API requests/s at rest | " + " | ".join(
                 ratio(r.rest.requests, ours.rest.requests) if r.rest else "-" for r in others) + " |")
@@ -322,7 +345,9 @@ def plot(results: Sequence[PeerResult], folder: Path, prefix: str = "clientgo") 
     written = []
     for attr, title, name in (("graceful", "Graceful handover: SIGTERM to the leader → new leader ready",
                                f"{prefix}-graceful.png"),
-                              ("kill", "SIGKILL failover: leader killed → new leader ready", f"{prefix}-sigkill.png")):
+                              ("kill", "SIGKILL failover: leader killed → new leader ready", f"{prefix}-sigkill.png"),
+                              ("partition", "Partition failover: leader's pod cut off from the API server → "
+                               "new leader ready", f"{prefix}-partition.png")):
         series = [(f"{r.label}\n{fmt_timings(r.timings)}", getattr(r, attr)) for r in results if getattr(r, attr)]
         if not series:
             continue
@@ -385,8 +410,22 @@ def measure(args: argparse.Namespace, binary: Path, dsn: str, workdir: Path, pla
         if args.rest_seconds > 0:
             progress(f"{key}: at rest {args.rest_seconds:g} s")
             result.rest = at_rest(bench, plane, result.agent, args.rest_seconds)
-        print_peer(result)
         results.append(result)
+    if args.partition_runs > 0:
+        pod_peers = [PodPeer(r.key, r.label, r.timings, cycle_of(r.key, r.timings),
+                             binary if r.key.startswith("clientgo") else None) for r in results]
+        try:
+            runs = partition_runs(plane, workdir, pod_peers, runs=args.partition_runs, rng=rng,
+                                  progress=progress)
+        except CampaignError as exc:
+            progress(f"partition runs skipped: {exc}")
+            runs = {}
+        for result in results:
+            found: list[PartitionRun] = runs.get(result.key, [])
+            result.partition = [run.failover for run in found]
+            result.partition_margin = [run.margin for run in found]
+    for result in results:
+        print_peer(result)
     stops = []
     for result, bench in (
         (PeerResult("ours-fenced", "ours (sidecar, lease, exec gate + fenced worker)", SIDECAR_AGENT, FAST),
@@ -415,6 +454,8 @@ def main() -> int:
     parser.add_argument("--slow-runs", type=int, default=5,
                         help="SIGKILL runs for client-go at its defaults, ~20 s each (default 5)")
     parser.add_argument("--rest-seconds", type=float, default=60.0, help="how long to watch idle groups (default 60)")
+    parser.add_argument("--partition-runs", type=int, default=5,
+                        help="partitions per peer, needs root and ip netns (default 5; 0 skips them)")
     parser.add_argument("--sigstop-runs", type=int, default=5, help="SIGSTOP runs per peer (default 5)")
     parser.add_argument("--peers", nargs="+", choices=["ours", "clientgo-defaults", "clientgo-ours"],
                         default=["ours", "clientgo-defaults", "clientgo-ours"])
@@ -424,9 +465,10 @@ def main() -> int:
     parser.add_argument("--replot", type=Path, metavar="JSON", help="only redraw the plots from a --json file")
     args = parser.parse_args()
     if args.replot is not None:
-        saved = [PeerResult(d["key"], d["label"], d["agent"], tuple(d["timings"]), d["graceful"], d["kill"])
+        saved = [PeerResult(d["key"], d["label"], d["agent"], tuple(d["timings"]), d["graceful"], d["kill"],
+                            d.get("partition", []))
                  for d in json.loads(args.replot.read_text())]
-        for path in plot([r for r in saved if r.graceful or r.kill], args.plots):
+        for path in plot([r for r in saved if r.graceful or r.kill or r.partition], args.plots):
             print(f"plot: {path} ({path.stat().st_size // 1024} KB)")
         return 0
     binary = build()

@@ -6,6 +6,7 @@ Checks that the comparison tooling measures what it claims: one leader, the /rea
 from __future__ import annotations
 
 import json
+import random
 import signal
 import time
 import uuid
@@ -14,7 +15,10 @@ from pathlib import Path
 
 import pytest
 from benchmarks.clientgo.elector import USER_AGENT, BuildError, ClientGoProcess, build, one_clientgo_leader
+from benchmarks.clientgo.unfenced_worker import term_of
+from benchmarks.compare_partition import PodPeer, partition_runs
 
+from singleton_testbed.netns import netns_supported
 from tests.conftest import Cluster
 from tests.kubehelpers import get_json
 from tests.sidecars import SidecarProcess, wait_for, wait_serving
@@ -62,8 +66,10 @@ def test_one_leader_and_sigterm_hands_over_at_once(electors: Factory, cluster: C
     assert lead_doc is not None and standby_doc is not None
     assert lead_doc["isLeader"] is True and lead_doc["identity"] == leader.identity
     assert lead_doc["leader"] == leader.identity and lead_doc["since"]
+    assert lead_doc["ready"] is True and lead_doc["token"] == term_of(lead_doc)  # the term's start, epoch ms
     assert [m.ready() for m in members] == [m is leader for m in members]
     assert standby_doc["isLeader"] is False and standby_doc["since"] is None
+    assert standby_doc["ready"] is False and standby_doc["token"] is None
     wait_for(lambda: (standby.leader_doc() or {}).get("leader") == leader.identity, 5, "the standby to see the leader")
     lease = get_json(cluster, "lease", leader.lease, "-n", namespace)
     assert lease["spec"]["holderIdentity"] == leader.identity
@@ -97,3 +103,28 @@ def test_requests_are_counted_by_user_agent(electors: Factory, cluster: Cluster)
                     and e["verb"] == "update" and e.get("objectRef", {}).get("name") == leader.lease})
 
     wait_for(lambda: renewals() >= 2, 10, "two renewals by the elector in the audit log", interval=0.2)
+
+
+@pytest.mark.timeout(240)
+def test_partition_failover_is_measured_for_both_peers(cluster: Cluster, clientgo_binary: Path,
+                                                      tmp_path: Path) -> None:
+    """``benchmarks/compare_partition.py`` on the stand-in kubelet: each peer's leader pod is cut
+    off from the API server, another member takes over, and the margin between the old
+    leader's last ready answer and the new one's first is measured (ours must be positive:
+    our leader stops at its renew deadline, before the lease can expire)."""
+    if cluster.control_plane is None:
+        pytest.skip("the stand-in kubelet runs on the test bed")
+    if (reason := netns_supported()) is not None:
+        pytest.skip(f"partitions need network namespaces: {reason}")
+    peers = [PodPeer("ours", "ours", FAST, FAST[2]), PodPeer("clientgo", "client-go", FAST, FAST[2] * 2.2,
+                                                            clientgo_binary)]
+    runs = partition_runs(cluster.control_plane, tmp_path, peers, runs=1, rng=random.Random(1),
+                          progress=lambda _text: None)
+    (ours,), (clientgo,) = runs["ours"], runs["clientgo"]
+    for run in (ours, clientgo):
+        assert run.new_pod != run.old_pod
+    lease_duration, renew_deadline, retry_period = FAST
+    # Expiry counts from the last renewal the standbys saw, at most a retry period before the cut.
+    assert lease_duration - retry_period - 0.5 < ours.failover < lease_duration + 1.0, ours
+    assert ours.margin > (lease_duration - renew_deadline) / 2, ours
+    assert lease_duration - retry_period - 0.5 < clientgo.failover < lease_duration + 2.2 * retry_period + 1.0

@@ -128,12 +128,16 @@ func main() {
 	})
 	mux.HandleFunc("GET /leader", func(w http.ResponseWriter, _ *http.Request) {
 		leading, since := st.get()
-		doc := map[string]any{"identity": *identity, "isLeader": leading, "leader": nil, "since": nil}
+		// "ready" and "token" as the sidecar names them; client-go has no fencing token, so
+		// the token is the term's start in epoch ms: it tells terms apart, nothing checks it.
+		doc := map[string]any{"identity": *identity, "isLeader": leading, "ready": leading, "leader": nil,
+			"since": nil, "token": nil}
 		if leader := elector.GetLeader(); leader != "" {
 			doc["leader"] = leader
 		}
 		if since != nil {
 			doc["since"] = since.Format("2006-01-02T15:04:05.000Z")
+			doc["token"] = since.UnixMilli()
 		}
 		w.Header().Set("Content-Type", "application/json")
 		_ = json.NewEncoder(w).Encode(doc)
