@@ -32,6 +32,7 @@ from dataclasses import dataclass
 
 from benchmarks.campaign_bed import CONTAINER, LEASE, NET, Bed, CampaignError, Group
 from benchmarks.campaign_poll import Poller, Sample
+from singleton_sidecar import contract
 
 ALL_KINDS = ("sigkill", "sigstop", "pg-terminate", "pg-restart", "apiserver-restart", "etcd-restart",
              "partition-pg", "partition-api", "delete-pod")
@@ -152,7 +153,8 @@ class Injector:
 
     def _pg_terminate(self, record: FaultRecord) -> None:
         bed = self.bed
-        pid = bed.sql("SELECT holder_pid FROM singleton_leases WHERE group_name = $1", self.group.name)
+        pid = bed.sql("SELECT holder_pid FROM singleton_leases WHERE group_name = $1",
+                      contract.lock_key(self.group.name, self.group.namespace))
         if pid is None or not bed.sql("SELECT pg_terminate_backend($1)", pid):
             raise CampaignError(f"no lock session to terminate (holder pid {pid})")
 

@@ -6,6 +6,7 @@ import argparse
 
 import pytest
 
+from singleton_sidecar import contract
 from singleton_sidecar.config import ConfigError, SidecarConfig, add_run_arguments, load_config
 
 
@@ -41,3 +42,8 @@ def test_given_timings_replace_only_their_own_default() -> None:
 def test_a_given_timing_that_breaks_the_defaults_order_is_refused() -> None:
     with pytest.raises(ConfigError, match=r"lease_duration .* must exceed renew_deadline"):
         load(SINGLETON_BACKEND="lease", SINGLETON_NAMESPACE="ns", SINGLETON_LEASE_DURATION="6")
+
+
+def test_the_postgres_lock_key_is_namespace_qualified_in_a_cluster() -> None:
+    assert contract.lock_key("poller", "team-a") == "team-a/poller"
+    assert contract.lock_key("poller", None) == "poller"  # outside Kubernetes

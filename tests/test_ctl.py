@@ -111,6 +111,24 @@ def test_release_clears_the_lock_and_records_who(cluster: Cluster, namespace: st
     assert released and f"{who} force-released the lock" in released[0], released
 
 
+@pytest.mark.usefixtures("singleton_crd")
+def test_release_of_a_postgres_group_ends_the_holders_session(
+        cluster: Cluster, namespace: str, group: str, pg_dsn: str, pod_sidecars: Factory) -> None:  # noqa: F811
+    """The holder's row is found under the group's namespace-qualified key."""
+    cluster.kubectl("create", "secret", "generic", "pg", "-n", namespace, f"--from-literal=dsn={pg_dsn}")
+    body = {"apiVersion": "singleton.dev/v1alpha1", "kind": "SingletonService", "metadata": {"name": group},
+            "spec": {"backend": "postgres", "postgres": {"secretRef": {"name": "pg"}},
+                     "template": {"spec": {"containers": [{"name": "app", "image": "x"}]}}}}
+    cluster.apply(json.dumps(body), namespace=namespace)
+    members = pod_sidecars("postgres", 2, extra=SLOW)
+    leader = one_leader(members)
+    result = ctl(cluster, "release", group, "-n", namespace, "--yes")
+    assert result.returncode == 0, result.stderr
+    assert "ended the PostgreSQL session of holder" in result.stdout, result.stdout
+    wait_for(lambda: not leader.ready(), 3, "the old leader to stop", 0.02)
+    one_leader(members, timeout=10)
+
+
 def test_errors_are_one_clear_line(cluster: Cluster, namespace: str, tmp_path: Path) -> None:
     unknown = ctl(cluster, "status", "nope", "-n", namespace)
     assert unknown.returncode == 1

@@ -201,13 +201,14 @@ async def test_pod_deletion_drains_releases_and_hands_over(
 
 
 async def test_both_backend_steps_down_when_its_postgres_session_is_killed(
-    pod_sidecars: Factory, group: str, pg_admin_dsn: str
+    pod_sidecars: Factory, group: str, namespace: str, pg_admin_dsn: str
 ) -> None:
     members = pod_sidecars("both", 2)
     leader = await asyncio.to_thread(one_leader, members)
     conn = await asyncpg.connect(pg_admin_dsn)
     try:
-        pid = await conn.fetchval("SELECT holder_pid FROM singleton_leases WHERE group_name = $1", group)
+        pid = await conn.fetchval("SELECT holder_pid FROM singleton_leases WHERE group_name = $1",
+                                  contract.lock_key(group, namespace))
         assert await conn.fetchval("SELECT pg_terminate_backend($1)", pid)
     finally:
         await conn.close()

@@ -231,3 +231,31 @@ def test_file_gate_runs_the_app_only_on_the_leader(sidecars: Factory, tmp_path: 
         for app in apps:
             __import__("os").killpg(app.pid, signal.SIGKILL)
             app.wait()
+
+
+async def test_same_named_groups_in_two_namespaces_share_a_database_without_meeting(
+    sidecars: Factory, group: str, pg_dsn: str
+) -> None:
+    """The lock and fence keys are ``<namespace>/<group>``: each namespace's group has its
+    own leader, and neither's fenced writes refuse the other's (tokens come from one sequence)."""
+    first = sidecars(2, gated=True, extra={"SINGLETON_NAMESPACE": "team-a"})
+    second = sidecars(2, gated=True, extra={"SINGLETON_NAMESPACE": "team-b"})
+    leader_a = await asyncio.to_thread(one_leader, first)
+    leader_b = await asyncio.to_thread(one_leader, second)
+    doc_a, doc_b = leader_a.leader_doc(), leader_b.leader_doc()
+    assert doc_a is not None and doc_b is not None
+    assert (doc_a["group"], doc_a["fenceKey"]) == (group, f"team-a/{group}")
+    assert (doc_b["group"], doc_b["fenceKey"]) == (group, f"team-b/{group}")
+    keys = await admin(pg_dsn, "SELECT array_agg(group_name ORDER BY group_name) FROM singleton_leases "
+                               "WHERE group_name LIKE $1", f"%/{group}")
+    assert keys == [f"team-a/{group}", f"team-b/{group}"]
+    # Both gated ledger workers write, each fenced on its own key, and neither is fenced out.
+    await asyncio.sleep(1.0)
+    for leader in (leader_a, leader_b):
+        written = await admin(pg_dsn, "SELECT count(*) FROM ledger WHERE identity = $1",
+                              leader.env["SINGLETON_IDENTITY"])
+        assert isinstance(written, int) and written > 5, (leader.name, written)
+        assert "fenced out" not in leader.log()
+    fences = await admin(pg_dsn, "SELECT array_agg(token ORDER BY group_name) FROM singleton_fence "
+                                 "WHERE group_name LIKE $1", f"%/{group}")
+    assert fences == [doc_a["token"], doc_b["token"]]

@@ -224,7 +224,7 @@ class Ctl:
         conn = await asyncpg.connect(dsn, timeout=CALL_TIMEOUT)
         try:
             row = await conn.fetchrow("SELECT holder, holder_pid FROM singleton_leases WHERE group_name = $1",
-                                      body["metadata"]["name"])
+                                      contract.lock_key(body["metadata"]["name"], namespace))
             if row is None or row["holder_pid"] is None:
                 return "no PostgreSQL holder"
             ended = await conn.fetchval("SELECT pg_terminate_backend($1)", row["holder_pid"])

@@ -20,6 +20,7 @@ from collections.abc import Awaitable, Callable
 import aiohttp
 from aiohttp import web
 
+from singleton_sidecar import contract
 from singleton_sidecar.backends.base import LockBackend
 from singleton_sidecar.config import SidecarConfig, describe
 from singleton_sidecar.core.elector import Elector
@@ -44,7 +45,7 @@ def build_backend(config: SidecarConfig, kube: KubeClient | None) -> LockBackend
 
     def postgres() -> LockBackend:
         assert config.postgres_dsn is not None
-        return PostgresBackend(group=config.group, dsn=config.postgres_dsn, lease_duration=timings.lease_duration,
+        return PostgresBackend(group=config.lock_key, dsn=config.postgres_dsn, lease_duration=timings.lease_duration,
                                renew_deadline=timings.renew_deadline)
 
     def lease() -> LeaseBackend:
@@ -103,7 +104,7 @@ class Sidecar:
         elector: Elector
         if config.exec_command:
             gate = ExecGate(config.exec_command, kill_grace=config.kill_grace,
-                            env={"SINGLETON_GROUP": config.group})
+                            env={contract.ENV_GROUP: config.group, contract.ENV_FENCE_KEY: config.lock_key})
         elif config.gate_dir is not None:
             gate = FileGate(
                 config.gate_dir,
@@ -134,8 +135,8 @@ class Sidecar:
         loop = asyncio.get_running_loop()
         for signum in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(signum, elector.request_drain)
-        probe = web.AppRunner(probe_app(elector, metrics), access_log=None)
-        control = web.AppRunner(control_app(elector), access_log=None)
+        probe = web.AppRunner(probe_app(elector, metrics, fence_key=config.lock_key), access_log=None)
+        control = web.AppRunner(control_app(elector, fence_key=config.lock_key), access_log=None)
         try:
             await probe.setup()
             await control.setup()

@@ -83,6 +83,11 @@ class SidecarConfig:
     def in_kubernetes(self) -> bool:
         return self.pod_name is not None and self.namespace is not None
 
+    @property
+    def lock_key(self) -> str:
+        """The group's key in PostgreSQL (lock and fence rows): see ``contract.lock_key``."""
+        return contract.lock_key(self.group, self.namespace)
+
 
 _SETTINGS: dict[str, tuple[str, str]] = {
     # dest: (flag, environment variable)

@@ -40,6 +40,18 @@ ROLE_STANDBY: Final = "standby"
 ROLE_DRAINING: Final = "draining"
 ROLE_RELEASED: Final = "released"
 
+
+
+def lock_key(group: str, namespace: str | None) -> str:
+    """The key of a group's lock and fence rows in PostgreSQL: ``<namespace>/<group>`` in a
+    cluster, the bare group name outside one. Qualified by namespace so that same-named
+    groups in two namespaces that share a database never meet."""
+    return f"{namespace}/{group}" if namespace else group
+
+
+# Set by the exec gate for the gated process: the key to pass to ``fencing.fence``.
+ENV_FENCE_KEY: Final = "SINGLETON_FENCE_KEY"
+
 # Environment variables read by `singleton-sidecar run` (flags override them).
 ENV_GROUP: Final = "SINGLETON_GROUP"
 ENV_IDENTITY: Final = "SINGLETON_IDENTITY"

@@ -4,7 +4,7 @@ writes in PostgreSQL that refuse a token older than one already seen.
     leader = await current_leader("http://127.0.0.1:8080")
     if leader.is_leader:
         async with conn.transaction():
-            await fence(conn, group=leader.group, token=leader.token)   # raises StaleToken
+            await fence(conn, key=leader.fence_key, token=leader.token)  # raises StaleToken
             await conn.execute("INSERT INTO results ...")
 
 ``fence`` takes a row lock on the group's fence row inside the caller's transaction,
@@ -40,9 +40,9 @@ RETURNING token
 class StaleToken(Exception):
     """A write carried a token older than one the fence has already seen."""
 
-    def __init__(self, group: str, token: int, seen: int | None) -> None:
-        super().__init__(f"group {group}: token {token} is stale (the fence has seen {seen})")
-        self.group = group
+    def __init__(self, key: str, token: int, seen: int | None) -> None:
+        super().__init__(f"group {key}: token {token} is stale (the fence has seen {seen})")
+        self.key = key
         self.token = token
         self.seen = seen
 
@@ -57,11 +57,13 @@ class Leadership:
     is_leader: bool
     token: int | None
     leader: str | None
+    fence_key: str
+    """The group's key for ``fence`` (``<namespace>/<group>`` in a cluster)."""
 
     @classmethod
     def from_document(cls, doc: dict[str, Any]) -> Leadership:
         return cls(group=doc["group"], identity=doc["identity"], role=doc["role"], is_leader=bool(doc["isLeader"]),
-                   token=doc.get("token"), leader=doc.get("leader"))
+                   token=doc.get("token"), leader=doc.get("leader"), fence_key=doc.get("fenceKey") or doc["group"])
 
 
 def current_leader(sidecar_url: str = "http://127.0.0.1:8080", *, timeout: float = 2.0) -> Leadership:
@@ -74,11 +76,12 @@ async def ensure_fence_table(conn: asyncpg.Connection) -> None:
     await conn.execute(FENCE_DDL)
 
 
-async def fence(conn: asyncpg.Connection, *, group: str, token: int) -> None:
-    """Inside a transaction: raise ``StaleToken`` unless ``token`` is the newest seen."""
+async def fence(conn: asyncpg.Connection, *, key: str, token: int) -> None:
+    """Inside a transaction: raise ``StaleToken`` unless ``token`` is the newest seen for the
+    group's fence ``key`` (``/leader``'s ``fenceKey``, ``$SINGLETON_FENCE_KEY`` under the exec gate)."""
     if not conn.is_in_transaction():
         raise RuntimeError("fence() must run inside the transaction that makes the fenced write")
-    accepted = await conn.fetchval(_FENCE, group, token)
+    accepted = await conn.fetchval(_FENCE, key, token)
     if accepted is None:
-        seen = await conn.fetchval("SELECT token FROM singleton_fence WHERE group_name = $1", group)
-        raise StaleToken(group, token, seen)
+        seen = await conn.fetchval("SELECT token FROM singleton_fence WHERE group_name = $1", key)
+        raise StaleToken(key, token, seen)

@@ -23,6 +23,7 @@ from singleton_sidecar.metrics import SidecarMetrics
 
 ELECTOR: web.AppKey[Elector] = web.AppKey("elector", Elector)
 METRICS: web.AppKey[SidecarMetrics] = web.AppKey("metrics", SidecarMetrics)
+FENCE_KEY: web.AppKey[str] = web.AppKey("fence_key", str)
 
 
 def _rfc3339(epoch: float | None) -> str | None:
@@ -31,11 +32,12 @@ def _rfc3339(epoch: float | None) -> str | None:
     return dt.datetime.fromtimestamp(epoch, dt.UTC).isoformat(timespec="milliseconds").replace("+00:00", "Z")
 
 
-def leader_document(elector: Elector) -> dict[str, Any]:
+def leader_document(elector: Elector, fence_key: str) -> dict[str, Any]:
     status: ElectionStatus = elector.status
     acting = elector.acting_term()
     return {
         "group": status.group,
+        "fenceKey": fence_key,
         "identity": status.identity,
         "role": status.role.value,
         "isLeader": acting is not None,
@@ -84,7 +86,7 @@ async def livez(request: web.Request) -> web.Response:
 
 
 async def leader(request: web.Request) -> web.Response:
-    return web.json_response(leader_document(request.app[ELECTOR]))
+    return web.json_response(leader_document(request.app[ELECTOR], request.app[FENCE_KEY]))
 
 
 async def metrics(request: web.Request) -> web.Response:
@@ -92,9 +94,10 @@ async def metrics(request: web.Request) -> web.Response:
     return web.Response(body=body, headers={"Content-Type": "text/plain; version=0.0.4; charset=utf-8"})
 
 
-def probe_app(elector: Elector, sidecar_metrics: SidecarMetrics) -> web.Application:
+def probe_app(elector: Elector, sidecar_metrics: SidecarMetrics, *, fence_key: str) -> web.Application:
     app = web.Application()
     app[ELECTOR] = elector
+    app[FENCE_KEY] = fence_key
     app[METRICS] = sidecar_metrics
     app.router.add_get("/readyz", readyz)
     app.router.add_get("/livez", livez)
@@ -117,21 +120,22 @@ async def drain(request: web.Request) -> web.Response:
             async with asyncio.timeout(limit):
                 await elector.wait_released()
         except TimeoutError:
-            return web.json_response({"error": f"not released within {limit:g}s", **leader_document(elector)},
-                                     status=504)
-    return web.json_response(leader_document(elector), status=200 if wait == "true" else 202)
+            return web.json_response({"error": f"not released within {limit:g}s",
+                                      **leader_document(elector, request.app[FENCE_KEY])}, status=504)
+    return web.json_response(leader_document(elector, request.app[FENCE_KEY]), status=200 if wait == "true" else 202)
 
 
 async def step_down(request: web.Request) -> web.Response:
     elector = request.app[ELECTOR]
     reason = request.query.get("reason", "requested through the control endpoint")[:200]
     elector.request_step_down(reason)
-    return web.json_response(leader_document(elector), status=202)
+    return web.json_response(leader_document(elector, request.app[FENCE_KEY]), status=202)
 
 
-def control_app(elector: Elector) -> web.Application:
+def control_app(elector: Elector, *, fence_key: str) -> web.Application:
     app = web.Application()
     app[ELECTOR] = elector
+    app[FENCE_KEY] = fence_key
     app.router.add_post("/drain", drain)
     app.router.add_post("/step-down", step_down)
     app.router.add_get("/leader", leader)

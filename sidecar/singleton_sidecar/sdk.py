@@ -44,6 +44,8 @@ class Term:
     group: str
     identity: str
     token: int
+    fence_key: str = ""
+    """The group's key for fenced writes (``<namespace>/<group>`` in a cluster); empty: the group."""
 
 
 class LeaderClient:
@@ -80,7 +82,7 @@ class LeaderClient:
             return None
         if not now.is_leader or now.token is None:
             return None
-        return Term(group=now.group, identity=now.identity, token=now.token)
+        return Term(group=now.group, identity=now.identity, token=now.token, fence_key=now.fence_key)
 
     async def wait_until_leading(self) -> Term:
         while True:
@@ -111,7 +113,7 @@ class LeaderClient:
 async def fenced(conn: asyncpg.Connection, term: Term) -> AsyncIterator[asyncpg.Connection]:
     """A transaction whose writes commit only if no newer term has written (``StaleToken``)."""
     async with conn.transaction():
-        await fence(conn, group=term.group, token=term.token)
+        await fence(conn, key=term.fence_key or term.group, token=term.token)
         yield conn
 
 

@@ -62,6 +62,7 @@ async def main() -> int:
         escape(seconds)
         return await wait_for_sigterm()
     dsn, group = os.environ["LEDGER_DSN"], os.environ["SINGLETON_GROUP"]
+    fence_key = os.environ.get("SINGLETON_FENCE_KEY", group)
     token, identity = int(os.environ["SINGLETON_TOKEN"]), os.environ["SINGLETON_IDENTITY"]
     fenced = os.environ.get("LEDGER_FENCE", "on") != "off"
     item_seconds = float(os.environ.get("LEDGER_ITEM_SECONDS", "0.02"))
@@ -87,7 +88,7 @@ async def main() -> int:
             try:
                 async with conn.transaction():
                     if fenced:
-                        await fence(conn, group=group, token=token)
+                        await fence(conn, key=fence_key, token=token)
                     if tx_seconds:
                         await asyncio.sleep(tx_seconds)
                     await conn.execute(
