@@ -12,7 +12,7 @@ only the sidecar's rules, lease 2 s / renew deadline 1.5 s / retry 0.5 s) and in
 the types that apply to the backend (``campaign_faults``) in a seeded random order (every type
 once per round) at seeded random moments. Before each fault the group must have settled (every
 pod answering, one ready leader, its worker writing), bounded at 45 s. Afterwards the ledger
-checker (``tests/ledger.py``) reads what every acting leader wrote.
+checker (``singleton_testbed.ledger``) reads what every acting leader wrote.
 
 Prints a table per backend and fault type (count, overlaps, regressions, stale writes accepted,
 failover p50/p99/max, how much of it was a server's own restart, how often a new term began,
@@ -46,12 +46,11 @@ from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from tests.ledger import check_ledger
-
 from benchmarks.campaign_bed import Bed, CampaignError, Group
 from benchmarks.campaign_faults import ALL_KINDS, APPLIES, Deck, Injector
 from benchmarks.campaign_poll import Poller
 from benchmarks.campaign_report import BackendResult, CampaignResult
+from singleton_testbed.ledger import check_ledger
 
 BACKENDS = ("postgres", "lease", "both")
 QUICK_FAULTS_PER_BACKEND = 10

@@ -20,10 +20,9 @@ import platform
 import statistics
 from dataclasses import dataclass, field
 
-from tests.ledger import LedgerReport
-
 from benchmarks.campaign_bed import LEASE, RETRY
 from benchmarks.campaign_faults import ALL_KINDS, FaultRecord
+from singleton_testbed.ledger import LedgerReport
 
 WORKER_SLACK = 1.5
 WARM_UP = "warm-up"

@@ -17,7 +17,7 @@ scenario with short timings (2 s / 1.5 s / 0.5 s) for both: each member has a wo
 appends to a PostgreSQL ledger while its elector says it leads (ours: the exec gate with
 the fenced tests/data/ledger_worker.py; client-go: benchmarks/clientgo/unfenced_worker.py
 polling /leader), the leader's process group is stopped past the lease, a new leader
-takes over, the old one is continued, and tests/ledger.py's checker counts overlaps.
+takes over, the old one is continued, and the ledger checker (singleton_testbed.ledger) counts overlaps.
 Prints tables and ratios (client-go / ours) and writes PNG plots to benchmarks/plots/.
 """
 
@@ -39,7 +39,6 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import asyncpg
-from tests.ledger import check_ledger
 from tests.sidecars import SidecarProcess, one_leader, wait_for, wait_serving
 
 from benchmarks.campaign_bed import CampaignError
@@ -49,6 +48,7 @@ from benchmarks.compare_partition import PartitionRun, PodPeer, partition_runs
 from benchmarks.failover import Bench, bench_servers, cpu_seconds, percentile, rss_mb, summary
 from singleton_sidecar.core.timings import BACKEND_DEFAULTS
 from singleton_testbed.controlplane import ControlPlane
+from singleton_testbed.ledger import check_ledger
 
 Timings = tuple[float, float, float]  # lease duration, renew deadline, retry period (s)
 OURS_DEFAULTS: Timings = (BACKEND_DEFAULTS["lease"].lease_duration, BACKEND_DEFAULTS["lease"].renew_deadline,
@@ -138,8 +138,8 @@ class Rest:
 @dataclass
 class StopRun:
     takeover: float
-    overlaps: int  # terms that wrote in interleaved time (tests/ledger.py)
-    stale_rows: int  # rows with an older term's token written after a newer term's (tests/ledger.py)
+    overlaps: int  # terms that wrote in interleaved time (singleton_testbed.ledger)
+    stale_rows: int  # rows with an older term's token written after a newer term's (singleton_testbed.ledger)
     woke_rows: int  # rows the old leader's worker wrote in its old term after SIGCONT
     woke_writing: float  # for how long after SIGCONT it kept writing (s)
     fenced_out: bool  # the old leader's worker tried and was refused by the fence

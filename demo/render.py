@@ -51,7 +51,7 @@ def _ledger(ledger: Ledger) -> Panel:
     for write in ledger.recent[-6:]:
         table.add_row(write.at.astimezone().strftime("%H:%M:%S.%f")[:-3], write.pod, f"token {write.token}",
                       f"item {write.item}", write.phase)
-    title = f"ledger: last writes (fenced; {ledger.rows} rows, {len(ledger.spans)} terms)"
+    title = f"ledger: last writes (fenced; {ledger.report.rows} rows, {len(ledger.report.terms)} terms)"
     return Panel(table, title=title, title_align="left")
 
 
@@ -112,12 +112,12 @@ class Verdict:
 
     @classmethod
     def of(cls, observer: Observer, seconds: float) -> Verdict:
-        ledger = observer.ledger
+        report = observer.ledger.report
         status = observer.snapshot.status if observer.snapshot else {}
-        return cls(handovers=len(ledger.handovers()), max_gap=ledger.max_gap(), overlaps=len(ledger.overlaps()),
-                   regressions=ledger.regressions, stale_writes=ledger.stale_writes,
-                   shared_tokens=len(ledger.shared_tokens()), rows=ledger.rows, terms=len(ledger.spans),
-                   unfinished=ledger.unfinished_at_handover(), transitions=int(status.get("transitions", 0)),
+        return cls(handovers=len(report.handovers), max_gap=report.max_gap, overlaps=len(report.overlaps),
+                   regressions=len(report.regressions), stale_writes=len(report.stale_accepted),
+                   shared_tokens=len(report.shared_tokens), rows=report.rows, terms=len(report.terms),
+                   unfinished=len(report.lost_at_handover), transitions=int(status.get("transitions", 0)),
                    seconds=seconds)
 
     @property

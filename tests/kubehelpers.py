@@ -13,17 +13,31 @@ class KubectlRunner(Protocol):
     def kubectl(self, *args: str, input_text: str | None = None, check: bool = True) -> Any: ...
 
 
-def service_account_kubeconfig(cluster: KubectlRunner, namespace: str, account: str, path: Path) -> Path:
-    """A kubeconfig that authenticates as ``namespace/account`` with a fresh bound token."""
-    token = cluster.kubectl("create", "token", account, "-n", namespace, "--duration=2h").stdout.strip()
+def bound_token(cluster: KubectlRunner, namespace: str, account: str, pod: dict[str, Any] | None = None, *,
+                duration: str = "1h") -> str:
+    """A fresh token of the ServiceAccount ``namespace/account``, bound to ``pod`` when given
+    (the admission policy admits a sidecar's pod patches only with a token bound to its pod)."""
+    args = ["create", "token", account, "-n", namespace, f"--duration={duration}"]
+    if pod is not None:
+        args += ["--bound-object-kind", "Pod", "--bound-object-name", pod["metadata"]["name"],
+                 "--bound-object-uid", pod["metadata"]["uid"]]
+    return str(cluster.kubectl(*args).stdout.strip())
+
+
+def token_kubeconfig(cluster: KubectlRunner, token: str, namespace: str, path: Path) -> Path:
+    """The cluster's kubeconfig, authenticating with ``token`` alone, ``namespace`` the default."""
     config = json.loads(cluster.kubectl("config", "view", "--minify", "--raw", "-o", "json").stdout)
-    config["users"] = [{"name": account, "user": {"token": token}}]
+    config["users"] = [{"name": "sa", "user": {"token": token}}]
     for context in config["contexts"]:
-        context["context"]["user"] = account
-        context["context"]["namespace"] = namespace
+        context["context"] |= {"user": "sa", "namespace": namespace}
     path.write_text(yaml.safe_dump(config))
     path.chmod(0o600)
     return path
+
+
+def service_account_kubeconfig(cluster: KubectlRunner, namespace: str, account: str, path: Path) -> Path:
+    """A kubeconfig that authenticates as ``namespace/account`` with a fresh bound token."""
+    return token_kubeconfig(cluster, bound_token(cluster, namespace, account, duration="2h"), namespace, path)
 
 
 def grant(cluster: KubectlRunner, namespace: str, account: str, rules: list[dict[str, list[str]]]) -> None:

@@ -17,8 +17,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, TypeVar
 
+from singleton_testbed.ledger import check_ledger
 from singleton_testbed.procs import free_port
-from tests.ledger import check_ledger
 
 FAST_TIMINGS = {"SINGLETON_LEASE_DURATION": "2", "SINGLETON_RENEW_DEADLINE": "1.5", "SINGLETON_RETRY_PERIOD": "0.5"}
 

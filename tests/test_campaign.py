@@ -28,9 +28,9 @@ from pathlib import Path
 import asyncpg
 import pytest
 
+from singleton_testbed.ledger import LedgerReport, check_ledger
 from singleton_testbed.netns import netns_supported
 from tests.conftest import use_existing_cluster
-from tests.ledger import LedgerReport, check_ledger
 from tests.sidecars import FAST_TIMINGS, SidecarProcess, one_leader, wait_for
 
 WORKER = str(Path(__file__).parent / "data" / "ledger_worker.py")
@@ -174,7 +174,7 @@ def test_gaps_and_lost_items_are_measured() -> None:
     """The checker's arithmetic on a hand-made ledger: two terms, a gap, a lost item."""
     from datetime import UTC, datetime, timedelta
 
-    from tests.ledger import judge
+    from singleton_testbed.ledger import LedgerJudge, judge
 
     t = datetime(2026, 1, 1, tzinfo=UTC)
 
@@ -186,7 +186,7 @@ def test_gaps_and_lost_items_are_measured() -> None:
             row(4, 7, 1, "start", 2520), row(5, 7, 1, "done", 2530), row(6, 7, 2, "start", 2540)]
     report = judge(rows, gap_bound=2.0)  # type: ignore[arg-type]
     assert report.safe and report.rows == 6
-    assert [(g.before, g.after) for g in report.gaps] == [(5, 7)]
+    assert [(g.before, g.after) for g in report.gaps] == [(5, 7)] and report.handovers == report.gaps
     assert report.max_gap == pytest.approx(2.5)
     assert len(report.long_gaps) == 1
     assert [(o.token, o.item) for o in report.lost_at_handover] == [(5, 2)]
@@ -196,7 +196,20 @@ def test_gaps_and_lost_items_are_measured() -> None:
     bad = judge(late)  # type: ignore[arg-type]
     assert len(bad.overlaps) == 1 and len(bad.regressions) == 1 and len(bad.stale_accepted) == 1
     assert bad.stale_accepted[0].newest_seen == 7
+    assert not bad.gaps and [h.seconds for h in bad.handovers] == [pytest.approx(-0.03)]  # the overlap, signed
     assert not bad.safe
+
+    # The demo feeds one judge row by row and asks for the verdict after each poll: asking
+    # must not disturb what follows, and a report must not change as more rows come.
+    fed = LedgerJudge(gap_bound=2.0)
+    begun: list[object] = []
+    reports = []
+    for r in late:
+        if fed.add(r):  # type: ignore[arg-type]
+            begun.append(r["token"])
+        reports.append(fed.report())
+    assert begun == [5, 7]
+    assert reports == [judge(late[:count], gap_bound=2.0) for count in range(1, len(late) + 1)]  # type: ignore[arg-type]
 
 
 # --- the CI quick campaign ----------------------------------------------------------------------

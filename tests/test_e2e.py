@@ -28,15 +28,15 @@ import yaml
 
 from singleton_sidecar import contract
 from singleton_testbed.kubelet_control import StandInKubelet
+from singleton_testbed.ledger import check_ledger
 from singleton_testbed.netns import PodNetworkConfig, netns_supported
 from singleton_testbed.postgres import PostgresInfo
 from singleton_testbed.procs import free_port
 from tests.conftest import Cluster, use_existing_cluster
-from tests.kubehelpers import get_json
-from tests.ledger import check_ledger
+from tests.kubehelpers import bound_token, get_json, token_kubeconfig
 from tests.operators import OperatorProcess
 from tests.sidecars import wait_for
-from tests.test_rbac import bound_token, helm_template, token_kubeconfig
+from tests.test_rbac import helm_template
 
 # On the test bed pods run on the stand-in kubelet (root and network namespaces needed); on a
 # real cluster (USE_EXISTING_CLUSTER=true) they run on its nodes, from the image

@@ -19,7 +19,7 @@ import pytest
 
 from singleton_sidecar import contract
 from tests.conftest import Cluster
-from tests.kubehelpers import get_json
+from tests.kubehelpers import bound_token, get_json, token_kubeconfig
 from tests.operators import OperatorProcess
 from tests.sidecars import wait_for
 
@@ -228,7 +228,7 @@ def test_rbac_denied_is_reported_and_nothing_is_created(cluster: Cluster, namesp
                                                         tmp_path: Path) -> None:
     """The chart's ClusterRole without PodDisruptionBudgets: the group reports exactly what is
     missing and gets no objects at all (not a Deployment without its budget)."""
-    from tests.test_rbac import bound_token, helm_template, token_kubeconfig
+    from tests.test_rbac import helm_template
 
     release = "deny-" + uuid.uuid4().hex[:4]
     objects = helm_template(release, namespace, "--show-only=templates/serviceaccount.yaml",

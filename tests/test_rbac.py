@@ -28,7 +28,7 @@ import yaml
 
 from singleton_sidecar import contract
 from tests.conftest import Cluster
-from tests.kubehelpers import get_json, grant
+from tests.kubehelpers import bound_token, get_json, grant, token_kubeconfig
 
 pytestmark = [pytest.mark.k8s, pytest.mark.timeout(120)]
 
@@ -116,24 +116,6 @@ def create_pod_as(cluster: Cluster, namespace: str, name: str, account: str) -> 
                     "containers": [{"name": "app", "image": "example.invalid/app:1"}]}}
     created: Obj = json.loads(cluster.kubectl("create", "-f", "-", "-o", "json", input_text=json.dumps(pod)).stdout)
     return created
-
-
-def bound_token(cluster: Cluster, namespace: str, account: str, pod: Obj | None = None) -> str:
-    args = ["create", "token", account, "-n", namespace, "--duration=1h"]
-    if pod is not None:
-        args += ["--bound-object-kind", "Pod", "--bound-object-name", pod["metadata"]["name"],
-                 "--bound-object-uid", pod["metadata"]["uid"]]
-    return str(cluster.kubectl(*args).stdout.strip())
-
-
-def token_kubeconfig(cluster: Cluster, token: str, namespace: str, path: Path) -> Path:
-    config = json.loads(cluster.kubectl("config", "view", "--minify", "--raw", "-o", "json").stdout)
-    config["users"] = [{"name": "sa", "user": {"token": token}}]
-    for context in config["contexts"]:
-        context["context"] |= {"user": "sa", "namespace": namespace}
-    path.write_text(yaml.safe_dump(config))
-    path.chmod(0o600)
-    return path
 
 
 def force_delete_pods(cluster: Cluster, namespace: str) -> None:

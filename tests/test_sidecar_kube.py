@@ -19,9 +19,9 @@ import asyncpg
 import pytest
 
 from singleton_sidecar import contract
+from singleton_testbed.ledger import check_ledger
 from tests.conftest import Cluster
 from tests.kubehelpers import create_pod, get_json, grant, service_account_kubeconfig
-from tests.ledger import check_ledger
 from tests.sidecars import (
     FAST_TIMINGS,
     SidecarProcess,

@@ -15,8 +15,8 @@ from pathlib import Path
 import asyncpg
 import pytest
 
+from singleton_testbed.ledger import check_ledger
 from singleton_testbed.postgres import PostgresServer
-from tests.ledger import check_ledger
 from tests.sidecars import FAST_TIMINGS, SidecarProcess, leaders, one_leader, pause_leader_past_its_lease, wait_for
 
 WORKER = str(Path(__file__).parent / "data" / "ledger_worker.py")

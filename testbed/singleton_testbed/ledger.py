@@ -1,5 +1,8 @@
 """The ledger checker: judges safety from the outside, from what acting leaders wrote.
 
+One set of rules for the test suite, the benchmarks (``judge``, ``check_ledger``) and the demo,
+which feeds a ``LedgerJudge`` the rows of each poll as it reads them (``demo/ledger.py``).
+
 The ledger (``tests/data/ledger_worker.py``, ``singleton-sample-poller``) holds one row per
 phase of each item an acting leader works on: ``start`` then ``done``, with the group, the
 writer's identity and term token, and ``at`` (the database's ``clock_timestamp()`` at the
@@ -20,7 +23,8 @@ What it reports (every list is empty when the group behaved):
 - ``shared_tokens``: one token written by two identities (two leaders in one term).
 - ``gaps``: the time without a writing leader between consecutive terms (last row of one term
   to the first row of the next, by start time); ``max_gap`` the largest, ``long_gaps`` those
-  above ``gap_bound`` (the promised bound) when one is given.
+  above ``gap_bound`` (the promised bound) when one is given. ``handovers`` holds every pair of
+  consecutive terms, overlapping ones included (``seconds`` <= 0).
 - ``lost_items`` / ``in_flight``: items started and never done. ``lost_at_handover`` keeps
   those of terms that a later term followed (the last term's open item may still be running).
 """
@@ -38,7 +42,8 @@ Term = tuple[int, str, datetime, datetime]
 
 @dataclass(frozen=True)
 class Gap:
-    """Time without a writing leader, between the last row of one term and the first of the next."""
+    """Time without a writing leader, between the last row of one term and the first of the next
+    (in ``LedgerReport.handovers``, zero or negative when the two terms overlapped)."""
 
     before: int
     after: int
@@ -97,6 +102,7 @@ class LedgerReport:
     stale_accepted: list[StaleWrite] = field(default_factory=list)
     shared_tokens: list[str] = field(default_factory=list)
     gaps: list[Gap] = field(default_factory=list)
+    handovers: list[Gap] = field(default_factory=list)
     gap_bound: float | None = None
     long_gaps: list[Gap] = field(default_factory=list)
     in_flight: list[OpenItem] = field(default_factory=list)
@@ -134,48 +140,77 @@ async def check_ledger(dsn: str, group: str, *, gap_bound: float | None = None) 
 
 def judge(rows: list[asyncpg.Record], *, gap_bound: float | None = None) -> LedgerReport:
     """The report for one group's rows, given in id (commit) order."""
-    report = LedgerReport(rows=len(rows), gap_bound=gap_bound)
-    spans: dict[int, tuple[str, datetime, datetime]] = {}
-    identities: dict[int, set[str]] = {}
-    open_items: dict[tuple[int, int], datetime] = {}
-    previous = newest = 0
+    ledger = LedgerJudge(gap_bound=gap_bound)
     for row in rows:
+        ledger.add(row)
+    return ledger.report()
+
+
+class LedgerJudge:
+    """The rules, fed one row at a time in id (commit) order; ``report`` judges the rows fed so
+    far. Per row it keeps only running state, so a live reader (the demo) need not re-read the
+    ledger to judge it again."""
+
+    def __init__(self, *, gap_bound: float | None = None) -> None:
+        self.gap_bound = gap_bound
+        self.rows = 0
+        self._regressions: list[str] = []
+        self._regression_details: list[StaleWrite] = []
+        self._stale_accepted: list[StaleWrite] = []
+        self._spans: dict[int, tuple[str, datetime, datetime]] = {}
+        """token -> (its first writer, first row, last row)."""
+        self._identities: dict[int, set[str]] = {}
+        self._open_items: dict[tuple[int, int], datetime] = {}
+        self._previous = 0
+        self._newest = 0
+
+    def add(self, row: asyncpg.Record) -> bool:
+        """Take the next row; True when it is the first row of its token (a term begins)."""
         token, identity, at = int(row["token"]), str(row["identity"]), row["at"]
-        if token < previous:
-            report.regressions.append(f"token {token} written after {previous} (row {row['id']})")
-            report.regression_details.append(StaleWrite(int(row["id"]), token, previous, identity, at))
-        if token < newest:
-            report.stale_accepted.append(StaleWrite(int(row["id"]), token, newest, identity, at))
-        previous, newest = token, max(newest, token)
-        if token in spans:
-            writer, first, last = spans[token]
-            spans[token] = (writer, min(first, at), max(last, at))
+        self.rows += 1
+        if token < self._previous:
+            self._regressions.append(f"token {token} written after {self._previous} (row {row['id']})")
+            self._regression_details.append(StaleWrite(int(row["id"]), token, self._previous, identity, at))
+        if token < self._newest:
+            self._stale_accepted.append(StaleWrite(int(row["id"]), token, self._newest, identity, at))
+        self._previous, self._newest = token, max(self._newest, token)
+        span = self._spans.get(token)
+        if span is not None:
+            writer, first, last = span
+            self._spans[token] = (writer, min(first, at), max(last, at))
         else:
-            spans[token] = (identity, at, at)
-        identities.setdefault(token, set()).add(identity)
+            self._spans[token] = (identity, at, at)
+        self._identities.setdefault(token, set()).add(identity)
         key = (token, int(row["item"]))
         if row["phase"] == "start":
-            open_items[key] = at
+            self._open_items[key] = at
         else:
-            open_items.pop(key, None)
-    report.terms = sorted(((t, s[0], s[1], s[2]) for t, s in spans.items()), key=lambda term: term[2])
-    report.shared_tokens = [f"token {t} written by {sorted(ids)}" for t, ids in sorted(identities.items())
-                            if len(ids) > 1]
-    reach: Term | None = None  # the started term that writes until the latest
-    for term in report.terms:
-        if reach is not None and term[2] <= reach[3]:
-            report.overlap_details.append(Overlap(reach[0], term[0], reach[3], term[2]))
-        if reach is not None:
-            report.gaps.append(Gap(reach[0], term[0], reach[3], term[2]))
-        if reach is None or term[3] > reach[3]:
-            reach = term
-    report.gaps = [gap for gap in report.gaps if gap.seconds > 0]
-    report.overlaps = [str(overlap) for overlap in report.overlap_details]
-    if gap_bound is not None:
-        report.long_gaps = [gap for gap in report.gaps if gap.seconds > gap_bound]
-    report.in_flight = sorted((OpenItem(t, i, began) for (t, i), began in open_items.items()),
-                              key=lambda o: o.started)
-    report.lost_items = [f"token {o.token} item {o.item}" for o in report.in_flight]
-    final = report.terms[-1][0] if report.terms else None
-    report.lost_at_handover = [o for o in report.in_flight if o.token != final]
-    return report
+            self._open_items.pop(key, None)
+        return span is None
+
+    def report(self) -> LedgerReport:
+        """The verdict on the rows so far (a new report each call: later rows do not change it)."""
+        report = LedgerReport(rows=self.rows, gap_bound=self.gap_bound, regressions=list(self._regressions),
+                              regression_details=list(self._regression_details),
+                              stale_accepted=list(self._stale_accepted))
+        report.terms = sorted(((t, s[0], s[1], s[2]) for t, s in self._spans.items()), key=lambda term: term[2])
+        report.shared_tokens = [f"token {t} written by {sorted(ids)}" for t, ids in sorted(self._identities.items())
+                                if len(ids) > 1]
+        reach: Term | None = None  # the started term that writes until the latest
+        for term in report.terms:
+            if reach is not None and term[2] <= reach[3]:
+                report.overlap_details.append(Overlap(reach[0], term[0], reach[3], term[2]))
+            if reach is not None:
+                report.handovers.append(Gap(reach[0], term[0], reach[3], term[2]))
+            if reach is None or term[3] > reach[3]:
+                reach = term
+        report.gaps = [gap for gap in report.handovers if gap.seconds > 0]
+        report.overlaps = [str(overlap) for overlap in report.overlap_details]
+        if self.gap_bound is not None:
+            report.long_gaps = [gap for gap in report.gaps if gap.seconds > self.gap_bound]
+        report.in_flight = sorted((OpenItem(t, i, began) for (t, i), began in self._open_items.items()),
+                                  key=lambda o: o.started)
+        report.lost_items = [f"token {o.token} item {o.item}" for o in report.in_flight]
+        final = report.terms[-1][0] if report.terms else None
+        report.lost_at_handover = [o for o in report.in_flight if o.token != final]
+        return report
