@@ -5,9 +5,9 @@
 Starts PostgreSQL (or uses SINGLETON_TEST_DSN; only the SIGSTOP ledger needs it) and the
 test bed's etcd + kube-apiserver, builds our client-go elector (benchmarks/clientgo) and
 measures groups of 3 of each peer:
-- ours: singleton-sidecar, lease backend, its default timings (8 s / 6.5 s / 5 s);
+- ours: singleton-sidecar, lease backend, its default timings (9 s / 7.5 s / 6 s);
 - client-go at its usual defaults (15 s / 10 s / 2 s);
-- client-go with our timings (8 s / 6.5 s / 5 s).
+- client-go with our timings (9 s / 7.5 s / 6 s).
 Per peer: graceful handover (SIGTERM to the leader -> another member's /readyz 200),
 SIGKILL failover (same, after SIGKILL), API requests/s of the group at rest (distinct
 auditIDs in the audit log by user agent), RSS and CPU at rest; with root and ``ip netns``,
@@ -453,7 +453,9 @@ def main() -> int:
     parser.add_argument("--runs", type=int, default=10, help="runs per failover scenario (default 10)")
     parser.add_argument("--slow-runs", type=int, default=5,
                         help="SIGKILL runs for client-go at its defaults, ~20 s each (default 5)")
-    parser.add_argument("--rest-seconds", type=float, default=60.0, help="how long to watch idle groups (default 60)")
+    parser.add_argument("--rest-seconds", type=float, default=300.0,
+                        help="how long to watch idle groups (default 300: at least the sidecars' watch timeouts, "
+                             "so the re-opened watches are counted)")
     parser.add_argument("--partition-runs", type=int, default=5,
                         help="partitions per peer, needs root and ip netns (default 5; 0 skips them)")
     parser.add_argument("--sigstop-runs", type=int, default=5, help="SIGSTOP runs per peer (default 5)")

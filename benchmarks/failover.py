@@ -171,8 +171,9 @@ def main() -> int:
     parser.add_argument("--runs", type=int, default=20, help="runs per scenario (default 20)")
     parser.add_argument("--backend", nargs="+", choices=["postgres", "lease", "both"],
                         default=["postgres", "lease", "both"], help="backends to measure (default: all)")
-    parser.add_argument("--rest-seconds", type=float, default=60.0,
-                        help="how long to watch an idle group (default 60)")
+    parser.add_argument("--rest-seconds", type=float, default=300.0,
+                        help="how long to watch an idle group (default 300: at least the sidecars' watch "
+                             "timeouts, so the re-opened watches are counted)")
     parser.add_argument("--plots", type=Path, default=None, metavar="DIR",
                         help="also draw the failover-time distributions per backend into DIR (needs matplotlib)")
     args = parser.parse_args()

@@ -32,7 +32,7 @@ def test_bad_durations_name_the_field(text: str) -> None:
         parse_duration("spec.drain.timeout", text)
 
 
-@pytest.mark.parametrize(("backend", "expected"), [("lease", (8.0, 6.5, 5.0)), ("postgres", (6.0, 4.0, 2.0))])
+@pytest.mark.parametrize(("backend", "expected"), [("lease", (9.0, 7.5, 6.0)), ("postgres", (6.0, 4.0, 2.0))])
 def test_timings_default_per_backend(backend: str, expected: tuple[float, float, float]) -> None:
     extra = {"postgres": {"secretRef": {"name": "db"}}} if backend == "postgres" else {}
     timings = read_spec(body(backend=backend, **extra), default_sidecar_image=IMAGE).timings

@@ -241,9 +241,9 @@ async def test_api_server_restart_never_gives_two_leaders(
 
 
 def test_standby_pods_are_annotated_at_once_not_after_a_lock_wait(cluster: Cluster, pod_sidecars: Factory) -> None:
-    """Default lease timings: a standby's first lock wait lasts a retry period (5 s); its
+    """Default lease timings: a standby's first lock wait lasts a retry period (6 s); its
     pod must say "standby" long before that."""
-    slow = {"SINGLETON_LEASE_DURATION": "8", "SINGLETON_RENEW_DEADLINE": "6.5", "SINGLETON_RETRY_PERIOD": "5"}
+    slow = {"SINGLETON_LEASE_DURATION": "9", "SINGLETON_RENEW_DEADLINE": "7.5", "SINGLETON_RETRY_PERIOD": "6"}
     members = pod_sidecars("lease", 2, extra=slow)
     started = time.monotonic()
     leader = one_leader(members)

@@ -126,10 +126,10 @@ _HELP = {
     "pod_uid": "this pod's UID (downward API: metadata.uid)",
     "listen": "host:port for /readyz /livez /leader /metrics (default 0.0.0.0:8080)",
     "control_listen": "loopback host:port for control actions (default 127.0.0.1:8081)",
-    "lease_duration": "seconds a lock stays valid without renewal (default 6 with postgres, 8 with lease/both)",
+    "lease_duration": "seconds a lock stays valid without renewal (default 6 with postgres, 9 with lease/both)",
     "renew_deadline": ("seconds the leader keeps trying to renew before stepping down "
-                       "(default 4 with postgres, 6.5 with lease/both)"),
-    "retry_period": "seconds between renewals and between retries (default 2 with postgres, 5 with lease/both)",
+                       "(default 4 with postgres, 7.5 with lease/both)"),
+    "retry_period": "seconds between renewals and between retries (default 2 with postgres, 6 with lease/both)",
     "drain_timeout": "seconds the app may take to drain before the lock is released (default 30)",
     "drain_url": "URL to POST to ask the app to drain; a 2xx answer means drained",
     "gate_dir": "folder shared with the main container for the file gate",
