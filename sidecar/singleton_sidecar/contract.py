@@ -41,7 +41,6 @@ ROLE_DRAINING: Final = "draining"
 ROLE_RELEASED: Final = "released"
 
 
-
 def lock_key(group: str, namespace: str | None) -> str:
     """The key of a group's lock and fence rows in PostgreSQL: ``<namespace>/<group>`` in a
     cluster, the bare group name outside one. Qualified by namespace so that same-named
