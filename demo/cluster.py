@@ -37,6 +37,7 @@ from urllib.parse import urlsplit
 
 import yaml
 
+from singleton_testbed.controlplane import wait_established
 from singleton_testbed.netns import DEFAULT_NETWORK, HostNetwork, netns_supported
 from singleton_testbed.postgres import PostgresInfo, find_pg_bin
 from singleton_testbed.procs import free_port
@@ -313,7 +314,10 @@ def prepare_cluster(state: State, say: Say) -> None:
     """CRD, namespaces, the chart's RBAC and admission policy, the database Secret."""
     say(f"$ kubectl apply --server-side -f crds/{CRD.name}")
     kubectl(state, "apply", "--server-side", "--field-manager=singleton-demo", "-f", str(CRD))
-    kubectl(state, "wait", "--for=condition=Established", "--timeout=60s", "crd/singletonservices.singleton.dev")
+    try:
+        wait_established(lambda *args, check: kubectl(state, *args, check=check), "crd/singletonservices.singleton.dev")
+    except RuntimeError as exc:
+        raise DemoError(str(exc)) from exc
     for namespace in (RELEASE_NAMESPACE, NAMESPACE):
         kubectl(state, "create", "namespace", namespace)
     say(f"$ helm template {RELEASE} charts/singleton -n {RELEASE_NAMESPACE} --show-only ... | kubectl apply -f -"

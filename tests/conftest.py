@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 
 from singleton_testbed.binaries import add_to_path, find_all
-from singleton_testbed.controlplane import ControlPlane
+from singleton_testbed.controlplane import ControlPlane, wait_established
 from singleton_testbed.postgres import PostgresInfo, PostgresServer
 
 
@@ -157,5 +157,5 @@ def singleton_crd(cluster: Cluster) -> Path:
     cluster.kubectl(
         "apply", "--server-side", "--force-conflicts", "--field-manager=singleton-tests", "-f", str(CRD_PATH)
     )
-    cluster.kubectl("wait", "--for=condition=Established", "--timeout=60s", "crd/singletonservices.singleton.dev")
+    wait_established(cluster.kubectl, "crd/singletonservices.singleton.dev")
     return CRD_PATH

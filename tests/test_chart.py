@@ -21,6 +21,7 @@ from typing import Any, TypeVar
 import pytest
 import yaml
 
+from singleton_testbed.controlplane import wait_established
 from tests.conftest import CRD_PATH, Cluster, use_existing_cluster
 from tests.kubehelpers import get_json
 
@@ -380,7 +381,7 @@ def reapply_crd_like_the_fixture(cluster: Cluster) -> None:
     """What the ``singleton_crd`` fixture does (server-side apply, forcing conflicts)."""
     cluster.kubectl("apply", "--server-side", "--force-conflicts", "--field-manager=singleton-tests",
                     "-f", str(CRD_PATH))
-    cluster.kubectl("wait", "--for=condition=Established", "--timeout=60s", "crd/singletonservices.singleton.dev")
+    wait_established(cluster.kubectl, "crd/singletonservices.singleton.dev")
 
 
 def singleton_service(name: str, namespace: str) -> Obj:
@@ -402,7 +403,7 @@ def test_install_creates_the_crd_then_the_fixture_still_applies(cluster: Cluster
         cluster.kubectl("delete", crd, "--ignore-not-found", "--wait=true", "--timeout=60s")
         release.helm("install", release.name, str(CHART), *values_args({"admissionPolicy": {"enabled": False}},
                                                                        tmp_path))
-        cluster.kubectl("wait", "--for=condition=Established", "--timeout=60s", crd)
+        wait_established(cluster.kubectl, crd)
         installed = get_json(cluster, crd, "--show-managed-fields")
         assert {f["manager"] for f in installed["metadata"]["managedFields"]} >= {"helm"}
         assert installed["spec"]["names"] == source["spec"]["names"] | {"listKind": "SingletonServiceList"}

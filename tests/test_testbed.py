@@ -12,6 +12,7 @@ from pathlib import Path
 import asyncpg
 import pytest
 
+from singleton_testbed.controlplane import wait_established
 from tests.conftest import Cluster
 
 PROBE_CRD = """
@@ -50,7 +51,7 @@ spec:
 @pytest.fixture(scope="module")
 def probe_crd(cluster: Cluster) -> None:
     cluster.apply(PROBE_CRD)
-    cluster.kubectl("wait", "--for=condition=Established", "crd/probes.testbed.singleton.dev", "--timeout=30s")
+    wait_established(cluster.kubectl, "crd/probes.testbed.singleton.dev", timeout=30)
 
 
 def test_crd_cel_rule_rejects_with_its_message(cluster: Cluster, probe_crd: None, namespace: str) -> None:

@@ -23,9 +23,10 @@ import shutil
 import ssl
 import subprocess
 import tempfile
+import time
 import urllib.error
 import urllib.request
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -248,3 +249,20 @@ class ControlPlane:
         self.scheduler = self.controller_manager = self.apiserver = self.etcd = None
         if self._own_workdir:
             shutil.rmtree(self.workdir, ignore_errors=True)
+
+
+def wait_established(kubectl: Callable[..., subprocess.CompletedProcess[str]], crd: str, *,
+                     timeout: float = 60.0) -> None:
+    """``kubectl wait --for=condition=Established`` on ``crd`` (``crd/<name>``), retried while the
+    CRD has no conditions yet: kubectl fails at once on a missing ``.status.conditions``
+    ("accessor error") instead of waiting, which happens right after a create under load.
+    ``kubectl(*args, check=False)`` runs kubectl (``ControlPlane.kubectl`` or the like)."""
+    deadline = time.monotonic() + timeout
+    while True:
+        left = max(1, round(deadline - time.monotonic()))
+        result = kubectl("wait", "--for=condition=Established", f"--timeout={left}s", crd, check=False)
+        if result.returncode == 0:
+            return
+        if "accessor error" not in result.stderr or time.monotonic() >= deadline:
+            raise RuntimeError(f"kubectl wait --for=condition=Established {crd} failed: {result.stderr.strip()}")
+        time.sleep(0.2)
