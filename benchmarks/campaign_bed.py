@@ -77,6 +77,34 @@ def create_account(call: Callable[..., dict[str, Any]], namespace: str, account:
         "subjects": [{"kind": "ServiceAccount", "name": account, "namespace": namespace}]})
 
 
+def sidecar_pod_env(group: str, backend: str, timings: dict[str, str]) -> list[dict[str, Any]]:
+    """A bench pod's sidecar environment: its group and backend, the downward API, probes on
+    all addresses, text logs and ``timings`` (``contract.ENV_*`` → seconds)."""
+    def field(name: str, path: str) -> dict[str, Any]:
+        return {"name": name, "valueFrom": {"fieldRef": {"fieldPath": path}}}
+
+    return [{"name": contract.ENV_GROUP, "value": group}, {"name": contract.ENV_BACKEND, "value": backend},
+            field(contract.ENV_NAMESPACE, "metadata.namespace"), field(contract.ENV_POD_NAME, "metadata.name"),
+            field(contract.ENV_POD_UID, "metadata.uid"), {"name": contract.ENV_LISTEN, "value": f"0.0.0.0:{PORT}"},
+            {"name": contract.ENV_LOG_FORMAT, "value": "text"},
+            *({"name": k, "value": v} for k, v in timings.items())]
+
+
+def watch_running(standin: StandInKubelet, poller: Poller, namespace: str, pods: dict[str, str]) -> None:
+    """Fill in the IP of every pod of ``pods`` (name → IP, empty until known) that runs now,
+    and give it to the poller."""
+    for pod, ip in list(pods.items()):
+        if ip:
+            continue
+        try:
+            info = standin.pod(namespace, pod)
+        except (KeyError, LookupError):
+            continue
+        if info.ip and info.running:
+            pods[pod] = info.ip
+            poller.watch(pod, info.ip)
+
+
 class Bed:
     def __init__(self, workdir: Path) -> None:
         self.workdir = workdir
@@ -165,19 +193,9 @@ class Group:
             self.add_pod()
 
     def manifest(self, pod: str) -> dict[str, Any]:
-        def field(name: str, path: str) -> dict[str, Any]:
-            return {"name": name, "valueFrom": {"fieldRef": {"fieldPath": path}}}
-
-        env: list[dict[str, Any]] = [
-            {"name": contract.ENV_GROUP, "value": self.name},
-            {"name": contract.ENV_BACKEND, "value": self.backend},
-            field(contract.ENV_NAMESPACE, "metadata.namespace"),
-            field(contract.ENV_POD_NAME, "metadata.name"),
-            field(contract.ENV_POD_UID, "metadata.uid"),
-            {"name": contract.ENV_LISTEN, "value": f"0.0.0.0:{PORT}"},
+        env = [
+            *sidecar_pod_env(self.name, self.backend, TIMINGS),
             {"name": contract.ENV_DRAIN_TIMEOUT, "value": str(DRAIN_TIMEOUT)},
-            {"name": contract.ENV_LOG_FORMAT, "value": "text"},
-            *({"name": k, "value": v} for k, v in TIMINGS.items()),
             {"name": "LEDGER_DSN", "value": self.bed.pod_dsn},
             {"name": "PYTHONUNBUFFERED", "value": "1"},
         ]
@@ -211,16 +229,7 @@ class Group:
 
     def watch_started(self) -> None:
         """Give the poller the IP of every member that runs now."""
-        for pod, ip in list(self.pods.items()):
-            if ip:
-                continue
-            try:
-                info = self.bed.standin.pod(self.namespace, pod)
-            except (KeyError, LookupError):
-                continue
-            if info.ip and info.running:
-                self.pods[pod] = info.ip
-                self.poller.watch(pod, info.ip)
+        watch_running(self.bed.standin, self.poller, self.namespace, self.pods)
 
     def wait_settled(self, timeout: float, since: float = 0.0) -> Sample:
         """Every member answers, one of them leads, and its worker has written the ledger."""

@@ -33,19 +33,19 @@ import statistics
 import sys
 import time
 import uuid
-from collections.abc import Iterator, Sequence
-from contextlib import contextmanager
+from collections.abc import Sequence
+from contextlib import AbstractContextManager
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import asyncpg
-from tests.sidecars import SidecarProcess, one_leader, wait_for, wait_serving
+from tests.sidecars import SidecarProcess, one_leader, wait_for
 
 from benchmarks.campaign_bed import CampaignError
 from benchmarks.clientgo.elector import CLIENTGO_DEFAULTS, USER_AGENT, ClientGoProcess, build
 from benchmarks.clientgo.unfenced_worker import term_of
 from benchmarks.compare_partition import PartitionRun, PodPeer, partition_runs
-from benchmarks.failover import Bench, bench_servers, cpu_seconds, percentile, rss_mb, summary
+from benchmarks.failover import Bench, bench_servers, cpu_seconds, percentile, rss_mb, running, summary
 from singleton_sidecar.core.timings import BACKEND_DEFAULTS
 from singleton_testbed.controlplane import ControlPlane
 from singleton_testbed.ledger import check_ledger
@@ -76,25 +76,20 @@ class ClientGoBench(Bench):
     timings: Timings = CLIENTGO_DEFAULTS
     ledger_dsn: str | None = None
 
-    @contextmanager
-    def group(self, count: int) -> Iterator[list[SidecarProcess]]:
+    def group(self, count: int) -> AbstractContextManager[list[SidecarProcess]]:
         assert self.control_plane is not None
+        kubeconfig = self.control_plane.info.kubeconfig
         lease = "cg-" + uuid.uuid4().hex[:8]
-        members: list[SidecarProcess] = []
-        try:
-            for index in range(count):
-                identity = f"g{index}-{uuid.uuid4().hex[:6]}"
-                members.append(ClientGoProcess(
-                    f"g{index}", {"SINGLETON_GROUP": lease, "SINGLETON_IDENTITY": identity},
-                    self.workdir / f"{lease}-{index}.log",
-                    binary=self.binary, kubeconfig=self.control_plane.info.kubeconfig, namespace=self.namespace,
-                    lease=lease, identity=identity, timings=self.timings,
-                    ledger_dsn=self.ledger_dsn).start())
-            wait_serving(members, 15)
-            yield members
-        finally:
-            for member in members:
-                member.stop()
+
+        def start(index: int) -> SidecarProcess:
+            identity = f"g{index}-{uuid.uuid4().hex[:6]}"
+            return ClientGoProcess(
+                f"g{index}", {"SINGLETON_GROUP": lease, "SINGLETON_IDENTITY": identity},
+                self.workdir / f"{lease}-{index}.log", binary=self.binary, kubeconfig=kubeconfig,
+                namespace=self.namespace, lease=lease, identity=identity, timings=self.timings,
+                ledger_dsn=self.ledger_dsn).start()
+
+        return running(start, count)
 
 
 @dataclass
@@ -104,27 +99,23 @@ class GatedBench(Bench):
 
     timings: Timings = FAST
 
-    @contextmanager
-    def group(self, count: int) -> Iterator[list[SidecarProcess]]:
+    def group(self, count: int) -> AbstractContextManager[list[SidecarProcess]]:
         assert self.control_plane is not None
+        kubeconfig = self.control_plane.info.kubeconfig
         group = "stop-" + uuid.uuid4().hex[:8]
         lease_duration, renew_deadline, retry_period = self.timings
-        members: list[SidecarProcess] = []
-        try:
-            for index in range(count):
-                env = {"SINGLETON_GROUP": group, "SINGLETON_BACKEND": self.backend,
-                       "SINGLETON_IDENTITY": f"s{index}-{uuid.uuid4().hex[:6]}", "LEDGER_DSN": self.dsn,
-                       "KUBECONFIG": str(self.control_plane.info.kubeconfig), "SINGLETON_NAMESPACE": self.namespace,
-                       "SINGLETON_LEASE_DURATION": f"{lease_duration:g}",
-                       "SINGLETON_RENEW_DEADLINE": f"{renew_deadline:g}",
-                       "SINGLETON_RETRY_PERIOD": f"{retry_period:g}"}
-                members.append(SidecarProcess(f"s{index}", env, self.workdir / f"{group}-{index}.log",
-                                              command=[sys.executable, str(FENCED_WORKER)]).start())
-            wait_serving(members, 15)
-            yield members
-        finally:
-            for member in members:
-                member.stop()
+
+        def start(index: int) -> SidecarProcess:
+            env = {"SINGLETON_GROUP": group, "SINGLETON_BACKEND": self.backend,
+                   "SINGLETON_IDENTITY": f"s{index}-{uuid.uuid4().hex[:6]}", "LEDGER_DSN": self.dsn,
+                   "KUBECONFIG": str(kubeconfig), "SINGLETON_NAMESPACE": self.namespace,
+                   "SINGLETON_LEASE_DURATION": f"{lease_duration:g}",
+                   "SINGLETON_RENEW_DEADLINE": f"{renew_deadline:g}",
+                   "SINGLETON_RETRY_PERIOD": f"{retry_period:g}"}
+            return SidecarProcess(f"s{index}", env, self.workdir / f"{group}-{index}.log",
+                                  command=[sys.executable, str(FENCED_WORKER)]).start()
+
+        return running(start, count)
 
 
 @dataclass

@@ -31,7 +31,7 @@ from typing import Any
 
 from tests.kubelet_fixtures import Api
 
-from benchmarks.campaign_bed import CampaignError, admin_call, create_account
+from benchmarks.campaign_bed import CampaignError, admin_call, create_account, sidecar_pod_env, watch_running
 from benchmarks.campaign_poll import PORT, Poller, Sample
 from singleton_sidecar import contract
 from singleton_testbed.controlplane import ControlPlane
@@ -63,18 +63,9 @@ class PodPeer:
                        f"--renew-deadline={renew_deadline:g}s", f"--retry-period={retry_period:g}s"]
             return {"name": "elector", "command": command}
 
-        def field_env(name: str, path: str) -> dict[str, Any]:
-            return {"name": name, "valueFrom": {"fieldRef": {"fieldPath": path}}}
-
-        env = [{"name": contract.ENV_GROUP, "value": group}, {"name": contract.ENV_BACKEND, "value": "lease"},
-               field_env(contract.ENV_NAMESPACE, "metadata.namespace"),
-               field_env(contract.ENV_POD_NAME, "metadata.name"),
-               field_env(contract.ENV_POD_UID, "metadata.uid"),
-               {"name": contract.ENV_LISTEN, "value": f"0.0.0.0:{PORT}"},
-               {"name": contract.ENV_LOG_FORMAT, "value": "text"},
-               {"name": contract.ENV_LEASE_DURATION, "value": f"{lease_duration:g}"},
-               {"name": contract.ENV_RENEW_DEADLINE, "value": f"{renew_deadline:g}"},
-               {"name": contract.ENV_RETRY_PERIOD, "value": f"{retry_period:g}"}]
+        env = sidecar_pod_env(group, "lease", {contract.ENV_LEASE_DURATION: f"{lease_duration:g}",
+                                               contract.ENV_RENEW_DEADLINE: f"{renew_deadline:g}",
+                                               contract.ENV_RETRY_PERIOD: f"{retry_period:g}"})
         return {"name": "elector", "command": [sys.executable, "-m", "singleton_sidecar.cli", "run"], "env": env}
 
 
@@ -130,16 +121,7 @@ class PodGroup:
         """Every member answers, exactly one ready: its sample."""
         deadline = time.monotonic() + SETTLE_TIMEOUT
         while time.monotonic() < deadline:
-            for pod, ip in self.pods.items():
-                if ip:
-                    continue
-                try:
-                    info = self.standin.pod(self.name, pod)
-                except (KeyError, LookupError):
-                    continue
-                if info.ip and info.running:
-                    self.pods[pod] = info.ip
-                    self.poller.watch(pod, info.ip)
+            watch_running(self.standin, self.poller, self.name, self.pods)
             leader = self.poller.settled(set(self.pods)) if all(self.pods.values()) else None
             if leader is not None:
                 return leader

@@ -24,8 +24,8 @@ import sys
 import tempfile
 import time
 import uuid
-from collections.abc import Iterator
-from contextlib import contextmanager
+from collections.abc import Callable, Iterator
+from contextlib import AbstractContextManager, contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -61,6 +61,20 @@ def cpu_seconds(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
+@contextmanager
+def running(start: Callable[[int], SidecarProcess], count: int) -> Iterator[list[SidecarProcess]]:
+    """``count`` members, ``start(index)`` each, once all serve; every one stopped on exit."""
+    members: list[SidecarProcess] = []
+    try:
+        for index in range(count):
+            members.append(start(index))
+        wait_serving(members, 15)
+        yield members
+    finally:
+        for member in members:
+            member.stop()
+
+
 @dataclass
 class Bench:
     backend: str
@@ -69,28 +83,23 @@ class Bench:
     control_plane: ControlPlane | None
     namespace: str = "bench"
 
-    @contextmanager
-    def group(self, count: int) -> Iterator[list[SidecarProcess]]:
+    def group(self, count: int) -> AbstractContextManager[list[SidecarProcess]]:
         group = "bench-" + uuid.uuid4().hex[:8]
-        members = []
-        try:
-            for index in range(count):
-                env = {"SINGLETON_GROUP": group, "SINGLETON_BACKEND": self.backend,
-                       "SINGLETON_IDENTITY": f"b{index}-{uuid.uuid4().hex[:6]}"}
-                if self.backend != "lease":
-                    env["SINGLETON_POSTGRES_DSN"] = self.dsn
-                if self.control_plane is not None:
-                    name = f"{group}-{index}"
-                    pod = create_pod(self.control_plane, self.namespace, name)
-                    env.update({"KUBECONFIG": str(self.control_plane.info.kubeconfig),
-                                "SINGLETON_NAMESPACE": self.namespace, "SINGLETON_POD_NAME": name,
-                                "SINGLETON_POD_UID": pod["metadata"]["uid"]})
-                members.append(SidecarProcess(f"b{index}", env, self.workdir / f"{group}-{index}.log").start())
-            wait_serving(members, 15)
-            yield members
-        finally:
-            for member in members:
-                member.stop()
+
+        def start(index: int) -> SidecarProcess:
+            env = {"SINGLETON_GROUP": group, "SINGLETON_BACKEND": self.backend,
+                   "SINGLETON_IDENTITY": f"b{index}-{uuid.uuid4().hex[:6]}"}
+            if self.backend != "lease":
+                env["SINGLETON_POSTGRES_DSN"] = self.dsn
+            if self.control_plane is not None:
+                name = f"{group}-{index}"
+                pod = create_pod(self.control_plane, self.namespace, name)
+                env.update({"KUBECONFIG": str(self.control_plane.info.kubeconfig),
+                            "SINGLETON_NAMESPACE": self.namespace, "SINGLETON_POD_NAME": name,
+                            "SINGLETON_POD_UID": pod["metadata"]["uid"]})
+            return SidecarProcess(f"b{index}", env, self.workdir / f"{group}-{index}.log").start()
+
+        return running(start, count)
 
     def takeover(self, signum: int) -> float:
         with self.group(3) as members:
