@@ -13,10 +13,10 @@ from urllib.parse import urlsplit
 import pytest
 import pytest_asyncio
 
-from singleton_sidecar.backends.base import BackendUnavailable, Identity, Term
 from singleton_sidecar.backends.both import BothBackend
 from singleton_sidecar.backends.lease import LeaseBackend
 from singleton_sidecar.backends.postgres import PostgresBackend
+from singleton_sidecar.core.lock import BackendUnavailable, Identity, Term
 from singleton_sidecar.kube import KubeClient, load_kube_config
 from tests.conftest import Cluster
 from tests.tcpproxy import CuttableProxy

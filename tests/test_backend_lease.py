@@ -12,9 +12,9 @@ from typing import Any
 import pytest
 import pytest_asyncio
 
-from singleton_sidecar.backends.base import BackendUnavailable, Identity, LockRecord, Term, Token
 from singleton_sidecar.backends.lease import LeaseBackend, micro_time
 from singleton_sidecar.contract import LEASE_ANNOTATION_TOKEN
+from singleton_sidecar.core.lock import BackendUnavailable, Identity, LockRecord, Term, Token
 from singleton_sidecar.kube import KubeClient, KubeConfig, KubeError, KubeGone, KubeUnavailable, load_kube_config
 from tests.conftest import Cluster
 

@@ -15,16 +15,16 @@ import asyncpg
 import pytest
 import pytest_asyncio
 
-from singleton_sidecar.backends.base import BackendUnavailable, Identity, LockRecord, Term, Token
 from singleton_sidecar.backends.postgres import PostgresBackend, keepalive_settings
 from singleton_sidecar.backends.postgres_sql import NAMESPACE
+from singleton_sidecar.core.lock import BackendUnavailable, Identity, LockRecord, Term, Token
 from singleton_testbed.postgres import PostgresServer
 
 pytestmark = [pytest.mark.postgres, pytest.mark.timeout(60)]
 
 HOLDER_SCRIPT = """
 import asyncio, sys
-from singleton_sidecar.backends.base import Identity
+from singleton_sidecar.core.lock import Identity
 from singleton_sidecar.backends.postgres import PostgresBackend
 
 async def main() -> None:

@@ -18,9 +18,9 @@ from typing import Any
 
 import pytest
 
-from singleton_sidecar.backends.base import BackendUnavailable, Identity, Term
 from singleton_sidecar.core.elector import RELEASE_TIMEOUT, Elector
 from singleton_sidecar.core.identity import make_identity, pod_of, validate_identity
+from singleton_sidecar.core.lock import BackendUnavailable, Identity, Term
 from singleton_sidecar.core.status import ElectionStatus, Role
 from singleton_sidecar.core.timings import JITTER_FACTOR, MIN_CLOCK_MARGIN, TimingError, Timings
 from tests.fakes import BLOCK, LOST, OK, RENEWED, Delay, FakeBackend, FakeClock, Hang, Held, Renewed, Win, settle

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from singleton_sidecar import contract
-from singleton_sidecar.backends.base import Term
+from singleton_sidecar.core.lock import Term
 from singleton_sidecar.core.status import ElectionStatus, Role
 from singleton_sidecar.podstatus import pod_metadata_patch, transition_event
 

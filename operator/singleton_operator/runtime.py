@@ -22,10 +22,10 @@ from aiohttp import web
 from singleton_operator.groups import Groups
 from singleton_operator.handlers import registry
 from singleton_operator.metrics import OperatorMetrics
-from singleton_sidecar.backends.base import Identity
 from singleton_sidecar.backends.lease import LeaseBackend
 from singleton_sidecar.config import Listen
 from singleton_sidecar.core.elector import Elector
+from singleton_sidecar.core.lock import Identity
 from singleton_sidecar.core.status import ElectionStatus, Role
 from singleton_sidecar.core.timings import BACKEND_DEFAULTS
 from singleton_sidecar.kube import KubeClient, load_kube_config

@@ -21,10 +21,10 @@ import aiohttp
 from aiohttp import web
 
 from singleton_sidecar import contract
-from singleton_sidecar.backends.base import LockBackend
 from singleton_sidecar.config import SidecarConfig, describe
 from singleton_sidecar.core.elector import Elector
 from singleton_sidecar.core.identity import make_identity
+from singleton_sidecar.core.lock import LockBackend
 from singleton_sidecar.gate import ExecGate, FileGate
 from singleton_sidecar.http import control_app, probe_app
 from singleton_sidecar.kube import KubeClient, load_kube_config

@@ -14,8 +14,8 @@ from pathlib import Path
 from typing import Literal
 
 from singleton_sidecar import contract
-from singleton_sidecar.backends.base import Identity
 from singleton_sidecar.core.identity import validate_identity
+from singleton_sidecar.core.lock import Identity
 from singleton_sidecar.core.timings import TimingError, Timings, default_timings
 
 BackendName = Literal["postgres", "lease", "both"]

@@ -11,7 +11,8 @@ import asyncio
 import time
 from collections.abc import Callable
 
-from singleton_sidecar.backends.base import (
+from singleton_sidecar.backends.lease import LeaseBackend
+from singleton_sidecar.core.lock import (
     BackendUnavailable,
     Identity,
     LockBackend,
@@ -19,7 +20,6 @@ from singleton_sidecar.backends.base import (
     LossCallback,
     Term,
 )
-from singleton_sidecar.backends.lease import LeaseBackend
 
 
 class BothBackend:

@@ -42,8 +42,8 @@ from dataclasses import dataclass
 from datetime import UTC, datetime
 from typing import Any
 
-from singleton_sidecar.backends.base import BackendUnavailable, Identity, LockRecord, LossCallback, Term, Token
 from singleton_sidecar.contract import LEASE_ANNOTATION_TOKEN
+from singleton_sidecar.core.lock import BackendUnavailable, Identity, LockRecord, LossCallback, Term, Token
 from singleton_sidecar.kube import KubeClient, KubeConflict, KubeError, KubeGone, KubeNotFound
 
 log = logging.getLogger(__name__)

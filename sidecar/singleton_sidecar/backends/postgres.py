@@ -51,7 +51,8 @@ from typing import TYPE_CHECKING, TypeAlias
 
 import asyncpg
 
-from singleton_sidecar.backends.base import (
+from singleton_sidecar.backends.postgres_sql import DDL_LOCK_ID, NAMESPACE, SCHEMA_VERSION, Statements
+from singleton_sidecar.core.lock import (
     BackendUnavailable,
     Identity,
     LockRecord,
@@ -59,7 +60,6 @@ from singleton_sidecar.backends.base import (
     Term,
     Token,
 )
-from singleton_sidecar.backends.postgres_sql import DDL_LOCK_ID, NAMESPACE, SCHEMA_VERSION, Statements
 
 if TYPE_CHECKING:
     Connection: TypeAlias = asyncpg.Connection[asyncpg.Record]

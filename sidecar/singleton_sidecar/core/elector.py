@@ -19,8 +19,8 @@ import logging
 from collections.abc import Awaitable, Callable
 from dataclasses import replace
 
-from singleton_sidecar.backends.base import BackendUnavailable, Identity, LockBackend, LockRecord, Term
 from singleton_sidecar.core.clock import Clock, SystemClock
+from singleton_sidecar.core.lock import BackendUnavailable, Identity, LockBackend, LockRecord, Term
 from singleton_sidecar.core.status import ElectionStatus, Role
 from singleton_sidecar.core.timings import Timings
 

@@ -1,6 +1,6 @@
 """The one small interface every lock backend implements, and the records that cross it.
 
-Called by the election core (``singleton_sidecar.core.elector``); implemented by
+Owned by the election core (``singleton_sidecar.core.elector``); implemented by
 ``backends.postgres``, ``backends.lease`` and ``backends.both``. The interface carries
 its state explicitly: the version a backend observed travels in the ``Term`` and
 ``LockRecord`` values, so no call order is hidden inside a backend.
@@ -31,6 +31,12 @@ Token = NewType("Token", int)
 
 class BackendUnavailable(Exception):
     """The lock store could not be reached or did not answer in time."""
+
+
+class BackendMisconfigured(Exception):
+    """The store answers, but is set up so that its lock cannot be trusted (for example a
+    connection pooler in transaction mode in front of PostgreSQL). Never retried: the
+    sidecar exits with status 2 and the message, which says what to change."""
 
 
 @dataclass(frozen=True)
