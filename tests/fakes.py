@@ -112,6 +112,8 @@ class Win:
     token: int
     version: str = ""
     write_time: float = 0.0
+    acting_in: float = 0.0
+    """The term may act only this many seconds after it was written (a takeover of an unreleased term)."""
 
 
 @dataclass(frozen=True)
@@ -226,7 +228,7 @@ class FakeBackend:
         result = await self._play(call)
         if isinstance(result, Win):
             term = Term(identity=identity, token=Token(result.token), version=result.version or self._version(),
-                        written_at=self.clock.now)
+                        written_at=self.clock.now, acting_from=self.clock.now + result.acting_in)
             await self._take(result.write_time)
             return term
         if isinstance(result, Held):

@@ -19,6 +19,7 @@ from typing import Any
 import pytest
 
 from singleton_sidecar.core.elector import RELEASE_TIMEOUT, Elector
+from singleton_sidecar.core.ending import Action, Decision, LeadState, decide
 from singleton_sidecar.core.identity import make_identity, pod_of, validate_identity
 from singleton_sidecar.core.lock import BackendUnavailable, Identity, Term
 from singleton_sidecar.core.status import ElectionStatus, Role
@@ -43,8 +44,10 @@ class Rig:
 
     def __init__(self, *, timings: Timings = DEFAULT, acquire: list[Any] | None = None,
                  renew: list[Any] | None = None, release: list[Any] | None = None,
-                 drain_hook: Callable[[Rig], Callable[[], Awaitable[None]]] | None = None,
-                 drain_timeout: float = 30.0) -> None:
+                 drain_hook: Callable[[Rig], Callable[[bool], Awaitable[None]]] | None = None,
+                 drain_timeout: float = 30.0,
+                 stop_hook: Callable[[Rig], Callable[[], Awaitable[None]]] | None = None,
+                 stop_timeout: float = 3.0) -> None:
         self.clock = FakeClock(T0)
         self.log: list[tuple[Any, ...]] = []
         self.backend = FakeBackend(self.clock, log=self.log, acquire=acquire or [], renew=renew or [],
@@ -54,7 +57,8 @@ class Rig:
         self.elector = Elector(
             group="g", identity=ME, backend=self.backend, timings=timings, clock=self.clock,
             wall_clock=lambda: WALL0 + self.clock.now, drain_hook=drain_hook(self) if drain_hook else None,
-            drain_timeout=drain_timeout, on_renew=lambda seconds, ok: self.renewals.append((seconds, ok)),
+            drain_timeout=drain_timeout, stop_hook=stop_hook(self) if stop_hook else None, stop_timeout=stop_timeout,
+            on_renew=lambda seconds, ok: self.renewals.append((seconds, ok)),
         )
         self.elector.add_listener(self._on_status)
         self.task: asyncio.Task[None] | None = None
@@ -348,8 +352,9 @@ def _step_down(rig: Rig) -> None:
         ),
         pytest.param(
             [], _step_down, "stepped down: operator asked",
-            ["0 acquire", "0 publish leader#7", "1 publish standby", "1 release 7", "7 acquire"],
-            id="step-down request waits a lease duration",
+            ["0 acquire", "0 publish leader#7", "1 publish draining#7", "1 publish standby", "1 release 7",
+             "7 acquire"],
+            id="step-down request drains, then waits a lease duration",
         ),
     ],
 )
@@ -367,7 +372,7 @@ async def test_step_down_publishes_before_release_then_campaigns(
         assert status.role is Role.STANDBY
         assert status.reason == reason
         assert (status.term, status.leader, status.leader_token, status.leader_since) == (None, None, None, None)
-        assert status.transitions == 2
+        assert status.transitions == (3 if action is _step_down else 2)
         assert rig.elector.acting_term() is None
         assert rig.backend.ops("release")[0].timeout == RELEASE_TIMEOUT
         assert rig.backend.ops("release")[0].term.token == 7  # type: ignore[union-attr]
@@ -423,8 +428,8 @@ async def test_renew_failure_then_success_keeps_leading(renew: list[Any], renew_
 # --- loss and pauses: acting_term() answers from the clock, at once ----------------------------------
 
 
-def hook_forever(rig: Rig) -> Callable[[], Awaitable[None]]:
-    async def hook() -> None:
+def hook_forever(rig: Rig) -> Callable[[bool], Awaitable[None]]:
+    async def hook(_final: bool) -> None:
         rig.note("hook", "start")
         try:
             await asyncio.Event().wait()
@@ -435,9 +440,9 @@ def hook_forever(rig: Rig) -> Callable[[], Awaitable[None]]:
     return hook
 
 
-def hook_sleeping(seconds: float, *, fails: bool = False) -> Callable[[Rig], Callable[[], Awaitable[None]]]:
-    def build(rig: Rig) -> Callable[[], Awaitable[None]]:
-        async def hook() -> None:
+def hook_sleeping(seconds: float, *, fails: bool = False) -> Callable[[Rig], Callable[[bool], Awaitable[None]]]:
+    def build(rig: Rig) -> Callable[[bool], Awaitable[None]]:
+        async def hook(_final: bool) -> None:
             rig.note("hook", "start")
             try:
                 await rig.clock.sleep(seconds)
@@ -472,8 +477,9 @@ async def test_loss_callback_stops_acting_at_once(draining: bool) -> None:
         await rig.until_trace("1 release 7")
         if draining:
             await settle(task.done)
-            assert rig.trace()[-5:] == ["1 loss connection dropped", "1 publish standby", "1 release 7",
-                                        "1 hook cancelled", "1 publish released"]
+            # Forced while draining: the final role at once, then the hook is cancelled, then release.
+            assert rig.trace()[-4:] == ["1 loss connection dropped", "1 publish released", "1 hook cancelled",
+                                        "1 release 7"]
         else:
             assert rig.trace()[-3:] == ["1 loss connection dropped", "1 publish standby", "1 release 7"]
 
@@ -526,9 +532,8 @@ async def test_deadline_passing_while_draining_steps_down_and_cancels_the_hook()
         await rig.until(1)
         rig.elector.request_drain()
         await settle(task.done)
-        assert rig.trace()[-5:] == ["3.75 renew 7", "4 publish standby", "4 release 7", "4 hook cancelled",
-                                    "4 publish released"]
-        assert [s.role for s in rig.statuses] == [Role.LEADER, Role.DRAINING, Role.STANDBY, Role.RELEASED]
+        assert rig.trace()[-4:] == ["3.75 renew 7", "4 publish released", "4 hook cancelled", "4 release 7"]
+        assert [s.role for s in rig.statuses] == [Role.LEADER, Role.DRAINING, Role.RELEASED]
 
 
 async def test_acting_term_none_past_deadline_while_a_renewal_overruns() -> None:
@@ -577,7 +582,7 @@ async def test_acting_term_none_past_deadline_while_a_renewal_overruns() -> None
                      id="zero drain_timeout"),
     ],
 )
-async def test_drain_as_leader(hook: Callable[[Rig], Callable[[], Awaitable[None]]] | None,
+async def test_drain_as_leader(hook: Callable[[Rig], Callable[[bool], Awaitable[None]]] | None,
                                drain_timeout: float, trace: list[str]) -> None:
     renewals = sum(" renew " in line for line in trace)
     rig = Rig(acquire=[Win(7)], renew=[RENEWED] * renewals, release=[OK], drain_hook=hook,
@@ -848,3 +853,156 @@ async def test_a_zero_hold_ends_a_hold_early() -> None:
         rig.elector.request_hold(0)
         await settle(lambda: leading(rig))
         assert rig.now < 8
+
+
+# --- the end of a term: publish, stop the app, release -----------------------------------------------
+
+
+def stop_taking(seconds: float) -> Callable[[Rig], Callable[[], Awaitable[None]]]:
+    """A gate whose app takes ``seconds`` to stop."""
+    def build(rig: Rig) -> Callable[[], Awaitable[None]]:
+        async def stop() -> None:
+            rig.note("stop", "start")
+            await rig.clock.sleep(seconds)
+            rig.note("stop", "done")
+
+        return stop
+
+    return build
+
+
+S = DEFAULT  # 6 / 4 / 2
+
+
+@pytest.mark.parametrize(
+    ("state", "expected"),
+    [
+        pytest.param(LeadState(now=1, deadline=4), Decision(Action.LEAD), id="inside the deadline: lead"),
+        pytest.param(LeadState(now=4, deadline=4), Decision(
+            Action.FINISH, "stepped down: no successful renewal within renew_deadline (4s)", Role.STANDBY, 2.0),
+            id="deadline reached: finish at once"),
+        pytest.param(LeadState(now=1, deadline=4, lost_reason="lock lost: x"), Decision(
+            Action.FINISH, "stepped down: lock lost: x", Role.STANDBY, 2.0), id="lost: finish at once"),
+        pytest.param(LeadState(now=1, deadline=4, step_down_reason="asked"),
+                     Decision(Action.DRAIN, "stepping down: asked"), id="step-down: drain first"),
+        pytest.param(LeadState(now=1, deadline=4, drain_requested=True),
+                     Decision(Action.DRAIN, "draining: finishing in-flight work"), id="drain: drain first"),
+        pytest.param(LeadState(now=1, deadline=4, step_down_reason="asked", draining=True),
+                     Decision(Action.LEAD), id="draining, app not stopped yet: keep renewing"),
+        pytest.param(LeadState(now=1, deadline=4, step_down_reason="asked", draining=True, drain_done=True),
+                     Decision(Action.FINISH, "stepped down: asked", Role.STANDBY, 6.0),
+                     id="step-down drained: finish, then stand aside a lease duration"),
+        pytest.param(LeadState(now=1, deadline=4, drain_requested=True, draining=True, drain_done=True),
+                     Decision(Action.FINISH, "released: no longer campaigning", Role.RELEASED),
+                     id="drained: finish as released"),
+        pytest.param(LeadState(now=1, deadline=4, step_down_reason="asked", drain_requested=True, draining=True,
+                               drain_done=True),
+                     Decision(Action.FINISH, "released: no longer campaigning", Role.RELEASED),
+                     id="drain requested during a step-down: released"),
+        pytest.param(LeadState(now=5, deadline=4, drain_requested=True, draining=True),
+                     Decision(Action.FINISH, "stepped down: no successful renewal within renew_deadline (4s)",
+                              Role.RELEASED, 2.0),
+                     id="deadline while draining: forced, released"),
+        pytest.param(LeadState(now=1, deadline=4, lost_reason="lock lost: x", step_down_reason="asked",
+                               draining=True),
+                     Decision(Action.FINISH, "stepped down: lock lost: x", Role.STANDBY, 2.0),
+                     id="loss while stepping down: forced"),
+    ],
+)
+def test_decide(state: LeadState, expected: Decision) -> None:
+    assert decide(state, S) == expected
+
+
+def _request_drain(rig: Rig) -> None:
+    rig.elector.request_drain()
+
+
+@pytest.mark.parametrize(
+    ("renew", "action", "drain_timeout", "tail"),
+    [
+        pytest.param([], _step_down, 30.0,
+                     ["1 publish draining#7", "1 hook start", "1.5 hook done", "1.5 publish standby", "1.5 stop start",
+                      "2.3 stop done", "2.3 release 7"], id="step-down"),
+        pytest.param([], _request_drain, 30.0,
+                     ["1 publish draining#7", "1 hook start", "1.5 hook done", "1.5 publish released",
+                      "1.5 stop start", "2.3 stop done", "2.3 release 7"], id="drain"),
+        pytest.param([RENEWED], _step_down, 1.25,
+                     ["1 publish draining#7", "1 hook start", "2 renew 7", "2.25 hook cancelled",
+                      "2.25 publish standby", "2.25 stop start", "3.05 stop done", "3.05 release 7"],
+                     id="drain timeout"),
+        pytest.param([down() for _ in range(8)], None, 30.0,
+                     ["3.75 renew 7", "4 publish standby", "4 stop start", "4.8 stop done", "4.8 release 7"],
+                     id="renew deadline"),
+        pytest.param([LOST], None, 30.0,
+                     ["2 renew 7", "2 publish standby", "2 stop start", "2.8 stop done", "2.8 release 7"],
+                     id="another holder"),
+        pytest.param([], _fire_loss, 30.0,
+                     ["1 loss connection dropped", "1 publish standby", "1 stop start", "1.8 stop done",
+                      "1.8 release 7"], id="lock lost"),
+    ],
+)
+async def test_every_ending_releases_only_after_the_app_stopped(
+    renew: list[Any], action: Callable[[Rig], None] | None, drain_timeout: float, tail: list[str]
+) -> None:
+    rig = Rig(acquire=[Win(7), BLOCK], renew=[*renew, BLOCK] if action else renew, release=[OK],
+              drain_hook=hook_sleeping(0.5) if drain_timeout > 2 else hook_forever, drain_timeout=drain_timeout,
+              stop_hook=stop_taking(0.8))
+    async with rig.running():
+        if action is not None:
+            await rig.until(1)
+            action(rig)
+        await rig.until_trace(tail[-1])
+        assert rig.trace()[-len(tail):] == tail
+        assert rig.elector.unconfirmed_stops == 0
+
+
+async def test_cancel_while_leading_stops_the_app_before_release() -> None:
+    rig = Rig(acquire=[Win(7)], renew=[BLOCK], release=[OK], stop_hook=stop_taking(0.25))
+    async with rig.running() as task:
+        await rig.until_trace("2 renew 7")
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        assert rig.trace()[-5:] == ["2 publish standby", "2 stop start", "2.25 stop done", "2.25 release 7",
+                                    "2.25 publish released"]
+
+
+async def test_an_app_not_confirmed_stopped_is_never_released() -> None:
+    """Past the stop bound the lock is left to expire: a release would let another lead beside it."""
+    rig = Rig(acquire=[Win(7), BLOCK], release=[], stop_hook=stop_taking(60), stop_timeout=1.5)
+    async with rig.running():
+        await rig.until(1)
+        rig.elector.request_step_down("asked")
+        await rig.until_trace("1 publish standby")
+        await rig.until(2.75)
+        assert rig.backend.ops("release") == []
+        assert rig.elector.unconfirmed_stops == 1
+        assert rig.elector.status.role is Role.STANDBY
+        await rig.until_trace("8.5 acquire")  # campaigns again only once the lease has run out
+        assert rig.backend.ops("release") == []
+
+
+async def test_a_loss_while_the_acquisition_returns_is_never_acted_on() -> None:
+    rig: Rig
+
+    def win_then_lose(_call: object) -> Win:
+        rig.backend.fire_loss("connection dropped")
+        return Win(9)
+
+    rig = Rig(acquire=[win_then_lose, BLOCK], release=[OK])
+    async with rig.running():
+        await rig.until_trace("0 release 9")
+        assert all(s.role is not Role.LEADER for s in rig.statuses)
+        assert rig.elector.status.reason == "stepped down: lock lost: connection dropped"
+
+
+async def test_a_takeover_of_an_unreleased_term_waits_before_acting() -> None:
+    rig = Rig(acquire=[Win(7, acting_in=3.0)], renew=[RENEWED, BLOCK], release=[OK])
+    async with rig.running():
+        await rig.until(2.5)
+        assert rig.elector.acting_term() is None
+        assert rig.elector.status.role is Role.STANDBY
+        assert rig.elector.status.reason.startswith("taking over: the previous holder did not release")
+        assert rig.trace() == ["0 acquire", "0 publish standby", "2 renew 7"]
+        await settle(lambda: rig.elector.is_ready_leader())
+        assert rig.now == 3.0

@@ -92,6 +92,7 @@ def sidecar_env(spec: GroupSpec) -> list[dict[str, Any]]:
     env: list[dict[str, Any]] = [
         {"name": contract.ENV_GROUP, "value": spec.name},
         {"name": contract.ENV_BACKEND, "value": spec.backend},
+        {"name": contract.ENV_LOCK_KEY, "value": contract.lock_key(spec.name, spec.namespace)},
         _field_env(contract.ENV_NAMESPACE, "metadata.namespace"),
         _field_env(contract.ENV_POD_NAME, "metadata.name"),
         _field_env(contract.ENV_POD_UID, "metadata.uid"),

@@ -1,8 +1,8 @@
 """The sidecar process: builds the parts from a validated config, runs them under one
 owner, and shuts them down in order.
 
-Order at shutdown (SIGTERM, pod deletion, or a drain request): the elector drains and
-releases; then the gate is stopped, the pod's final status written, the HTTP servers
+Order at shutdown (SIGTERM, pod deletion, or a drain request): the elector drains, stops
+the app and only then releases; then the gate's task is stopped, the pod's final status written, the HTTP servers
 closed, the backend and the API client closed.
 """
 
@@ -24,7 +24,7 @@ from singleton_sidecar import contract
 from singleton_sidecar.config import SidecarConfig, describe
 from singleton_sidecar.core.elector import Elector
 from singleton_sidecar.core.identity import make_identity
-from singleton_sidecar.core.lock import LockBackend
+from singleton_sidecar.core.lock import BackendMisconfigured, LockBackend
 from singleton_sidecar.gate import ExecGate, FileGate
 from singleton_sidecar.http import control_app, probe_app
 from singleton_sidecar.kube import KubeClient, load_kube_config
@@ -34,6 +34,9 @@ from singleton_sidecar.podstatus import PodReporter
 log = logging.getLogger(__name__)
 
 FINAL_STATUS_TIMEOUT = 3.0
+STOP_SLACK = 2.0
+"""Seconds beyond the kill grace that a gate may take to confirm the app stopped (reaping,
+gate.sh's polling) before the elector gives up on releasing and lets the lock expire."""
 
 
 def build_backend(config: SidecarConfig, kube: KubeClient | None) -> LockBackend:
@@ -74,24 +77,35 @@ class Sidecar:
         return f"<Sidecar group={self.config.group} identity={self.identity}>"
 
     def _drain_hook(self, gate: ExecGate | FileGate | None,
-                    reporter: PodReporter | None) -> Callable[[], Awaitable[None]]:
+                    reporter: PodReporter | None) -> Callable[[bool], Awaitable[None]]:
         drain_url = self.config.drain_url
         wait_container = self.config.drain_wait_container
 
-        async def drain() -> None:
+        async def drain(final: bool) -> None:
             if drain_url is not None:
-                async with aiohttp.ClientSession() as session, session.post(drain_url) as response:
-                    if response.status >= 300:
-                        log.warning("drain hook %s answered %s; waiting for the drain timeout", drain_url,
-                                    response.status)
-                        await asyncio.Event().wait()
+                await self._ask_app_to_drain(drain_url)
             if gate is not None:
                 await gate.wait_stopped()
-            if wait_container is not None and reporter is not None:
+            if final and wait_container is not None and reporter is not None:
+                # Only when the pod goes away: on a step-down the main container keeps running.
                 log.info("draining: waiting for container %s to stop", wait_container)
                 await reporter.wait_container_stopped(wait_container)
 
         return drain
+
+    @staticmethod
+    async def _ask_app_to_drain(drain_url: str) -> None:
+        """POST the drain hook; a 2xx answer means the app has drained. A refused connection
+        (the app closed its listener on SIGTERM) or an error answer does not end the drain:
+        the gate and the main container are still waited for, up to the drain timeout."""
+        try:
+            async with aiohttp.ClientSession() as session, session.post(drain_url) as response:
+                if response.status < 300:
+                    return
+                log.warning("drain hook %s answered %s; waiting for the drain timeout", drain_url, response.status)
+        except (aiohttp.ClientError, OSError) as exc:
+            log.warning("drain hook %s failed: %r; waiting for the gate and the drain timeout", drain_url, exc)
+        await asyncio.Event().wait()
 
     async def run(self) -> int:
         config = self.config
@@ -106,12 +120,8 @@ class Sidecar:
             gate = ExecGate(config.exec_command, kill_grace=config.kill_grace,
                             env={contract.ENV_GROUP: config.group, contract.ENV_FENCE_KEY: config.lock_key})
         elif config.gate_dir is not None:
-            gate = FileGate(
-                config.gate_dir,
-                remaining=lambda: elector.remaining(),  # noqa: PLW0108 - elector is bound below
-                wall_clock=self.wall_clock,
-                refresh=config.timings.retry_period / 2,
-            )
+            gate = FileGate(config.gate_dir, kill_grace=config.kill_grace,
+                            on_app_stopping=lambda: elector.request_step_down("the main container is stopping"))
             gate.install()
         reporter: PodReporter | None = None
         if config.in_kubernetes and kube is not None:
@@ -123,10 +133,12 @@ class Sidecar:
                                    on_hold=lambda seconds: elector.request_hold(seconds))  # noqa: PLW0108
         elector = Elector(group=config.group, identity=self.identity, backend=backend, timings=config.timings,
                           wall_clock=self.wall_clock, drain_hook=self._drain_hook(gate, reporter),
-                          drain_timeout=config.drain_timeout, on_renew=metrics.on_renew)
+                          drain_timeout=config.drain_timeout, stop_hook=gate.stop if gate is not None else None,
+                          stop_timeout=config.kill_grace + STOP_SLACK, on_renew=metrics.on_renew)
         elector.add_listener(metrics.on_status)
         if gate is not None:
             elector.add_listener(gate.on_status)
+            elector.add_deadline_listener(gate.on_deadline)
         if reporter is not None:
             elector.add_listener(reporter.on_status)
             # Now, so a standby's pod says "standby" before its first lock wait ends.
@@ -143,7 +155,11 @@ class Sidecar:
             await web.TCPSite(probe, config.listen.host, config.listen.port).start()
             await web.TCPSite(control, config.control_listen.host, config.control_listen.port).start()
             log.info("serving probes on %s, control on %s", config.listen, config.control_listen)
-            await self._run_parts(elector, gate, reporter)
+            try:
+                await self._run_parts(elector, gate, reporter)
+            except* BackendMisconfigured as group:
+                # Not retried: the CLI exits 2 with the message (what to change).
+                raise group.exceptions[0] from None
         finally:
             for signum in (signal.SIGTERM, signal.SIGINT):
                 loop.remove_signal_handler(signum)

@@ -79,6 +79,7 @@ def main(argv: list[str] | None = None) -> int:  # noqa: PLR0911 - one exit per 
         print(f"{PROG}: error: {exc}", file=sys.stderr)
         return 2
     from singleton_sidecar.app import Sidecar
+    from singleton_sidecar.core.lock import BackendMisconfigured
     from singleton_sidecar.kube import KubeConfigError
     from singleton_sidecar.logs import setup_logging
 
@@ -87,6 +88,9 @@ def main(argv: list[str] | None = None) -> int:  # noqa: PLR0911 - one exit per 
         return asyncio.run(Sidecar(config).run())
     except KubeConfigError as exc:
         print(f"{PROG}: error: Kubernetes access: {exc}", file=sys.stderr)
+        return 2
+    except BackendMisconfigured as exc:
+        print(f"{PROG}: error: {exc}", file=sys.stderr)
         return 2
     except OSError as exc:
         print(f"{PROG}: error: {exc.strerror or exc} (listen addresses: {config.listen}, {config.control_listen})",

@@ -50,6 +50,9 @@ class SidecarConfig:
     """PostgreSQL connection string (secret: never logged)."""
     namespace: str | None = None
     """Namespace of the pod and the Lease; None outside Kubernetes."""
+    lock_key: str = ""
+    """The group's key in PostgreSQL (lock and fence rows), the same on every replica wherever
+    it runs: ``SINGLETON_LOCK_KEY``, else ``<namespace>/<group>``; required with PostgreSQL."""
     pod_name: str | None = None
     """This pod's name (downward API); enables pod annotations, labels and events."""
     pod_uid: str | None = None
@@ -83,11 +86,6 @@ class SidecarConfig:
     def in_kubernetes(self) -> bool:
         return self.pod_name is not None and self.namespace is not None
 
-    @property
-    def lock_key(self) -> str:
-        """The group's key in PostgreSQL (lock and fence rows): see ``contract.lock_key``."""
-        return contract.lock_key(self.group, self.namespace)
-
 
 _SETTINGS: dict[str, tuple[str, str]] = {
     # dest: (flag, environment variable)
@@ -97,6 +95,7 @@ _SETTINGS: dict[str, tuple[str, str]] = {
     "postgres_dsn": ("--postgres-dsn", contract.ENV_POSTGRES_DSN),
     "postgres_dsn_file": ("--postgres-dsn-file", contract.ENV_POSTGRES_DSN_FILE),
     "namespace": ("--namespace", contract.ENV_NAMESPACE),
+    "lock_key": ("--lock-key", contract.ENV_LOCK_KEY),
     "pod_name": ("--pod-name", contract.ENV_POD_NAME),
     "pod_uid": ("--pod-uid", contract.ENV_POD_UID),
     "listen": ("--listen", contract.ENV_LISTEN),
@@ -122,6 +121,8 @@ _HELP = {
     "postgres_dsn": "PostgreSQL DSN (postgres and both backends)",
     "postgres_dsn_file": "file holding the PostgreSQL DSN (for a mounted Secret)",
     "namespace": "namespace of this pod and of the Lease",
+    "lock_key": ("key of the group's PostgreSQL lock and fence, the same on every replica wherever it runs "
+                 "(default <namespace>/<group>; required outside Kubernetes with postgres and both)"),
     "pod_name": "this pod's name (downward API: metadata.name)",
     "pod_uid": "this pod's UID (downward API: metadata.uid)",
     "listen": "host:port for /readyz /livez /leader /metrics (default 0.0.0.0:8080)",
@@ -239,6 +240,16 @@ def load_config(args: argparse.Namespace, environ: Mapping[str, str]) -> Sidecar
     if pod_name and not namespace:
         raise ConfigError(f"{label('namespace')}: required when the pod name is given")
 
+    lock_key = raw.get("lock_key") or (contract.lock_key(group, namespace) if namespace else "")
+    if backend in ("postgres", "both") and not lock_key:
+        raise ConfigError(
+            f"{label('lock_key')}: required with backend {backend} outside Kubernetes: the key of the group's lock "
+            f"and fence, the same on every replica wherever it runs (in a cluster the operator sets "
+            f"<namespace>/<group>, e.g. default/{group})")
+    if len(lock_key) > 253 or not lock_key.isprintable() or lock_key != lock_key.strip():
+        raise ConfigError(f"{label('lock_key')}: must be 1 to 253 printable characters without surrounding "
+                          f"spaces, got {lock_key!r}")
+
     timings_kwargs = {}
     for dest in ("lease_duration", "renew_deadline", "retry_period"):
         if dest in raw:
@@ -285,6 +296,7 @@ def load_config(args: argparse.Namespace, environ: Mapping[str, str]) -> Sidecar
         identity=identity,
         postgres_dsn=dsn,
         namespace=namespace,
+        lock_key=lock_key,
         pod_name=pod_name,
         pod_uid=raw.get("pod_uid") or None,
         listen=_listen(label("listen"), raw["listen"]) if "listen" in raw else SidecarConfig.listen,
@@ -308,6 +320,7 @@ def describe(config: SidecarConfig) -> dict[str, object]:
     """The configuration as logged at start: no secrets."""
     return {
         "group": config.group, "backend": config.backend, "namespace": config.namespace,
+        "lock_key": config.lock_key,
         "pod": config.pod_name, "listen": str(config.listen), "control_listen": str(config.control_listen),
         "lease_duration": config.timings.lease_duration, "renew_deadline": config.timings.renew_deadline,
         "retry_period": config.timings.retry_period, "drain_timeout": config.drain_timeout,

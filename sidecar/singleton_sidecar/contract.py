@@ -41,11 +41,12 @@ ROLE_DRAINING: Final = "draining"
 ROLE_RELEASED: Final = "released"
 
 
-def lock_key(group: str, namespace: str | None) -> str:
-    """The key of a group's lock and fence rows in PostgreSQL: ``<namespace>/<group>`` in a
-    cluster, the bare group name outside one. Qualified by namespace so that same-named
-    groups in two namespaces that share a database never meet."""
-    return f"{namespace}/{group}" if namespace else group
+def lock_key(group: str, namespace: str) -> str:
+    """The key of a group's lock and fence rows in PostgreSQL: ``<namespace>/<group>``, set
+    explicitly on every replica (``SINGLETON_LOCK_KEY``; the operator sets it on its pods),
+    so a replica on a VM and one in a pod of the same group take the same lock. Qualified by
+    namespace so that same-named groups in two namespaces that share a database never meet."""
+    return f"{namespace}/{group}"
 
 
 # Set by the exec gate for the gated process: the key to pass to ``fencing.fence``.
@@ -58,6 +59,7 @@ ENV_BACKEND: Final = "SINGLETON_BACKEND"
 ENV_POSTGRES_DSN: Final = "SINGLETON_POSTGRES_DSN"
 ENV_POSTGRES_DSN_FILE: Final = "SINGLETON_POSTGRES_DSN_FILE"
 ENV_NAMESPACE: Final = "SINGLETON_NAMESPACE"
+ENV_LOCK_KEY: Final = "SINGLETON_LOCK_KEY"
 ENV_POD_NAME: Final = "SINGLETON_POD_NAME"
 ENV_POD_UID: Final = "SINGLETON_POD_UID"
 ENV_LISTEN: Final = "SINGLETON_LISTEN"

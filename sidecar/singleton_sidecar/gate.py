@@ -1,24 +1,30 @@
 """Gating work, not just traffic: the exec gate and the file gate.
 
-The exec gate runs the app as a child of the sidecar, only while this replica leads.
-On loss of leadership it is sent SIGTERM at once (inside the election listener, before
-any other I/O) and SIGKILL after ``kill_grace``; it dies with the sidecar
-(``PR_SET_PDEATHSIG``), so a crashed sidecar never leaves it running.
+Both carry the term's deadline themselves, so a sidecar that stalls (SIGSTOP of the sidecar
+alone, a long GC pause, CPU starvation) cannot keep the app acting past it:
 
-The file gate serves main containers that cannot run our code: ``gate.sh`` (POSIX sh)
-wraps the app's command in the main container and follows a flag file that the sidecar
-keeps in a shared ``emptyDir``. The flag carries an expiry (the renew deadline in wall
-seconds of this node), so if the sidecar dies the app is stopped by the deadline.
+- The exec gate runs the app under a keeper (``singleton_sidecar.keeper``), a small process
+  that holds the app in a process group of its own, follows the deadline the sidecar sends on
+  every renewal, stops the whole group when it passes (SIGTERM, SIGKILL ``kill_grace`` later)
+  and kills it at once if the sidecar dies. "Stopped" means the keeper has exited: the whole
+  group is gone.
+- The file gate serves main containers that cannot run our code: ``gate.sh`` (POSIX sh)
+  wraps the app's command in the main container and follows a flag file the sidecar keeps
+  in a shared ``emptyDir``, rewritten on every renewal. The flag carries the deadline on the
+  node's boot-time clock in centiseconds (what ``/proc/uptime`` shows in every container of
+  the node) and the kill grace. "Stopped" means ``gate.sh`` acknowledged the sidecar's latest
+  stop request in ``idle``.
 """
 
 from __future__ import annotations
 
 import asyncio
-import contextlib
-import ctypes
 import logging
+import math
 import os
-import signal
+import secrets
+import sys
+import time
 from collections.abc import Callable
 from importlib import resources
 from pathlib import Path
@@ -27,44 +33,61 @@ from singleton_sidecar.core.status import ElectionStatus, Role
 
 log = logging.getLogger(__name__)
 
-_PR_SET_PDEATHSIG = 1
 GATE_SCRIPT = "gate.sh"
-
-
-def _die_with_parent() -> None:
-    libc = ctypes.CDLL(None, use_errno=True)
-    libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
+KEEPER_SCRIPT = "keeper.py"
 
 
 class ExecGate:
-    """Runs ``command`` only while leading. Owned and run by ``app.Sidecar``."""
+    """Runs ``command`` under a keeper only while leading. Owned and run by ``app.Sidecar``."""
 
     def __init__(self, command: tuple[str, ...], *, kill_grace: float, env: dict[str, str]) -> None:
         self.command = command
         self.kill_grace = kill_grace
         self.env = env
         self._status: ElectionStatus | None = None
+        self._deadline = 0.0
         self._changed = asyncio.Event()
         self._proc: asyncio.subprocess.Process | None = None
+        self._control: int | None = None  # our end of the keeper's pipe
         self._exited = asyncio.Event()
         self._exited.set()
         self._reaper: asyncio.Future[int] | None = None
 
     def __repr__(self) -> str:
         pid = self._proc.pid if self._proc is not None else None
-        return f"<ExecGate command={self.command[0]!r} pid={pid}>"
+        return f"<ExecGate command={self.command[0]!r} keeper={pid}>"
 
     def on_status(self, status: ElectionStatus) -> None:
         self._status = status
-        if status.role is not Role.LEADER and self._proc is not None and self._proc.returncode is None:
-            # Synchronously, inside the listener: the app hears it before anything else happens.
-            with contextlib.suppress(ProcessLookupError):
-                self._proc.send_signal(signal.SIGTERM)
+        # Synchronously, inside the listener: the app hears it before anything else happens.
+        if status.role is Role.DRAINING:
+            self._tell(f"stop {math.inf}")  # SIGTERM; the drain timeout bounds the wait
+        elif status.role is not Role.LEADER:
+            self._tell(f"stop {self.kill_grace}")
         self._changed.set()
 
+    def on_deadline(self, deadline: float) -> None:
+        if deadline > 0:
+            self._deadline = deadline
+            self._tell(f"deadline {deadline}")
+
     async def wait_stopped(self) -> None:
-        """The drain hook: returns once the gated process has exited."""
+        """The drain step: returns once the keeper has exited (the app's group is gone)."""
         await self._exited.wait()
+
+    async def stop(self) -> None:
+        """The stop step: SIGTERM (if not sent), SIGKILL after ``kill_grace``, wait for the group."""
+        self._tell(f"stop {self.kill_grace}")
+        await self._exited.wait()
+
+    def _tell(self, line: str) -> None:
+        if self._control is None:
+            return
+        try:
+            os.write(self._control, f"{line}\n".encode())
+        except (BlockingIOError, BrokenPipeError):
+            # A keeper that does not read is stalled or gone: its own deadline stops the app.
+            log.warning("exec gate: the keeper did not take %r", line)
 
     async def run(self) -> None:
         try:
@@ -72,64 +95,84 @@ class ExecGate:
                 await self._changed.wait()
                 self._changed.clear()
                 status = self._status
-                if status is None:
-                    continue
-                if status.role is Role.LEADER and self._proc is None and status.token is not None:
+                if (status is not None and status.role is Role.LEADER and self._proc is None
+                        and status.token is not None):
                     await self._start(status)
-                elif status.role in (Role.STANDBY, Role.RELEASED) and self._proc is not None:
-                    await self._stop(grace=self.kill_grace)
         finally:
             if self._proc is not None:
-                await self._stop(grace=0)
+                self._tell("stop 0")
+                await self._exited.wait()
 
     async def _start(self, status: ElectionStatus) -> None:
         env = {**os.environ, **self.env, "SINGLETON_TOKEN": str(status.token),
                "SINGLETON_IDENTITY": status.identity}
-        self._proc = await asyncio.create_subprocess_exec(
-            *self.command, env=env, preexec_fn=_die_with_parent,
-        )
+        keeper = str(resources.files("singleton_sidecar").joinpath(KEEPER_SCRIPT))
+        read_end, write_end = os.pipe()
+        os.set_blocking(write_end, False)
+        try:
+            # No PR_SET_PDEATHSIG on the keeper: when we die it must live on for the moment it
+            # takes to kill the app (it sees its pipe close).
+            self._proc = await asyncio.create_subprocess_exec(
+                sys.executable, "-S", "-E", keeper, "--deadline", repr(self._deadline),
+                "--kill-grace", repr(self.kill_grace), "--control-fd", str(read_end), "--", *self.command,
+                env=env, pass_fds=(read_end,), stdin=asyncio.subprocess.DEVNULL,
+            )
+        except BaseException:
+            os.close(write_end)
+            raise
+        finally:
+            os.close(read_end)
+        self._control = write_end
         self._exited.clear()
-        log.info("gated process started pid=%s group=%s identity=%s token=%s",
+        log.info("gated process started keeper_pid=%s group=%s identity=%s token=%s",
                  self._proc.pid, status.group, status.identity, status.token)
         proc = self._proc
 
-        def reap(_: asyncio.Task[int]) -> None:
-            self._exited.set()
+        def reaped(task: asyncio.Task[int]) -> None:
+            os.close(write_end)
+            if self._control == write_end:
+                self._control = None
             if self._proc is proc:
                 self._proc = None
-                self._changed.set()  # restart it if we still lead
+            code = task.result() if not task.cancelled() and task.exception() is None else None
+            log.info("gated process stopped exit_code=%s group=%s", code, status.group)
+            self._exited.set()
+            self._changed.set()  # start it again if we still lead
 
         self._reaper = asyncio.ensure_future(proc.wait())
-        self._reaper.add_done_callback(reap)
+        self._reaper.add_done_callback(reaped)
 
-    async def _stop(self, *, grace: float) -> None:
-        proc = self._proc
-        if proc is None or proc.returncode is not None:
-            return
-        with contextlib.suppress(ProcessLookupError):
-            proc.send_signal(signal.SIGTERM)
-        try:
-            async with asyncio.timeout(grace):
-                await proc.wait()
-        except TimeoutError:
-            log.warning("gated process pid=%s ignored SIGTERM for %.1fs; killing it", proc.pid, grace)
-            with contextlib.suppress(ProcessLookupError):
-                proc.kill()
-            await proc.wait()
-        await self._exited.wait()
+
+def boot_centiseconds() -> int:
+    """Now on the node's boot-time clock in centiseconds: what ``/proc/uptime`` shows in every
+    container of the node, so ``gate.sh`` needs neither ``date`` nor a synchronised wall clock."""
+    return math.floor(time.clock_gettime(time.CLOCK_BOOTTIME) * 100)
 
 
 class FileGate:
-    """Keeps the flag files that ``gate.sh`` in the main container follows."""
+    """Keeps the files that ``gate.sh`` in the main container follows:
 
-    def __init__(self, directory: Path, *, remaining: Callable[[], float], wall_clock: Callable[[], float],
-                 refresh: float) -> None:
+    - ``leader``: ``<token> <deadline> <grace>`` while this replica may act; the deadline in
+      boot-time centiseconds (floored: the script stops early, never late), rewritten on every
+      renewal; the grace (centiseconds from SIGTERM to SIGKILL) is the sidecar's kill grace;
+    - ``draining``: the term is draining: let the app finish, do not kill it;
+    - ``stop``: a nonce, written after the flag is gone; ``gate.sh`` copies it into ``idle``
+      once no gated process runs, which is how the sidecar knows the app has stopped;
+    - ``draining.requested``: written by ``gate.sh`` when its own container is being stopped;
+      the sidecar then hands the term over (``on_app_stopping``) instead of holding it without an app.
+    """
+
+    def __init__(self, directory: Path, *, monotonic: Callable[[], float] = time.monotonic,
+                 kill_grace: float, poll: float = 0.05,
+                 on_app_stopping: Callable[[], None] | None = None) -> None:
         self.directory = directory
-        self._remaining = remaining
-        self._wall_clock = wall_clock
-        self.refresh = refresh
+        self._monotonic = monotonic
+        self.kill_grace = kill_grace
+        self.poll = poll
+        self._on_app_stopping = on_app_stopping
         self._status: ElectionStatus | None = None
-        self._changed = asyncio.Event()
+        self._deadline = 0.0
+        self._stop_nonce = ""
 
     def __repr__(self) -> str:
         return f"<FileGate directory={self.directory}>"
@@ -139,43 +182,76 @@ class FileGate:
         self.directory.mkdir(parents=True, exist_ok=True)
         script = resources.files("singleton_sidecar").joinpath(GATE_SCRIPT).read_text()
         target = self.directory / GATE_SCRIPT
-        target.write_text(script)
-        target.chmod(0o755)
-        for name in ("leader", "draining"):
+        tmp = self.directory / f"{GATE_SCRIPT}.tmp"
+        tmp.write_text(script)
+        tmp.chmod(0o755)
+        tmp.replace(target)
+        for name in ("leader", "draining", "draining.requested"):
             (self.directory / name).unlink(missing_ok=True)
+        self._request_stop()
 
     def on_status(self, status: ElectionStatus) -> None:
-        self._status = status
+        previous, self._status = self._status, status
         # Synchronously, inside the listener: the flag changes before any other I/O.
-        self._write(status)
-        self._changed.set()
+        self._write()
+        if status.role is not Role.LEADER and (previous is None or previous.role != status.role):
+            # After the flags: gate.sh acknowledges this nonce only once it saw them and no app runs.
+            self._request_stop()
 
-    def _write(self, status: ElectionStatus) -> None:
+    def on_deadline(self, deadline: float) -> None:
+        self._deadline = deadline
+        self._write()
+
+    def _write(self) -> None:
+        status = self._status
+        if status is None:
+            return
         draining = self.directory / "draining"
         if status.role is Role.DRAINING:
             draining.touch()
         else:
             draining.unlink(missing_ok=True)
-        remaining = self._remaining()
+        remaining = self._deadline - self._monotonic()
         if status.role in (Role.LEADER, Role.DRAINING) and remaining > 0 and status.token is not None:
-            expiry = int(self._wall_clock() + remaining)  # floor: the script stops early, never late
+            deadline = boot_centiseconds() + math.floor(remaining * 100)
+            grace = math.floor(self.kill_grace * 100)
             tmp = self.directory / "leader.tmp"
-            tmp.write_text(f"{status.token} {expiry}\n")
+            tmp.write_text(f"{status.token} {deadline} {grace}\n")
             tmp.replace(self.directory / "leader")
         else:
             (self.directory / "leader").unlink(missing_ok=True)
 
+    def _request_stop(self) -> None:
+        self._stop_nonce = secrets.token_hex(8)
+        tmp = self.directory / "stop.tmp"
+        tmp.write_text(f"{self._stop_nonce}\n")
+        tmp.replace(self.directory / "stop")
+
+    def _acknowledged(self) -> bool:
+        try:
+            return (self.directory / "idle").read_text().strip() == self._stop_nonce
+        except OSError:
+            return False
+
     async def wait_stopped(self) -> None:
-        """The drain hook: returns once gate.sh reports no gated process running."""
+        """Returns once ``gate.sh`` acknowledged that no gated process runs."""
         # Polled: the file is written by another container, so there is nothing to wait on.
-        while not (self.directory / "idle").exists():  # noqa: ASYNC110
-            await asyncio.sleep(0.05)
+        while not self._acknowledged():  # noqa: ASYNC110
+            await asyncio.sleep(self.poll)
+
+    async def stop(self) -> None:
+        """The stop step: the flag is gone (``gate.sh`` kills after the grace); wait for its word."""
+        await self.wait_stopped()
 
     async def run(self) -> None:
+        """Hand over when the main container is being stopped while this replica leads."""
+        requested = self.directory / "draining.requested"
         while True:
-            with contextlib.suppress(TimeoutError):
-                async with asyncio.timeout(self.refresh):
-                    await self._changed.wait()
-            self._changed.clear()
-            if self._status is not None:
-                self._write(self._status)
+            await asyncio.sleep(self.poll * 4)
+            if not requested.exists():
+                continue
+            requested.unlink(missing_ok=True)
+            status = self._status
+            if status is not None and status.role is Role.LEADER and self._on_app_stopping is not None:
+                log.info("file gate: the main container is stopping; handing the term over group=%s", status.group)
+                self._on_app_stopping()

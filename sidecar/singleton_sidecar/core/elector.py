@@ -1,15 +1,17 @@
-"""The elector: campaign, lead, renew until the deadline, drain, release.
+"""The elector: campaign, lead, renew until the deadline, end the term, release.
 
 Called by the sidecar app (``singleton_sidecar.app``), which gives it a backend, a
-clock and listeners. Rules (DESIGN.md, invariants S1-S3):
+clock, listeners and the two app hooks (drain, stop). Rules (invariants S1-S3):
 - a leader whose renewal has not succeeded within ``renew_deadline`` of the last good
   write steps down at once, without waiting for the lease to expire;
 - a backend that reports the held lock gone (a dropped database connection) makes the
-  leader step down at once;
-- stepping down publishes the new role to every listener (readiness, gate, pod
-  annotations) BEFORE any I/O, and only then tries to release the lock;
-- draining keeps the term renewed until the drain hook returns or the drain timeout
-  passes, and only then releases, in a ``finally`` that cannot be skipped.
+  leader step down at once, also while the acquisition is still in flight;
+- every term ends on one path (``core.ending``): publish the new role to every listener
+  (readiness, gate, pod annotations) before any I/O; stop the app and wait until it has
+  stopped; only then release the lock. Step-down, handover and drain first drain (the
+  term stays renewed while the app finishes, up to the drain timeout);
+- a term taken over from a holder that did not release (``Term.acting_from``) is held,
+  renewed, without acting until that holder's app is surely stopped.
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ from collections.abc import Awaitable, Callable
 from dataclasses import replace
 
 from singleton_sidecar.core.clock import Clock, SystemClock
+from singleton_sidecar.core.ending import Action, Decision, LeadState, decide
 from singleton_sidecar.core.lock import BackendUnavailable, Identity, LockBackend, LockRecord, Term
 from singleton_sidecar.core.status import ElectionStatus, Role
 from singleton_sidecar.core.timings import Timings
@@ -27,7 +30,12 @@ from singleton_sidecar.core.timings import Timings
 log = logging.getLogger(__name__)
 
 Listener = Callable[[ElectionStatus], None]
-DrainHook = Callable[[], Awaitable[None]]
+DeadlineListener = Callable[[float], None]
+DrainHook = Callable[[bool], Awaitable[None]]
+"""Asks the app to finish its in-flight work and returns once it has stopped. Called with
+True when the process is going away for good (pod deletion), False for a step-down."""
+StopHook = Callable[[], Awaitable[None]]
+"""Returns once the app has stopped, killing it if it must (the gate's own grace)."""
 RenewObserver = Callable[[float, bool], None]
 
 RELEASE_TIMEOUT = 2.0
@@ -46,6 +54,8 @@ class Elector:
         wall_clock: Callable[[], float],
         drain_hook: DrainHook | None = None,
         drain_timeout: float = 30.0,
+        stop_hook: StopHook | None = None,
+        stop_timeout: float = 5.0,
         on_renew: RenewObserver | None = None,
     ) -> None:
         self.group = group
@@ -56,8 +66,11 @@ class Elector:
         self._wall_clock = wall_clock
         self._drain_hook = drain_hook
         self.drain_timeout = drain_timeout
+        self._stop_hook = stop_hook
+        self.stop_timeout = stop_timeout
         self._on_renew = on_renew
         self._listeners: list[Listener] = []
+        self._deadline_listeners: list[DeadlineListener] = []
         self._wakeup = asyncio.Event()
         self._drain_requested = asyncio.Event()
         self._released = asyncio.Event()
@@ -66,7 +79,10 @@ class Elector:
         self._hold_until = 0.0
         self._hold_changed = asyncio.Event()
         self._deadline = 0.0
+        self._acting_from = 0.0
         self.last_progress = self.clock.monotonic()
+        self.unconfirmed_stops = 0
+        """Terms whose app was not confirmed stopped within ``stop_timeout`` (left unreleased)."""
         self._status = ElectionStatus(
             group=group, identity=identity, role=Role.STANDBY, term=None, leader=None,
             leader_token=None, leader_since=None, transitions=0, reason="starting",
@@ -106,6 +122,12 @@ class Elector:
     def add_listener(self, listener: Listener) -> None:
         self._listeners.append(listener)
 
+    def add_deadline_listener(self, listener: DeadlineListener) -> None:
+        """Called with the monotonic time until which the term may act, whenever it moves
+        (the term begins, each renewal, 0 when the term ends). Gates that carry their own
+        deadline (the exec gate's keeper, the file gate's flag) follow it."""
+        self._deadline_listeners.append(listener)
+
     # --- control -----------------------------------------------------------------------
 
     def request_drain(self) -> None:
@@ -116,8 +138,9 @@ class Elector:
         self._wakeup.set()
 
     def request_step_down(self, reason: str) -> None:
-        """Release the current term (if any) and campaign again after a lease duration."""
-        self._step_down_reason = reason
+        """Drain the current term (if any), release it, and campaign again after a lease duration."""
+        if self._step_down_reason is None:
+            self._step_down_reason = reason
         self._wakeup.set()
 
     def request_hold(self, seconds: float) -> None:
@@ -144,7 +167,8 @@ class Elector:
                     break
                 await self._lead(term)
         finally:
-            self._publish(role=Role.RELEASED, term=None, reason="released: no longer campaigning")
+            if self._status.role is not Role.RELEASED:
+                self._publish(role=Role.RELEASED, term=None, reason="released: no longer campaigning")
             self._released.set()
 
     async def _campaign(self) -> Term | None:
@@ -157,6 +181,8 @@ class Elector:
                 self._hold_changed.clear()
                 await self.clock.wait(self._hold_changed, min(hold, self.timings.retry_period))
                 continue
+            # A loss reported from here on belongs to the term this attempt may win.
+            self._lost_reason = None
             try:
                 result = await self._acquire_unless_held()
             except BackendUnavailable as exc:
@@ -205,67 +231,113 @@ class Elector:
     async def _lead(self, term: Term) -> None:
         timings = self.timings
         self._deadline = term.written_at + timings.renew_deadline
-        self._lost_reason = None
+        self._acting_from = term.acting_from
         self._step_down_reason = None
-        self._publish(role=Role.LEADER, term=term, leader_since=self._wall_clock(), reason="acquired the lock")
+        if self._lost_reason is not None:
+            pass  # lost while the acquisition was returning: never act on it
+        elif self._acting_from > self.clock.monotonic():
+            # Holding, not acting: the previous holder did not release and may still be stopping.
+            wait = self._acting_from - self.clock.monotonic()
+            self._publish(role=Role.STANDBY, term=None, reason=f"taking over: the previous holder did not "
+                          f"release; acting in {wait:.2f}s, once its app is surely stopped")
+        else:
+            self._begin_acting(term)
         next_renew = term.written_at + timings.retry_period
         drain_task: asyncio.Task[None] | None = None
-        released = False
+        decision = Decision(Action.FINISH, "stopped while leading", Role.STANDBY)
         try:
             while True:
                 now = self.clock.monotonic()
                 self.last_progress = now
-                reason = self._why_stop(now)
-                if reason is not None:
+                decision = decide(LeadState(
+                    now=now, deadline=self._deadline, lost_reason=self._lost_reason,
+                    drain_requested=self._drain_requested.is_set(), step_down_reason=self._step_down_reason,
+                    draining=drain_task is not None, drain_done=drain_task is not None and drain_task.done(),
+                ), timings)
+                if decision.action is Action.FINISH:
                     break
-                if self._drain_requested.is_set() and drain_task is None:
-                    self._publish(role=Role.DRAINING, term=term, reason="draining: finishing in-flight work")
-                    drain_task = asyncio.create_task(self._drain(), name=f"drain:{self.group}")
+                if self._status.role is Role.STANDBY:
+                    if decision.action is Action.DRAIN:
+                        # Asked to end a term that has not begun acting: nothing to drain.
+                        decision = Decision(Action.FINISH, decision.reason.replace("stepping down", "stepped down"),
+                                            Role.RELEASED if self._drain_requested.is_set() else Role.STANDBY,
+                                            timings.lease_duration)
+                        break
+                    if now >= self._acting_from:
+                        self._begin_acting(term)
+                if decision.action is Action.DRAIN:
+                    self._publish(role=Role.DRAINING, term=term, reason=decision.reason)
+                    final = self._drain_requested.is_set()
+                    drain_task = asyncio.create_task(self._drain(final=final), name=f"drain:{self.group}")
                     drain_task.add_done_callback(lambda _t: self._wakeup.set())
-                if drain_task is not None and drain_task.done():
-                    # Stop acting (gate, /leader, annotations) before the lock can pass on.
-                    self._publish(role=Role.RELEASED, term=None, reason="released: no longer campaigning")
-                    await self._release(term, "drained")
-                    released = True
-                    return
-                if self._step_down_reason is not None:
-                    # Publish first, release second, as on every step-down.
-                    self._publish(role=Role.STANDBY, term=None, reason=f"stepped down: {self._step_down_reason}")
-                    await self._release(term, self._step_down_reason)
-                    released = True
-                    await self.clock.wait(self._drain_requested, timings.lease_duration)
-                    return
-                if now < next_renew:
+                wake_at = min(next_renew, self._deadline)
+                if self._acting_from > now:
+                    wake_at = min(wake_at, self._acting_from)
+                if now < wake_at:
                     self._wakeup.clear()
-                    await self.clock.wait(self._wakeup, min(next_renew, self._deadline) - now)
+                    await self.clock.wait(self._wakeup, wake_at - now)
+                    continue
+                if now < next_renew:
                     continue
                 renewed, next_renew = await self._renew(term, now)
                 if renewed is None:
-                    reason = "lost the lock: another candidate holds it"
-                    break
+                    self._lost_reason = "lost the lock: another candidate holds it"
+                    continue
                 term = renewed
-            # Step down: publish first (gate closes, readiness drops), then release.
-            self._publish(role=Role.STANDBY, term=None, reason=f"stepped down: {reason}")
-            log.warning("stepped down group=%s identity=%s token=%s reason=%s",
-                        self.group, self.identity, term.token, reason)
-            await self._release(term, reason)
-            released = True
-            await self.clock.wait(self._drain_requested, timings.retry_period)
         finally:
-            if drain_task is not None and not drain_task.done():
-                drain_task.cancel()
-                await asyncio.gather(drain_task, return_exceptions=True)
-            if not released:
-                # Cancelled mid-term: stop acting first, then free the lock.
-                self._publish(role=Role.STANDBY, term=None, reason="stopped while leading")
-                await self._release(term, "stopped while leading")
+            if decision.action is not Action.FINISH:  # cancelled mid-term
+                decision = Decision(Action.FINISH, "stopped while leading", Role.STANDBY)
+            pause = await self._finish(term, decision, drain_task)
+        await self.clock.wait(self._drain_requested, pause)
 
-    def _why_stop(self, now: float) -> str | None:
-        if self._lost_reason is not None:
-            return self._lost_reason
-        if now >= self._deadline:
-            return f"no successful renewal within renew_deadline ({self.timings.renew_deadline:g}s)"
-        return None
+    def _begin_acting(self, term: Term) -> None:
+        self._publish(role=Role.LEADER, term=term, leader_since=self._wall_clock(), reason="acquired the lock")
+        self._tell_deadline(self._deadline)
+
+    async def _finish(self, term: Term, decision: Decision, drain_task: asyncio.Task[None] | None) -> float:
+        """The one end of every term: publish, stop the app, release. Returns the pause
+        before campaigning again."""
+        was_acting = self._status.role in (Role.LEADER, Role.DRAINING)
+        self._publish(role=decision.then, term=None, reason=decision.reason)
+        self._tell_deadline(0.0)
+        if drain_task is not None and not drain_task.done():
+            drain_task.cancel()
+            await asyncio.gather(drain_task, return_exceptions=True)
+        if decision.then is Role.STANDBY:
+            log.warning("stepped down group=%s identity=%s token=%s reason=%s",
+                        self.group, self.identity, term.token, decision.reason)
+        if not was_acting or await self._stop_app():
+            await self._release(term, decision.reason)
+            return decision.pause
+        # Never release while the app may still act: the lock frees by itself at expiry.
+        self.unconfirmed_stops += 1
+        log.error("app not confirmed stopped within %gs group=%s identity=%s token=%s: not releasing; "
+                  "the lock frees by itself when its lease expires", self.stop_timeout, self.group,
+                  self.identity, term.token)
+        return max(decision.pause, self.timings.lease_duration)
+
+    async def _stop_app(self) -> bool:
+        """Wait (bounded) until the app has stopped; True once it has."""
+        if self._stop_hook is None:
+            return True
+        started = self.clock.monotonic()
+        stopping = asyncio.ensure_future(self._stop_hook())
+        finished = asyncio.Event()
+        stopping.add_done_callback(lambda _t: finished.set())
+        try:
+            await self.clock.wait(finished, self.stop_timeout)
+        finally:
+            if not stopping.done():
+                stopping.cancel()
+            (outcome,) = await asyncio.gather(stopping, return_exceptions=True)
+        if not finished.is_set() or isinstance(outcome, BaseException):
+            if isinstance(outcome, Exception):
+                log.error("stopping the app failed group=%s identity=%s", self.group, self.identity,
+                          exc_info=outcome)
+            return False
+        log.info("app stopped group=%s identity=%s seconds=%.3f", self.group, self.identity,
+                 self.clock.monotonic() - started)
+        return True
 
     async def _renew(self, term: Term, now: float) -> tuple[Term | None, float]:
         """One renewal attempt. Returns (new term or None if lost, next renewal time)."""
@@ -283,7 +355,9 @@ class Elector:
         if renewed is None:
             return None, now
         self._deadline = renewed.written_at + timings.renew_deadline
-        self._status = replace(self._status, term=renewed)
+        if self._status.term is not None:
+            self._status = replace(self._status, term=renewed)
+            self._tell_deadline(self._deadline)
         log.debug("renewed group=%s identity=%s token=%s", self.group, self.identity, renewed.token)
         return renewed, renewed.written_at + timings.retry_period
 
@@ -291,26 +365,33 @@ class Elector:
         if self._on_renew is not None:
             self._on_renew(self.clock.monotonic() - started, ok)
 
-    async def _drain(self) -> None:
+    def _tell_deadline(self, deadline: float) -> None:
+        for listener in list(self._deadline_listeners):
+            try:
+                listener(deadline)
+            except Exception:
+                log.exception("deadline listener %r failed group=%s", listener, self.group)
+
+    async def _drain(self, *, final: bool) -> None:
         if self._drain_hook is None:
             return
         # Timed on the injected clock, like every other deadline of the core.
         try:
-            hook = asyncio.ensure_future(self._drain_hook())
+            hook = asyncio.ensure_future(self._drain_hook(final))
         except Exception:
-            log.exception("drain hook failed group=%s identity=%s; releasing", self.group, self.identity)
+            log.exception("drain hook failed group=%s identity=%s", self.group, self.identity)
             return
         finished = asyncio.Event()
         hook.add_done_callback(lambda _t: finished.set())
         try:
             if not await self.clock.wait(finished, self.drain_timeout):
-                log.warning("drain timeout (%gs) passed group=%s identity=%s; releasing anyway",
+                log.warning("drain timeout (%gs) passed group=%s identity=%s; stopping the app",
                             self.drain_timeout, self.group, self.identity)
         finally:
             hook.cancel()
             (outcome,) = await asyncio.gather(hook, return_exceptions=True)
         if isinstance(outcome, Exception):
-            log.error("drain hook failed group=%s identity=%s; releasing", self.group, self.identity,
+            log.error("drain hook failed group=%s identity=%s; stopping the app", self.group, self.identity,
                       exc_info=outcome)
 
     async def _release(self, term: Term, reason: str) -> None:
@@ -323,11 +404,13 @@ class Elector:
                         self.group, self.identity, term.token, exc)
 
     def _on_lock_lost(self, reason: str) -> None:
+        # Recorded whatever the role: a loss may arrive while the acquisition that won the
+        # term is still returning; ``_campaign`` clears it before each attempt.
+        self._lost_reason = f"lock lost: {reason}"
         if self._status.role in (Role.LEADER, Role.DRAINING):
-            self._lost_reason = f"lock lost: {reason}"
             # Stop acting now, not when the loop next runs.
             self._deadline = self.clock.monotonic()
-            self._wakeup.set()
+        self._wakeup.set()
 
     # --- publishing --------------------------------------------------------------------
 

@@ -68,6 +68,10 @@ class Term:
     token: Token
     version: str = ""
     written_at: float = 0.0
+    acting_from: float = 0.0
+    """Local monotonic time from which the term may act. A backend that takes over a term its
+    holder did not release (a crash, a dropped session) sets it to when that holder's app
+    is surely stopped; the elector holds the term, renewed, without acting until then."""
 
 
 LossCallback = Callable[[str], None]

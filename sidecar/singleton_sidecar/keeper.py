@@ -1,0 +1,176 @@
+"""The exec gate's keeper: runs the app in a process group of its own and stops it on time,
+even when the sidecar cannot.
+
+The sidecar starts one keeper per term (``gate.ExecGate``) and talks to it over a pipe:
+
+    deadline <t>   the term may act until monotonic time <t> (sent on every renewal)
+    stop <g>       stop now: SIGTERM to the whole group, SIGKILL <g> seconds later ("inf": no kill)
+
+The keeper needs nothing of the sidecar to enforce that: when the deadline passes without an
+extension (the sidecar is stopped, starved or paused) it sends SIGTERM to the group and
+SIGKILL ``--kill-grace`` later; when the pipe closes (the sidecar died) it sends SIGKILL at
+once. It is a child subreaper, so descendants that outlive their parents are reparented to
+it and reaped; it exits only once the whole group is gone, with the app's exit status. The
+sidecar's "the app has stopped" is the keeper's exit.
+
+Standard library only, started with ``python -S -E``: it is small and starts in milliseconds.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import ctypes
+import math
+import os
+import select
+import signal
+import subprocess
+import sys
+import time
+
+_PR_SET_PDEATHSIG = 1
+_PR_SET_CHILD_SUBREAPER = 36
+
+
+def _prctl(option: int, value: int) -> None:
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.prctl(option, value)
+
+
+def _die_with_keeper() -> None:
+    _prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
+
+
+class Keeper:
+    def __init__(self, command: list[str], *, deadline: float, kill_grace: float, control_fd: int) -> None:
+        self.command = command
+        self.deadline = deadline
+        self.kill_grace = kill_grace
+        self.control_fd = control_fd
+        self.stopping = False
+        self.kill_at = math.inf
+        self.app_pid = 0
+        self.app_status: int | None = None
+        self._termed: set[int] = set()
+        self._buffer = b""
+
+    def run(self) -> int:
+        _prctl(_PR_SET_CHILD_SUBREAPER, 1)
+        wake_r, wake_w = os.pipe()
+        os.set_blocking(wake_w, False)
+        signal.set_wakeup_fd(wake_w)
+        signal.signal(signal.SIGCHLD, lambda *_: None)
+        # A stray SIGTERM (to the sidecar's whole process group) must not orphan the app: stop it.
+        signal.signal(signal.SIGTERM, lambda *_: self.stop(self.kill_grace))
+        # preexec_fn is safe here: the keeper runs no threads.
+        app = subprocess.Popen(self.command, start_new_session=True, preexec_fn=_die_with_keeper)  # noqa: PLW1509
+        self.app_pid = app.pid
+        control_open = True
+        while True:
+            self._reap()
+            left = self._left()
+            if self.app_status is not None:
+                if not left:
+                    return self.app_status
+                if not self.stopping:
+                    self.stop(self.kill_grace)  # the app exited; what it left behind goes too
+            now = time.monotonic()
+            if not self.stopping and now >= self.deadline:
+                print(f"keeper: no renewal before the term's deadline; stopping process group {self.app_pid}",
+                      file=sys.stderr, flush=True)
+                self.stop(self.kill_grace, at=self.deadline)
+            if self.stopping:
+                self._signal(left, signal.SIGKILL if now >= self.kill_at else signal.SIGTERM)
+            wake_at = self.kill_at if self.stopping else self.deadline
+            timeout = None if wake_at == math.inf else max(wake_at - now, 0.0)
+            if self.stopping and (timeout is None or now >= self.kill_at):
+                timeout = 0.02  # waiting for the dead to be reaped (a grandchild's exit sends us nothing)
+            watched = [wake_r, self.control_fd] if control_open else [wake_r]
+            readable, _, _ = select.select(watched, [], [], timeout)
+            if wake_r in readable:
+                with contextlib.suppress(BlockingIOError):
+                    os.read(wake_r, 4096)
+            if control_open and self.control_fd in readable and not self._read_control():
+                # The sidecar is gone (crashed, killed): nobody renews any more. Kill at once.
+                control_open = False
+                self.stop(0.0)
+
+    def stop(self, grace: float, *, at: float | None = None) -> None:
+        self.stopping = True
+        self.kill_at = min(self.kill_at, (time.monotonic() if at is None else at) + grace)
+
+    def _read_control(self) -> bool:
+        """Apply what the sidecar wrote; False once the pipe is closed."""
+        try:
+            data = os.read(self.control_fd, 4096)
+        except InterruptedError:
+            return True
+        except OSError:
+            return False
+        if not data:
+            return False
+        self._buffer += data
+        while b"\n" in self._buffer:
+            line, self._buffer = self._buffer.split(b"\n", 1)
+            verb, _, value = line.decode().partition(" ")
+            if verb == "deadline":
+                self.deadline = float(value)
+            elif verb == "stop":
+                self.stop(float(value))
+        return True
+
+    def _left(self) -> list[int]:
+        """The processes still to stop: the app's group and every child of ours (descendants
+        that left the group and were reparented to us), zombies excluded."""
+        me, found = str(os.getpid()), []
+        for entry in os.listdir("/proc"):
+            if not entry.isdigit():
+                continue
+            try:
+                with open(f"/proc/{entry}/stat") as stat:
+                    fields = stat.read().rsplit(")", 1)[1].split()
+            except OSError:
+                continue  # gone meanwhile
+            state, ppid, pgrp = fields[0], fields[1], int(fields[2])
+            if state != "Z" and (ppid == me or pgrp == self.app_pid):
+                found.append(int(entry))
+        return found
+
+    def _signal(self, pids: list[int], signum: int) -> None:
+        for pid in pids:
+            if signum == signal.SIGTERM:
+                if pid in self._termed:
+                    continue
+                self._termed.add(pid)
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.kill(pid, signum)
+
+    def _reap(self) -> None:
+        while True:
+            try:
+                pid, status = os.waitpid(-1, os.WNOHANG)
+            except ChildProcessError:
+                return
+            if pid == 0:
+                return
+            if pid == self.app_pid:
+                code = os.waitstatus_to_exitcode(status)
+                self.app_status = code if code >= 0 else 128 - code
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="singleton-keeper", description=__doc__.splitlines()[0])
+    parser.add_argument("--deadline", type=float, required=True, help="monotonic time the term may act until")
+    parser.add_argument("--kill-grace", type=float, required=True, help="seconds from SIGTERM to SIGKILL")
+    parser.add_argument("--control-fd", type=int, required=True, help="the pipe the sidecar writes to")
+    parser.add_argument("command", nargs=argparse.REMAINDER)
+    args = parser.parse_args(argv)
+    command = args.command[1:] if args.command[:1] == ["--"] else args.command
+    if not command:
+        parser.error("a command is required after --")
+    return Keeper(command, deadline=args.deadline, kill_grace=args.kill_grace, control_fd=args.control_fd).run()
+
+
+if __name__ == "__main__":
+    sys.exit(main())
