@@ -36,6 +36,9 @@ class SidecarProcess:
     def start(self) -> SidecarProcess:
         env = {**os.environ, **self.env, "SINGLETON_LISTEN": f"127.0.0.1:{self.port}",
                "SINGLETON_CONTROL_LISTEN": f"127.0.0.1:{self.control_port}", "SINGLETON_LOG_FORMAT": "text"}
+        if "SINGLETON_NAMESPACE" not in env and "SINGLETON_GROUP" in env:
+            # Outside Kubernetes the PostgreSQL lock key is given, as on a VM.
+            env.setdefault("SINGLETON_LOCK_KEY", f"local/{env['SINGLETON_GROUP']}")
         argv = [sys.executable, "-m", "singleton_sidecar.cli", "run"]
         if self.command:
             argv += ["--", *self.command]
@@ -78,9 +81,18 @@ class SidecarProcess:
             return exc.code, exc.read().decode()
 
     def signal(self, signum: int) -> None:
+        """Signal the whole "pod": the sidecar's process group and the groups of everything it
+        started (the exec gate's app runs in a group of its own), as a cgroup freeze or kill would."""
+        assert self.popen is not None
+        for pgid in [self.popen.pid, *process_groups_below(self.popen.pid)]:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(pgid, signum)
+
+    def signal_sidecar_only(self, signum: int) -> None:
+        """Signal the sidecar process alone (a GC pause, CPU starvation): its app and keeper run on."""
         assert self.popen is not None
         with contextlib.suppress(ProcessLookupError):
-            os.killpg(self.popen.pid, signum)
+            os.kill(self.popen.pid, signum)
 
     def alive(self) -> bool:
         return self.popen is not None and self.popen.poll() is None
@@ -103,6 +115,29 @@ class SidecarProcess:
 
     def log(self) -> str:
         return self.log_path.read_text(errors="replace") if self.log_path.exists() else ""
+
+
+def process_groups_below(root: int) -> list[int]:
+    """The process groups of ``root``'s descendants other than its own, parents first."""
+    parents: dict[int, tuple[int, int]] = {}
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                with open(f"/proc/{entry}/stat") as stat:
+                    fields = stat.read().rsplit(")", 1)[1].split()
+            except OSError:
+                continue
+            parents[int(entry)] = (int(fields[1]), int(fields[2]))
+    found: list[int] = []
+    frontier = [root]
+    while frontier:
+        parent = frontier.pop(0)
+        for pid, (ppid, pgid) in parents.items():
+            if ppid == parent:
+                frontier.append(pid)
+                if pgid != root and pgid not in found:
+                    found.append(pgid)
+    return found
 
 
 def wait_for(predicate: Any, timeout: float, what: str, interval: float = 0.01) -> Any:
@@ -159,9 +194,13 @@ async def pause_leader_past_its_lease(members: Sequence[S], pg_dsn: str, group: 
     # On waking, the old leader knows its deadline passed: it says so before anything else.
     doc = await asyncio.to_thread(wait_for, leader.leader_doc, 3, "the old leader to answer")
     assert doc["isLeader"] is False
-    await asyncio.sleep(1.0)
+    # The new leader's app writes once it has started (keeper, interpreter, connection): wait for it.
+    deadline = time.monotonic() + 10
     report = await check_ledger(pg_dsn, group)
+    while len(report.terms) < 2 and time.monotonic() < deadline:
+        await asyncio.sleep(0.2)
+        report = await check_ledger(pg_dsn, group)
+    assert len(report.terms) >= 2, report.summary()
     assert not report.overlaps, report.overlaps
     assert not report.regressions
-    assert len(report.terms) >= 2
     return leader, old

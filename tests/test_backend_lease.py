@@ -4,19 +4,22 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import re
 import time
 from collections.abc import AsyncGenerator, AsyncIterator, Callable, Mapping
+from pathlib import Path
 from typing import Any
 
 import pytest
 import pytest_asyncio
 
 from singleton_sidecar.backends.lease import LeaseBackend, micro_time
-from singleton_sidecar.contract import LEASE_ANNOTATION_TOKEN
+from singleton_sidecar.contract import ANNOTATION_TOKEN, LABEL_GROUP, LEASE_ANNOTATION_TOKEN, sidecar_rbac_rules
 from singleton_sidecar.core.lock import BackendUnavailable, Identity, LockRecord, Term, Token
 from singleton_sidecar.kube import KubeClient, KubeConfig, KubeError, KubeGone, KubeUnavailable, load_kube_config
 from tests.conftest import Cluster
+from tests.kubehelpers import grant, service_account_kubeconfig
 
 pytestmark = [pytest.mark.k8s, pytest.mark.timeout(60)]
 
@@ -45,7 +48,8 @@ class CountingClient(KubeClient):
 
 @pytest_asyncio.fixture(loop_scope="function")
 async def kube(cluster: Cluster) -> AsyncIterator[CountingClient]:
-    async with CountingClient(load_kube_config(str(cluster.kubeconfig))) as client:
+    client = CountingClient(load_kube_config(str(cluster.kubeconfig)))
+    async with client:
         yield client
 
 
@@ -71,6 +75,38 @@ async def acquired(backend: LeaseBackend, identity: str, timeout: float = 5.0) -
     result = await backend.acquire(Identity(identity), timeout=timeout)
     assert isinstance(result, Term), result
     return result
+
+
+def an_hour_behind() -> float:
+    return time.time() - 3600
+
+
+def record_losses(backend: LeaseBackend) -> tuple[list[str], asyncio.Event]:
+    """The reasons of the backend's losses, and an event set at the first."""
+    losses: list[str] = []
+    lost = asyncio.Event()
+
+    def on_loss(reason: str) -> None:
+        losses.append(reason)
+        lost.set()
+
+    backend.set_loss_callback(on_loss)
+    return losses, lost
+
+
+def stale_lease(*, token: int) -> str:
+    """A free Lease of the group carrying ``token``, as an earlier lease era left it."""
+    return json.dumps({"apiVersion": "coordination.k8s.io/v1", "kind": "Lease",
+                       "metadata": {"name": GROUP, "annotations": {LEASE_ANNOTATION_TOKEN: str(token)}},
+                       "spec": {"holderIdentity": "", "leaseDurationSeconds": 1, "leaseTransitions": 3}})
+
+
+async def create_pod(client: KubeClient, namespace: str, name: str, *, group: str, token: str) -> None:
+    """A pod of ``group`` (never scheduled) carrying ``token`` as the sidecar annotates a leader."""
+    pod = {"apiVersion": "v1", "kind": "Pod",
+           "metadata": {"name": name, "labels": {LABEL_GROUP: group}, "annotations": {ANNOTATION_TOKEN: token}},
+           "spec": {"containers": [{"name": "app", "image": "example.invalid/app:1"}]}}
+    await client.request("POST", f"/api/v1/namespaces/{namespace}/pods", body=pod, timeout=10)
 
 
 def lease_json(cluster: Cluster, namespace: str) -> dict[str, Any]:
@@ -145,26 +181,24 @@ async def test_release_wakes_a_blocked_standby_at_once(
     waiting = asyncio.create_task(standby.acquire(Identity("pod-b"), timeout=10))
     await asyncio.sleep(0.5)  # the standby is blocked on the watch
     assert not waiting.done()
-    started = time.monotonic()
+    started, now_ms = time.monotonic(), int(time.time() * 1000)
     await holder.release(term, timeout=5)
     result = await waiting
     elapsed = time.monotonic() - started
     assert isinstance(result, Term) and result.identity == "pod-b"
     assert elapsed < 0.15, f"handover took {elapsed:.3f}s"
-    assert result.token == term.token + 1
+    assert result.token >= now_ms > term.token  # the clock moved on: the token follows it
     spec = lease_json(cluster, namespace)["spec"]
     assert (spec["holderIdentity"], spec["leaseTransitions"]) == ("pod-b", 1)
 
 
 async def test_a_silent_holder_expires_after_the_lease_duration(make_backend: Factory) -> None:
     holder, standby = make_backend(lease_duration=1.0), make_backend(lease_duration=1.0)
-    losses: list[str] = []
-    lost = asyncio.Event()
-    holder.set_loss_callback(lambda reason: (losses.append(reason), lost.set()))
+    losses, lost = record_losses(holder)
     term = await acquired(holder, "pod-a")
     result = await standby.acquire(Identity("pod-b"), timeout=5)
     waited = time.monotonic() - term.written_at
-    assert isinstance(result, Term) and result.token == term.token + 1
+    assert isinstance(result, Term) and result.token > term.token
     assert 1.0 <= waited < 1.6, f"took over after {waited:.3f}s"
     async with asyncio.timeout(2):
         await lost.wait()
@@ -194,9 +228,7 @@ async def test_loss_callback_when_the_lease_is_deleted(
     cluster: Cluster, namespace: str, make_backend: Factory
 ) -> None:
     backend = make_backend()
-    losses: list[str] = []
-    lost = asyncio.Event()
-    backend.set_loss_callback(lambda reason: (losses.append(reason), lost.set()))
+    losses, lost = record_losses(backend)
     term = await acquired(backend, "pod-a")
     await asyncio.sleep(0.2)
     assert losses == []  # our own writes are no loss
@@ -244,17 +276,133 @@ async def test_conflicts_from_a_stale_version_never_raise(
 async def test_tokens_strictly_increase_over_many_terms(
     cluster: Cluster, namespace: str, make_backend: Factory
 ) -> None:
-    backends = [make_backend(), make_backend()]
+    """Three candidates, two with clocks hours behind, the Lease deleted every fourth term:
+    every token is above the last one and at least its issuer's clock."""
+    offsets = [0.0, -3600.0, -7200.0]
+    backends = [make_backend(wall_clock=lambda offset=offset: time.time() + offset) for offset in offsets]
     tokens: list[int] = []
-    for i in range(10):
-        term = await acquired(backends[i % 2], f"pod-{i}")
+    for i in range(12):
+        if i % 4 == 3:
+            cluster.kubectl("delete", "lease", GROUP, "-n", namespace)
+        floor = int((time.time() + offsets[i % 3]) * 1000)
+        term = await acquired(backends[i % 3], f"pod-{i}")
+        assert term.token >= floor
         tokens.append(term.token)
-        await backends[i % 2].release(term, timeout=5)
-    assert tokens == list(range(tokens[0], tokens[0] + 10))
-    assert lease_json(cluster, namespace)["spec"]["leaseTransitions"] == 9
+        await backends[i % 3].release(term, timeout=5)
+    assert tokens == sorted(set(tokens)), tokens
+    # after the last deletion, the candidate two hours behind continued from what it had seen
+    assert tokens[-1] == tokens[-2] + 1
+    assert lease_json(cluster, namespace)["spec"]["leaseTransitions"] == 0  # re-created at i = 11
+
+
+async def test_a_stale_lease_restarts_from_the_clock(cluster: Cluster, namespace: str, make_backend: Factory) -> None:
+    """A Lease left from an earlier lease era (the group ran on postgres since) issues no
+    token + 1: the tokens used meanwhile were taken from a clock."""
+    cluster.apply(stale_lease(token=5), namespace=namespace)
+    backend = make_backend()
+    assert (await backend.observe(timeout=5)).token == 5
+    before = int(time.time() * 1000)
+    term = await acquired(backend, "pod-a")
+    assert before <= term.token <= int(time.time() * 1000)
+    assert lease_json(cluster, namespace)["metadata"]["annotations"][LEASE_ANNOTATION_TOKEN] == str(term.token)
+
+
+async def test_a_recreated_lease_stays_above_every_token_seen(
+    cluster: Cluster, namespace: str, make_backend: Factory
+) -> None:
+    """A deleted Lease re-created by a candidate whose clock is an hour behind: its token is
+    above the last one, both for the candidate that issued it and one that only watched."""
+    offset = [0.0]
+    taker = make_backend(wall_clock=lambda: time.time() + offset[0])
+    watcher = make_backend(wall_clock=lambda: time.time() - 3600)
+    watcher.follow()
+    first = await acquired(taker, "pod-a")
+    assert first.token >= (time.time() - 60) * 1000  # the real clock
+    await taker.release(first, timeout=5)
     cluster.kubectl("delete", "lease", GROUP, "-n", namespace)
-    term = await acquired(backends[0], "pod-after-delete")
-    assert term.token > tokens[-1]
+    offset[0] = -3600.0
+    second = await acquired(taker, "pod-a")
+    assert second.token == first.token + 1  # the clock says an hour less: the high-water mark decides
+    seen = await watcher.acquire(Identity("pod-b"), timeout=0.3)
+    assert isinstance(seen, LockRecord) and (seen.holder, seen.token) == ("pod-a", second.token)
+    await taker.release(second, timeout=5)
+    cluster.kubectl("delete", "lease", GROUP, "-n", namespace)
+    third = await acquired(watcher, "pod-b")
+    assert third.token == second.token + 1
+
+
+async def test_a_fresh_process_counts_the_tokens_on_the_groups_pods(
+    cluster: Cluster, namespace: str, kube: CountingClient, make_backend: Factory
+) -> None:
+    """With the Lease deleted, a new candidate whose clock is an hour behind continues above
+    the token on the leader's pod; once no pod carries it, the token goes down (the gap the
+    module docstring owns up to)."""
+    term = await acquired(make_backend(), "pod-a")
+    await create_pod(kube, namespace, "pod-a", group=GROUP, token=str(term.token))  # as the sidecar writes it
+    await create_pod(kube, namespace, "pod-b", group=GROUP, token="not-a-number")
+    await create_pod(kube, namespace, "other", group="group-b", token=str(term.token + 10**9))
+    cluster.kubectl("delete", "lease", GROUP, "-n", namespace)
+    kube.requests.clear()
+    fresh = await acquired(make_backend(wall_clock=an_hour_behind), "pod-c")
+    assert fresh.token == term.token + 1  # above pod-a's token; group-b's pod does not count
+    pod_lists = [r for r in kube.requests if r[1] == f"/api/v1/namespaces/{namespace}/pods"]
+    assert pod_lists == [("GET", pod_lists[0][1], {"labelSelector": f"singleton.dev/group={GROUP}"})]
+
+    cluster.kubectl("annotate", "pod", "pod-a", "-n", namespace, f"{ANNOTATION_TOKEN}-")  # pod-a stood down
+    cluster.kubectl("delete", "lease", GROUP, "-n", namespace)
+    lower = await acquired(make_backend(wall_clock=an_hour_behind), "pod-d")
+    assert lower.token < term.token
+
+
+async def test_the_first_term_counts_the_pods_tokens_under_an_existing_lease(
+    cluster: Cluster, namespace: str, kube: CountingClient, make_backend: Factory
+) -> None:
+    """Just switched from postgres, whose clock is ahead: the first term above a stale Lease
+    continues above the postgres leader's token on its pod. Later terms list no pods."""
+    pg_token = int(time.time() * 1000) + 3_600_000
+    await create_pod(kube, namespace, "pg-leader", group=GROUP, token=str(pg_token))
+    cluster.apply(stale_lease(token=5), namespace=namespace)
+    backend = make_backend()
+    term = await acquired(backend, "pod-a")
+    assert term.token == pg_token + 1
+    await backend.release(term, timeout=5)
+    kube.requests.clear()
+    again = await acquired(backend, "pod-a")
+    assert again.token == term.token + 1
+    assert not [r for r in kube.requests if r[1].endswith("/pods")], kube.requests
+
+
+async def test_pod_tokens_need_the_right_to_list_pods(
+    cluster: Cluster, namespace: str, make_backend: Factory, tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The sidecar's RBAC lets it read the pods' tokens; without the right to list pods the
+    failure is logged and the token follows the clock."""
+    lease_rules = [rule for rule in sidecar_rbac_rules(GROUP) if rule["resources"] == ["leases"]]
+    grant(cluster, namespace, "leases-only", lease_rules)
+    grant(cluster, namespace, "sidecar", sidecar_rbac_rules(GROUP))
+    pod_token = int(time.time() * 1000) + 3_600_000
+    async with KubeClient(load_kube_config(str(cluster.kubeconfig))) as admin:
+        await create_pod(admin, namespace, "leader", group=GROUP, token=str(pod_token))
+    limited = load_kube_config(str(service_account_kubeconfig(cluster, namespace, "leases-only", tmp_path / "l")))
+    sidecar = load_kube_config(str(service_account_kubeconfig(cluster, namespace, "sidecar", tmp_path / "s")))
+    async with KubeClient(limited) as client:
+        backend = make_backend(client=client)
+        before = int(time.time() * 1000)
+        with caplog.at_level(logging.WARNING, logger="singleton_sidecar.backends.lease"):
+            term = await acquired(backend, "pod-a")
+            await backend.release(term, timeout=5)
+            again = await acquired(backend, "pod-a")  # the Lease exists: no second try
+        await backend.close()  # before its client
+    assert before <= term.token < again.token < pod_token
+    warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    assert len(warnings) == 1 and "403" in warnings[0], warnings
+    assert "cannot read the tokens on the group's pods" in warnings[0]
+    cluster.kubectl("delete", "lease", GROUP, "-n", namespace)
+    async with KubeClient(sidecar) as client:
+        backend = make_backend(client=client)
+        term = await acquired(backend, "pod-b")
+        await backend.close()
+    assert term.token == pod_token + 1
 
 
 async def test_a_standby_watches_instead_of_polling(kube: CountingClient, make_backend: Factory) -> None:
@@ -319,7 +467,8 @@ class FlakyClient(CountingClient):
 
 async def test_the_watch_recovers_from_gone_and_transport_errors(cluster: Cluster, make_backend: Factory) -> None:
     failures: list[KubeError] = [KubeGone(410, "Expired", "too old"), KubeUnavailable(0, "Unreachable", "reset")]
-    async with FlakyClient(load_kube_config(str(cluster.kubeconfig)), failures) as flaky:
+    flaky = FlakyClient(load_kube_config(str(cluster.kubeconfig)), failures)
+    async with flaky:
         holder, standby = make_backend(), make_backend(client=flaky)
         term = await acquired(holder, "pod-a")
         waiting = asyncio.create_task(standby.acquire(Identity("pod-b"), timeout=10))

@@ -9,16 +9,20 @@ import signal
 import sys
 import time
 import uuid
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Iterator
+from urllib.parse import urlsplit, urlunsplit
 
 import asyncpg
 import pytest
 import pytest_asyncio
 
-from singleton_sidecar.backends.postgres import PostgresBackend, keepalive_settings
+from singleton_sidecar.backends.postgres import PostgresBackend
+from singleton_sidecar.backends.postgres_session import keepalive_settings, session_settings
 from singleton_sidecar.backends.postgres_sql import NAMESPACE
-from singleton_sidecar.core.lock import BackendUnavailable, Identity, LockRecord, Term, Token
-from singleton_testbed.postgres import PostgresServer
+from singleton_sidecar.core.lock import BackendMisconfigured, BackendUnavailable, Identity, LockRecord, Term, Token
+from singleton_sidecar.fencing import ensure_fence_table, fence
+from singleton_testbed.pgbouncer import PgBouncer, PoolMode
+from singleton_testbed.postgres import PostgresInfo, PostgresServer
 
 pytestmark = [pytest.mark.postgres, pytest.mark.timeout(60)]
 
@@ -38,8 +42,16 @@ asyncio.run(main())
 """
 
 
+CLOCK_SLACK_MS = 1000  # the server and this process read the same machine's clock
+
+
 def unique(prefix: str = "g") -> str:
     return f"{prefix}_{uuid.uuid4().hex[:12]}"
+
+
+def wall_ms() -> int:
+    """The wall clock in milliseconds since the epoch, as the Lease backend's tokens."""
+    return int(time.time() * 1000)
 
 
 Factory = Callable[..., PostgresBackend]
@@ -381,8 +393,10 @@ async def test_application_bigint_lock_does_not_block(make_backend: Factory, pg_
 async def test_schema_creation_is_concurrent_and_idempotent(make_backend: Factory, pg_dsn: str) -> None:
     schema, table = unique("s"), unique("t")
     backends = [make_backend(group=unique(), schema=schema, table=table) for _ in range(5)]
+    started_ms = wall_ms()
     terms = await asyncio.gather(*(acquired(b, f"c{i}", timeout=10) for i, b in enumerate(backends)))
-    assert len({t.token for t in terms}) == 5
+    # Tokens are per group (the server's clock in ms at least): two groups may share one.
+    assert all(t.token >= started_ms - CLOCK_SLACK_MS for t in terms), (started_ms, terms)
     again = make_backend(group=backends[0].group, schema=schema, table=table)
     assert (await again.observe(timeout=2)).holder == "c0"
     assert isinstance(await again.acquire(Identity("x"), timeout=0.2), LockRecord)
@@ -418,3 +432,325 @@ async def test_unreachable_server_is_backend_unavailable(make_backend: Factory, 
     assert caught.value.__cause__ is not None
     with pytest.raises(BackendUnavailable):
         await dead.observe(timeout=2)
+
+
+# --- tokens: a hybrid logical clock ---------------------------------------------------------
+
+
+async def test_first_token_passes_a_fence_that_saw_lease_tokens(make_backend: Factory, pg_dsn: str) -> None:
+    """A group switched from the Lease backend: its fence row holds a wall-clock-ms token."""
+    backend = make_backend()
+    lease_token = wall_ms() - 1  # what the Lease backend issued for a Lease created just now
+    conn = await asyncpg.connect(pg_dsn)
+    try:
+        await ensure_fence_table(conn)
+        async with conn.transaction():
+            await fence(conn, key=backend.group, token=lease_token)
+        term = await acquired(backend, "a")
+        assert term.token > lease_token
+        async with conn.transaction():
+            await fence(conn, key=backend.group, token=term.token)  # accepted: no StaleToken
+    finally:
+        await conn.close()
+
+
+async def test_tokens_follow_the_server_clock_and_always_increase(
+    make_backend: Factory, pg_admin_dsn: str
+) -> None:
+    table = unique("t")  # its own token sequence, untouched by other tests
+    backend = make_backend(table=table)
+    before = wall_ms()
+    tokens: list[int] = []
+    for _ in range(5):  # several within one millisecond: the +1 rules, not the clock
+        term = await acquired(backend, "a")
+        tokens.append(term.token)
+        await backend.release(term, timeout=2)
+    after = wall_ms()
+    assert tokens == sorted(set(tokens)), tokens
+    assert before - CLOCK_SLACK_MS <= tokens[0] and tokens[-1] <= after + CLOCK_SLACK_MS, (before, tokens, after)
+    # The sequence was advanced past them, so its next value starts above the last token.
+    following = await admin_fetchval(pg_admin_dsn, f"SELECT nextval('\"{table}_token_seq\"')")
+    assert isinstance(following, int) and following > tokens[-1]
+
+
+async def test_token_after_one_from_a_clock_far_ahead_is_one_more(make_backend: Factory, pg_admin_dsn: str) -> None:
+    table = unique("t")
+    backend = make_backend(table=table)
+    await backend.release(await acquired(backend, "a"), timeout=2)
+    future = wall_ms() + 10**9  # written under a clock 11.6 days fast
+    await admin_fetchval(
+        pg_admin_dsn, f'UPDATE "{table}" SET token = $2 WHERE group_name = $1', backend.group, future)
+    second = await acquired(backend, "a")
+    assert second.token == future + 1
+    await backend.release(second, timeout=2)
+    # The sequence is shared by groups (and may be reset, restored, recreated): the group's
+    # own row keeps its tokens increasing.
+    await admin_fetchval(pg_admin_dsn, f"SELECT setval('\"{table}_token_seq\"', 1)")
+    third = await acquired(backend, "a")
+    assert third.token == future + 2
+
+
+# --- session settings ---------------------------------------------------------------------------
+
+ROLE_TIMEOUTS = {"statement_timeout": "50ms", "lock_timeout": "20ms",
+                 "idle_in_transaction_session_timeout": "100ms", "idle_session_timeout": "500ms"}
+
+
+@pytest_asyncio.fixture(loop_scope="function")
+async def strict_role(pg_dsn: str, pg_admin_dsn: str) -> AsyncIterator[tuple[str, str]]:
+    """(DSN, schema) of a role whose settings time out statements, lock waits and idle sessions."""
+    role, password = unique("r"), uuid.uuid4().hex
+    admin = await asyncpg.connect(pg_admin_dsn)
+    try:
+        await admin.execute(f"CREATE ROLE {role} LOGIN PASSWORD '{password}'")
+        await admin.execute(f"CREATE SCHEMA {role} AUTHORIZATION {role}")
+        for name, value in ROLE_TIMEOUTS.items():
+            await admin.execute(f"ALTER ROLE {role} SET {name} = '{value}'")
+        parts = urlsplit(pg_dsn)
+        dsn = urlunsplit(parts._replace(netloc=f"{role}:{password}@{parts.hostname}:{parts.port}"))
+        yield dsn, role
+    finally:
+        await admin.execute("SELECT pg_terminate_backend(pid) FROM pg_stat_activity WHERE usename = $1", role)
+        await admin.execute(f"DROP SCHEMA IF EXISTS {role} CASCADE")
+        await admin.execute(f"DROP ROLE IF EXISTS {role}")
+        await admin.close()
+
+
+def test_session_settings_by_server_version() -> None:
+    old, new = session_settings(4.0, 13), session_settings(4.0, 14)
+    assert "idle_session_timeout" not in old  # unknown before 14: setting it would fail
+    assert new == {**old, "idle_session_timeout": "0"}
+    assert {old[name] for name in ("statement_timeout", "lock_timeout", "idle_in_transaction_session_timeout")} == {"0"}
+    assert {k: old[k] for k in keepalive_settings(4.0)} == keepalive_settings(4.0)
+
+
+async def test_role_timeouts_are_off_on_the_lock_connection(
+    make_backend: Factory, strict_role: tuple[str, str]
+) -> None:
+    dsn, schema = strict_role
+    plain = await asyncpg.connect(dsn)
+    try:  # the role's settings are in force for everyone else
+        assert await plain.fetchval("SHOW statement_timeout") == "50ms"
+        assert await plain.fetchval("SHOW idle_session_timeout") == "500ms"
+    finally:
+        await plain.close()
+    backend = make_backend(dsn=dsn, schema=schema)
+    await acquired(backend, "a")
+    conn = backend._conn
+    assert conn is not None
+    assert {name: await conn.fetchval(f"SHOW {name}") for name in ROLE_TIMEOUTS} == dict.fromkeys(ROLE_TIMEOUTS, "0")
+
+
+async def test_leads_and_waits_under_role_timeouts(make_backend: Factory, strict_role: tuple[str, str]) -> None:
+    dsn, schema = strict_role
+    holder, standby = make_backend(dsn=dsn, schema=schema), make_backend(dsn=dsn, schema=schema)
+    lost: list[str] = []
+    holder.set_loss_callback(lost.append)
+    term = await acquired(holder, "a")
+    for _ in range(2):
+        # a lock wait far longer than statement_timeout, then idle past idle_session_timeout
+        result = await standby.acquire(Identity("b"), timeout=0.4)
+        assert result == LockRecord(holder=Identity("a"), token=term.token, version=str(term.token))
+        await asyncio.sleep(0.7)
+        renewed = await holder.renew(term, timeout=2)
+        assert renewed is not None and renewed.token == term.token
+        term = renewed
+    assert lost == []
+
+
+async def test_stalled_holder_is_replaced_under_role_timeouts(
+    make_backend: Factory, strict_role: tuple[str, str]
+) -> None:
+    """The standby's expiry check (row expired, session still holds the lock) ends the holder's session."""
+    dsn, schema = strict_role
+    options = {"dsn": dsn, "schema": schema, "lease_duration": 1.0, "renew_deadline": 0.5}
+    holder, standby = make_backend(**options), make_backend(**options)
+    lost = asyncio.Event()
+    holder.set_loss_callback(lambda _reason: lost.set())
+    term = await acquired(holder, "a")  # and never renewed, as by a stalled process
+    started = time.monotonic()
+    seen: list[Term | LockRecord] = []
+    while time.monotonic() - started < 8:
+        result = await standby.acquire(Identity("b"), timeout=0.3)
+        seen.append(result)
+        if isinstance(result, Term):
+            break
+    else:
+        pytest.fail(f"standby never acquired: {seen}")
+    elapsed = time.monotonic() - started
+    waiting = LockRecord(holder=Identity("a"), token=term.token, version=str(term.token))
+    assert len(seen) > 1 and all(r == waiting for r in seen[:-1]), seen
+    assert isinstance(result, Term) and result.token > term.token
+    # after the lease (1 s), not at idle_session_timeout (0.5 s), and soon after
+    assert 0.9 <= elapsed < 4, f"took {elapsed:.2f}s"
+    await asyncio.wait_for(lost.wait(), 2)
+
+
+async def test_lock_timeout_is_reset_after_each_wait(make_backend: Factory) -> None:
+    holder, standby = make_backend(), make_backend()
+    first = await acquired(holder, "a")
+    assert isinstance(await standby.acquire(Identity("b"), timeout=0.3), LockRecord)
+    assert standby._conn is not None
+    assert await standby._conn.fetchval("SHOW lock_timeout") == "0"
+    await holder.release(first, timeout=2)
+    await acquired(standby, "b", timeout=2)
+    assert await standby._conn.fetchval("SHOW lock_timeout") == "0"
+
+
+# --- a closed connection is a lost term -------------------------------------------------------
+
+
+async def wait_for_lock_wait(admin: asyncpg.Connection, pid: int) -> None:
+    """Until backend ``pid`` waits for a lock (a row lock the test holds)."""
+    for _ in range(200):
+        if await admin.fetchval("SELECT wait_event_type FROM pg_stat_activity WHERE pid = $1", pid) == "Lock":
+            return
+        await asyncio.sleep(0.01)
+    pytest.fail(f"backend {pid} never waited for the row lock")
+
+
+async def test_failed_renewal_reports_the_loss(make_backend: Factory, pg_admin_dsn: str) -> None:
+    holder, standby = make_backend(), make_backend()
+    lost: list[str] = []
+    holder.set_loss_callback(lost.append)
+    term = await acquired(holder, "a")
+    pid = await holder_pid(pg_admin_dsn, holder.group)
+    admin = await asyncpg.connect(pg_admin_dsn)
+    try:
+        async with admin.transaction():
+            await admin.execute("SELECT 1 FROM singleton_leases WHERE group_name = $1 FOR UPDATE", holder.group)
+            renewal = asyncio.create_task(holder.renew(term, timeout=5))
+            await wait_for_lock_wait(admin, pid)
+            assert await admin.fetchval("SELECT pg_cancel_backend($1)", pid) is True
+            with pytest.raises(BackendUnavailable):
+                await renewal
+            assert len(lost) == 1 and "renewal failed" in lost[0], lost
+    finally:
+        await admin.close()
+    # the loss is real: the server freed the lock with the session
+    taken = await acquired(standby, "b", timeout=1)
+    assert taken.token > term.token
+    assert await holder.renew(term, timeout=2) is None
+    assert len(lost) == 1
+
+
+async def test_failed_release_reports_the_loss(make_backend: Factory, pg_admin_dsn: str) -> None:
+    holder, standby = make_backend(), make_backend()
+    lost: list[str] = []
+    holder.set_loss_callback(lost.append)
+    term = await acquired(holder, "a")
+    admin = await asyncpg.connect(pg_admin_dsn)
+    try:
+        async with admin.transaction():
+            await admin.execute("SELECT 1 FROM singleton_leases WHERE group_name = $1 FOR UPDATE", holder.group)
+            with pytest.raises(BackendUnavailable):
+                await holder.release(term, timeout=0.3)  # stuck behind the row lock: times out
+            assert len(lost) == 1 and "release failed" in lost[0], lost
+    finally:
+        await admin.close()
+    assert (await acquired(standby, "b", timeout=1)).token > term.token
+    assert len(lost) == 1
+
+
+# --- poolers ----------------------------------------------------------------------------------
+
+
+Bouncers = Callable[..., PgBouncer]
+
+
+@pytest.fixture
+def pgbouncer(pg_info: PostgresInfo | None) -> Iterator[Bouncers]:
+    """Start PgBouncers (``pool_mode``, ``settings``) in front of the session's server; all
+    stopped at the end."""
+    if pg_info is None:
+        pytest.skip("PgBouncer needs the session's own server")
+    with contextlib.ExitStack() as stack:
+        yield lambda mode, **settings: stack.enter_context(PgBouncer(pg_info, pool_mode=mode, settings=settings))
+
+
+async def warm_server_connections(dsn: str, count: int) -> None:
+    """Make a transaction-mode PgBouncer open ``count`` server connections, left idle."""
+    clients = [await asyncpg.connect(dsn) for _ in range(count)]
+    try:
+        for client in clients:
+            await client.execute("BEGIN")  # simple protocol; pins a server connection until COMMIT
+        for client in clients:
+            await client.execute("COMMIT")
+    finally:
+        for client in clients:
+            await client.close()
+
+
+@pytest.mark.parametrize(
+    ("pool_mode", "settings", "evidence"),
+    [
+        # LIFO reuse (the default): the second client gets the server connection just left
+        ("transaction", {}, "a second connection saw the first one's session setting"),
+        ("statement", {}, "a second connection saw the first one's session setting"),
+        # round robin over idle server connections: the next statement runs on another one
+        ("transaction", {"server_round_robin": "1"}, "a setting made on the connection was gone at its next statement"),
+        # DISCARD ALL after every transaction: the mark is wiped before the next statement
+        ("transaction", {"server_reset_query_always": "1"},
+         "a setting made on the connection was gone at its next statement"),
+    ],
+    ids=["transaction", "statement", "round-robin", "reset-always"],
+)
+async def test_transaction_pooler_is_refused(
+    make_backend: Factory, pgbouncer: Bouncers, pool_mode: PoolMode, settings: dict[str, str], evidence: str
+) -> None:
+    bouncer = pgbouncer(pool_mode, **settings)
+    if "server_round_robin" in settings:
+        await warm_server_connections(bouncer.dsn, 3)
+    backend = make_backend(dsn=bouncer.dsn)
+    with pytest.raises(BackendMisconfigured) as caught:  # as is: not wrapped in BackendUnavailable
+        await backend.acquire(Identity("a"), timeout=5)
+    message = str(caught.value)
+    assert "\n" not in message
+    assert "through a connection pooler in transaction or statement pooling mode" in message
+    assert f"({evidence};" in message
+    assert "connect directly to PostgreSQL or use session pooling" in message
+    assert backend._conn is None and backend._lock_id is None  # refused before any lock or row
+
+
+async def test_session_pooler_works(make_backend: Factory, pgbouncer: Bouncers) -> None:
+    dsn = pgbouncer("session").dsn
+    holder, standby = make_backend(dsn=dsn), make_backend(dsn=dsn)
+    term = await acquired(holder, "a")
+    assert await standby.acquire(Identity("b"), timeout=0.3) == LockRecord(
+        holder=Identity("a"), token=term.token, version=str(term.token))
+    renewed = await holder.renew(term, timeout=2)
+    assert renewed is not None
+    waiting = asyncio.create_task(standby.acquire(Identity("b"), timeout=5))
+    await asyncio.sleep(0.1)
+    await holder.release(renewed, timeout=2)
+    second = await asyncio.wait_for(waiting, 5)
+    assert isinstance(second, Term) and second.token > term.token
+
+
+async def test_direct_connections_pass_the_pooler_check(
+    make_backend: Factory, postgres_server: PostgresServer | None, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Over TCP the session's two ends prove a direct connection; over a Unix socket the
+    nonce probe runs (a second connection) and finds a session of its own too."""
+    if postgres_server is None:
+        pytest.skip("needs the session's own server (its Unix socket)")
+    info = postgres_server.info
+    sockets = postgres_server.workdir / "sockets"
+    tcp = make_backend()
+    unix = make_backend(dsn=f"postgresql://singleton@/singleton?host={sockets}&port={info.port}")
+    opened: dict[str, int] = {}
+    for name, backend in (("tcp", tcp), ("unix", unix)):
+        real_open = backend._open
+
+        async def counting_open(deadline: float, *, name: str = name, real_open: Callable[..., object] = real_open
+                                ) -> asyncpg.Connection:
+            opened[name] = opened.get(name, 0) + 1
+            conn = await real_open(deadline)  # type: ignore[misc]
+            assert isinstance(conn, asyncpg.Connection)
+            return conn
+
+        monkeypatch.setattr(backend, "_open", counting_open)
+    term = await acquired(tcp, "a")
+    assert await unix.acquire(Identity("b"), timeout=0.3) == LockRecord(
+        holder=Identity("a"), token=term.token, version=str(term.token))
+    assert opened == {"tcp": 1, "unix": 2}

@@ -49,4 +49,31 @@ def test_a_given_timing_that_breaks_the_defaults_order_is_refused() -> None:
 
 def test_the_postgres_lock_key_is_namespace_qualified_in_a_cluster() -> None:
     assert contract.lock_key("poller", "team-a") == "team-a/poller"
-    assert contract.lock_key("poller", None) == "poller"  # outside Kubernetes
+
+
+@pytest.mark.parametrize(
+    ("environ", "key"),
+    [
+        pytest.param({"SINGLETON_NAMESPACE": "team-a"}, "team-a/g", id="in a pod: <namespace>/<group>"),
+        pytest.param({"SINGLETON_LOCK_KEY": "team-a/g"}, "team-a/g", id="on a VM: given, the same as in the pod"),
+        pytest.param({"SINGLETON_NAMESPACE": "team-a", "SINGLETON_LOCK_KEY": "shared/g"}, "shared/g",
+                     id="given wins over the namespace"),
+    ],
+)
+def test_the_lock_key_is_the_same_wherever_the_group_runs(environ: dict[str, str], key: str) -> None:
+    config = load(SINGLETON_BACKEND="postgres", SINGLETON_POSTGRES_DSN="postgres://h/d", **environ)
+    assert config.lock_key == key
+
+
+def test_postgres_outside_kubernetes_needs_an_explicit_lock_key() -> None:
+    """Before, a VM's sidecar took the lock under the bare group name and a pod's under
+    <namespace>/<group>: both led. Now the key must be given where it cannot be derived."""
+    with pytest.raises(ConfigError, match=r"^SINGLETON_LOCK_KEY \(--lock-key\): required with backend postgres "
+                       r"outside Kubernetes.*e\.g\. default/g\)$"):
+        load(SINGLETON_BACKEND="postgres", SINGLETON_POSTGRES_DSN="postgres://h/d")
+
+
+@pytest.mark.parametrize("bad", [" team/g", "a\nb", "x" * 254])
+def test_a_malformed_lock_key_is_refused(bad: str) -> None:
+    with pytest.raises(ConfigError, match=r"^SINGLETON_LOCK_KEY \(--lock-key\): must be 1 to 253 printable"):
+        load(SINGLETON_BACKEND="postgres", SINGLETON_POSTGRES_DSN="postgres://h/d", SINGLETON_LOCK_KEY=bad)

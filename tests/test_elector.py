@@ -1004,5 +1004,5 @@ async def test_a_takeover_of_an_unreleased_term_waits_before_acting() -> None:
         assert rig.elector.status.role is Role.STANDBY
         assert rig.elector.status.reason.startswith("taking over: the previous holder did not release")
         assert rig.trace() == ["0 acquire", "0 publish standby", "2 renew 7"]
-        await settle(lambda: rig.elector.is_ready_leader())
+        await settle(rig.elector.is_ready_leader)
         assert rig.now == 3.0

@@ -99,7 +99,7 @@ async def test_pg_terminate_backend_makes_leader_step_down_at_once(
 ) -> None:
     members = sidecars(2)
     leader = await asyncio.to_thread(one_leader, members)
-    pid = await admin(pg_admin_dsn, "SELECT holder_pid FROM singleton_leases WHERE group_name = $1", group)
+    pid = await admin(pg_admin_dsn, "SELECT holder_pid FROM singleton_leases WHERE group_name = $1", f"local/{group}")
     assert await admin(pg_admin_dsn, "SELECT pg_terminate_backend($1)", pid)
     started = time.monotonic()
     await asyncio.to_thread(wait_for, lambda: not leader.ready() or None, 2, "the leader to step down")
@@ -164,6 +164,8 @@ async def test_postgres_restart_never_gives_two_leaders(
         ({"SINGLETON_GROUP": "Bad_Name"}, "SINGLETON_GROUP (--group): must be a DNS-1123 label"),
         ({"SINGLETON_GROUP": "g", "SINGLETON_BACKEND": "redis"}, "SINGLETON_BACKEND (--backend): must be one of"),
         ({"SINGLETON_GROUP": "g"}, "SINGLETON_POSTGRES_DSN (--postgres-dsn): required with backend postgres"),
+        ({"SINGLETON_GROUP": "g", "SINGLETON_POSTGRES_DSN": "postgres://h/d", "SINGLETON_LOCK_KEY": ""},
+         "SINGLETON_LOCK_KEY (--lock-key): required with backend postgres outside Kubernetes"),
         ({"SINGLETON_GROUP": "g", "SINGLETON_POSTGRES_DSN": "mysql://x"}, "must be a postgres:// or postgresql://"),
         ({"SINGLETON_GROUP": "g", "SINGLETON_BACKEND": "lease"}, "SINGLETON_NAMESPACE (--namespace): required"),
         ({"SINGLETON_GROUP": "g", "SINGLETON_POSTGRES_DSN": "postgres://h/d", "SINGLETON_LEASE_DURATION": "abc"},
@@ -191,6 +193,8 @@ async def test_postgres_restart_never_gives_two_leaders(
 )
 def test_bad_settings_exit_2_with_one_precise_line(env: dict[str, str], expected: str) -> None:
     clean = {k: v for k, v in __import__("os").environ.items() if not k.startswith("SINGLETON_")}
+    if "SINGLETON_POSTGRES_DSN" in env and "SINGLETON_NAMESPACE" not in env:
+        clean["SINGLETON_LOCK_KEY"] = "local/g"  # so the setting under test is the first one wrong
     result = subprocess.run([sys.executable, "-m", "singleton_sidecar.cli", "run"], env={**clean, **env},
                             capture_output=True, text=True, timeout=30, check=False)
     assert result.returncode == 2

@@ -82,30 +82,35 @@ class Sidecar:
         wait_container = self.config.drain_wait_container
 
         async def drain(final: bool) -> None:
-            if drain_url is not None:
-                await self._ask_app_to_drain(drain_url)
+            drained = drain_url is None or await self._ask_app_to_drain(drain_url)
+            waited = False
             if gate is not None:
                 await gate.wait_stopped()
+                waited = True
             if final and wait_container is not None and reporter is not None:
                 # Only when the pod goes away: on a step-down the main container keeps running.
                 log.info("draining: waiting for container %s to stop", wait_container)
                 await reporter.wait_container_stopped(wait_container)
+                waited = True
+            if not drained and not waited:
+                # Nothing else can tell us the app has finished: the drain timeout decides.
+                await asyncio.Event().wait()
 
         return drain
 
     @staticmethod
-    async def _ask_app_to_drain(drain_url: str) -> None:
-        """POST the drain hook; a 2xx answer means the app has drained. A refused connection
-        (the app closed its listener on SIGTERM) or an error answer does not end the drain:
-        the gate and the main container are still waited for, up to the drain timeout."""
+    async def _ask_app_to_drain(drain_url: str) -> bool:
+        """POST the drain hook; True on a 2xx answer (the app has drained). A refused
+        connection (the app closed its listener on SIGTERM) or an error answer does not end
+        the drain: the gate and the main container are still waited for."""
         try:
             async with aiohttp.ClientSession() as session, session.post(drain_url) as response:
                 if response.status < 300:
-                    return
-                log.warning("drain hook %s answered %s; waiting for the drain timeout", drain_url, response.status)
+                    return True
+                log.warning("drain hook %s answered %s; waiting for the app to stop", drain_url, response.status)
         except (aiohttp.ClientError, OSError) as exc:
-            log.warning("drain hook %s failed: %r; waiting for the gate and the drain timeout", drain_url, exc)
-        await asyncio.Event().wait()
+            log.warning("drain hook %s failed: %r; waiting for the app to stop", drain_url, exc)
+        return False
 
     async def run(self) -> int:
         config = self.config

@@ -35,6 +35,8 @@ log = logging.getLogger(__name__)
 
 GATE_SCRIPT = "gate.sh"
 KEEPER_SCRIPT = "keeper.py"
+GATE_EXITED = "exited"
+"""What gate.sh leaves in ``idle`` when it has stopped the app and exited (its container is stopping)."""
 
 
 class ExecGate:
@@ -229,7 +231,7 @@ class FileGate:
 
     def _acknowledged(self) -> bool:
         try:
-            return (self.directory / "idle").read_text().strip() == self._stop_nonce
+            return (self.directory / "idle").read_text().strip() in (self._stop_nonce, GATE_EXITED)
         except OSError:
             return False
 

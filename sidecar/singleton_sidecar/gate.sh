@@ -7,7 +7,8 @@
 #             grace: centiseconds from SIGTERM to SIGKILL
 #   draining  the term is draining: stop the app and let it finish, without a kill
 #   stop      a nonce; this script copies it into "$dir/idle" once no gated process runs,
-#             which is how the sidecar knows the app has stopped
+#             which is how the sidecar knows the app has stopped ("exited" once this script
+#             has stopped the app and exited for good)
 # On SIGTERM (its container is stopping) this script writes "$dir/draining.requested", so
 # the sidecar hands the term over, stops the app and exits.
 dir=${SINGLETON_GATE_DIR:-$(dirname "$0")}
@@ -91,7 +92,8 @@ while :; do
   if [ "$stopping" = 1 ]; then
     : > "$dir/draining.requested"
     stop_child
-    acknowledge
+    # Whatever the sidecar asks from now on, no gated process will run: say so for good.
+    printf 'exited\n' > "$dir/idle.tmp" && mv -f "$dir/idle.tmp" "$dir/idle"
     exit 0
   fi
   if [ -n "$child" ] && ! app_alive; then

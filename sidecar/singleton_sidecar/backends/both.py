@@ -3,6 +3,17 @@
 The term's fencing token is PostgreSQL's (the Lease keeps its own counter in its
 annotation). Losing either lock ends the term: the loss callback of either backend is
 ours, and a renewal that fails on either side fails as a whole.
+
+Tokens obey the rule of every backend (a new token is above the previous one, the wall
+clock in milliseconds and every token seen) exactly as far as PostgreSQL's do: nothing here
+computes a token, and a term's token is the one PostgreSQL issued for it (the greatest of
+the row's previous token + 1, the database's clock in milliseconds and its sequence). The
+Lease's own counter follows the lease backend's rule, which does not see PostgreSQL's
+tokens except on the pods (the leader's pod carries the term's token): so after a switch to
+``lease`` alone, the first Lease term of each new process continues above this era's
+tokens while the old leader's pod still carries its token, and otherwise above the node's
+clock only. The reverse switch (``lease`` to ``both``) relies on the database's clock not
+being behind the clocks that issued the lease era's tokens by more than the time since.
 """
 
 from __future__ import annotations

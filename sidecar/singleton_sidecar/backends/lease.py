@@ -7,12 +7,32 @@ Called by the election core through ``LockBackend``. Design (after client-go's l
   people and tools only, never for decisions) and ``leaseTransitions`` (+1 on every change of
   holder), so ``kubectl get lease`` and client-go tools read it as usual. An empty holder
   means free (released). The fencing token lives in the annotation ``singleton.dev/token``.
-- **Tokens**: a new term's token is the Lease's token + 1. A Lease that does not exist (never
-  created, or deleted by someone) is created with a token taken from the wall clock in
-  milliseconds, so a deleted and re-created Lease does not issue a token below its earlier
-  ones unless the group averaged more than 1000 terms per second or the wall clock stepped
-  back by more than the time since the old Lease was created. Tokens are about 1.7e12: they
-  fit int64 and JSON numbers.
+- **Tokens** follow the rule of every backend, a hybrid logical clock: a new term's token is
+  ``max(the Lease's token + 1, the wall clock in milliseconds, the high-water mark + 1)``.
+  The high-water mark is the highest token this process has observed for the group: on the
+  Lease as read by ``acquire``, ``observe`` and ``renew``, in every watch event (a deleted
+  Lease's last state included), in our own writes, and on the group's pods (below). Tokens
+  are about 1.7e12: they fit int64 and JSON numbers. So a Lease left over from an earlier
+  lease era, while the group ran on PostgreSQL meanwhile (whose tokens follow the same rule
+  from the database's clock), restarts from the clock rather than from its stale token + 1;
+  and a deleted Lease re-created on a node whose clock is behind continues above every
+  token this process has seen.
+- **Pod tokens**: when this process begins its first term, and whenever the Lease does not
+  exist (never created, or deleted), the candidate first lists the pods labelled
+  ``singleton.dev/group=<Lease name>`` (the sidecar names the Lease after its group) in the
+  Lease's namespace and adds their ``singleton.dev/token`` annotations to the high-water
+  mark: the sidecar keeps its term's token there while it leads, whatever its backend. The
+  sidecar's RBAC allows listing pods; a failed list (403 without that right, a timeout
+  within half of the call's remaining time) is logged and ignored, and the clock still
+  applies.
+- **What remains**: a token can still come out lower than an earlier one of the group only
+  when the higher token is nowhere this process can see it: the process never observed it
+  (a fresh process, or one that was not watching the group when it was issued), the Lease
+  holding it is gone (or, for a token issued by another backend, never held it), no pod of
+  the group still carries it (the annotation is removed when a pod stops leading, so after
+  a clean handover and a rollout none may be left), and the wall clock of the node is
+  behind the clock that issued it (another node's, or the database's) by more than the
+  time since. Nothing here can close that gap: it needs a store that outlives the Lease.
 - **Writes** are PUTs of the whole observed object carrying its ``resourceVersion`` (POST when
   there is no Lease). 409 means somebody else wrote first: ``acquire`` returns the current
   record, ``renew`` and ``release`` re-read and go on only if holder and token are still ours
@@ -42,7 +62,7 @@ from dataclasses import dataclass
 from datetime import UTC, datetime
 from typing import Any
 
-from singleton_sidecar.contract import LEASE_ANNOTATION_TOKEN
+from singleton_sidecar.contract import ANNOTATION_TOKEN, LABEL_GROUP, LEASE_ANNOTATION_TOKEN
 from singleton_sidecar.core.lock import BackendUnavailable, Identity, LockRecord, LossCallback, Term, Token
 from singleton_sidecar.kube import KubeClient, KubeConflict, KubeError, KubeGone, KubeNotFound
 
@@ -73,16 +93,21 @@ class Observed:
         return LockRecord(holder=self.holder, token=self.token, version=self.version)
 
 
+def annotated_token(obj: dict[str, Any], key: str) -> Token | None:
+    """The integer in annotation ``key`` of an object, or None (absent or not an integer)."""
+    raw = ((obj.get("metadata") or {}).get("annotations") or {}).get(key)
+    with suppress(TypeError, ValueError):
+        return Token(int(raw)) if raw is not None else None
+    return None
+
+
 def observed(lease: Lease | None, first_seen: float) -> Observed:
     """Parse a Lease object (``None``: absent) into an observation."""
     if lease is None:
         return Observed(None, "", first_seen, None, None, 0.0, 0)
     spec = lease.get("spec") or {}
     meta = lease.get("metadata") or {}
-    raw_token = (meta.get("annotations") or {}).get(LEASE_ANNOTATION_TOKEN)
-    token: Token | None = None
-    with suppress(TypeError, ValueError):
-        token = Token(int(raw_token)) if raw_token is not None else None
+    token = annotated_token(lease, LEASE_ANNOTATION_TOKEN)
     holder = spec.get("holderIdentity") or None
     return Observed(lease, str(meta.get("resourceVersion", "")), first_seen,
                     Identity(holder) if holder else None, token,
@@ -119,6 +144,9 @@ class LeaseBackend:
         self._wall_clock = wall_clock
         self._collection = f"/apis/coordination.k8s.io/v1/namespaces/{namespace}/leases"
         self._path = f"{self._collection}/{name}"
+        self._pods = f"/api/v1/namespaces/{namespace}/pods"
+        self._high_water: Token | None = None  # the highest token of the group observed here
+        self._pods_read = False  # the group's pod tokens were read (or tried) for a first term
         self._seen: Observed | None = None
         self._changed = asyncio.Event()  # set and replaced on every new observation
         self._synced = False  # the watch has listed and is following the Lease
@@ -220,14 +248,22 @@ class LeaseBackend:
         return seen.holder is None or seen.holder == identity or now >= self._expires_at(seen)
 
     def _next_token(self, seen: Observed) -> Token:
-        if seen.lease is not None and seen.token is not None:
-            return Token(seen.token + 1)
-        return Token(max(1, int(self._wall_clock() * 1000)))
+        """The hybrid logical clock: above the Lease's token, the wall clock and every token seen."""
+        floors = [1, int(self._wall_clock() * 1000)]
+        floors += [known + 1 for known in (seen.token, self._high_water) if known is not None]
+        return Token(max(floors))
+
+    def _note(self, token: Token | None) -> None:
+        """Raise the high-water mark to ``token``."""
+        if token is not None and (self._high_water is None or token > self._high_water):
+            self._high_water = token
 
     # -- writes ----------------------------------------------------------------------
 
     async def _take(self, identity: Identity, seen: Observed, deadline: float) -> Term | LockRecord:
         """Begin a term on the observed Lease (or create it); a lost race returns the record."""
+        if seen.lease is None or not self._pods_read:
+            await self._read_pod_tokens(deadline)
         token, stamp = self._next_token(seen), micro_time(self._wall_clock())
         lease: Lease = copy.deepcopy(seen.lease) if seen.lease is not None else {
             "apiVersion": "coordination.k8s.io/v1", "kind": "Lease",
@@ -297,6 +333,21 @@ class LeaseBackend:
         raise BackendUnavailable(f"lease {self.namespace}/{self.lease_name}: writes of token {term.token} "
                                  f"conflicted {_MAX_CONFLICTS} times in a row")
 
+    async def _read_pod_tokens(self, deadline: float) -> None:
+        """Add the tokens on the group's pods to the high-water mark; a failure is only logged."""
+        selector = {"labelSelector": f"{LABEL_GROUP}={self.lease_name}"}
+        self._pods_read = True
+        try:
+            pods = await self._client.request("GET", self._pods, params=selector,
+                                              timeout=self._left(deadline) / 2)
+        except KubeError as exc:
+            log.warning("lease %s/%s: cannot read the tokens on the group's pods (%s): the next token is "
+                        "above the wall clock and the tokens seen here only", self.namespace, self.lease_name, exc)
+            return
+        for pod in pods.get("items") or []:
+            if isinstance(pod, dict):
+                self._note(annotated_token(pod, ANNOTATION_TOKEN))
+
     def _renewed(self, lease: Lease) -> None:
         lease["spec"].update(renewTime=micro_time(self._wall_clock()), leaseDurationSeconds=self._seconds())
 
@@ -319,10 +370,10 @@ class LeaseBackend:
 
     def _observe(self, lease: Lease | None, *, deleted: bool = False) -> Observed:
         """Record what we saw; a new version restarts the expiry count and wakes waiters."""
-        seen = self._seen
-        version = observed(lease, 0).version
-        if seen is None or seen.version != version or (lease is None) != (seen.lease is None):
-            seen = self._seen = observed(lease, self._clock())
+        seen, now = self._seen, observed(lease, self._clock())
+        self._note(now.token)
+        if seen is None or seen.version != now.version or (lease is None) != (seen.lease is None):
+            seen = self._seen = now
             self._changed.set()
             self._changed = asyncio.Event()
             self._check_loss(seen, deleted=deleted)
@@ -392,6 +443,7 @@ class LeaseBackend:
             async for kind, lease in events:
                 version = str((lease.get("metadata") or {}).get("resourceVersion") or version)
                 if kind == "DELETED":
+                    self._note(annotated_token(lease, LEASE_ANNOTATION_TOKEN))  # its last state
                     self._observe(None, deleted=True)
                 elif kind in ("ADDED", "MODIFIED"):
                     self._observe(lease)

@@ -9,17 +9,37 @@ Design (the server is the authority; its clock decides expiry):
   sequence), so groups never block each other. The server frees the lock the instant the
   holder's session ends (crash, SIGKILL, ``pg_terminate_backend``, server restart).
 - **Standbys** wait with a *blocking* ``pg_advisory_lock`` under ``lock_timeout`` bounded by
-  the call's timeout: no polling, they wake as soon as the lock frees. On 55P03 the standby
+  the call's timeout (set back to 0 right after the wait): no polling, they wake as soon as
+  the lock frees. On 55P03 the standby
   reads the row; if the lease has expired by ``now()`` while the recorded holder's session
   still holds the lock (``pg_locks``), that holder is stalled (SIGSTOP keeps its TCP alive)
   and the standby ends its session with ``pg_terminate_backend`` (allowed for the same role).
   By then the stalled holder has passed its renew deadline (< lease duration) and stepped down.
 - **The record** (table ``<schema>.<table>``, one row per group) says who holds the lock,
-  since when, until when (``expires_at``), and with which **token**. The token is
-  ``nextval()`` of a global sequence taken in the acquiring transaction (committed with
-  ``synchronous_commit`` on): strictly increasing and never repeated, whatever restarts or
-  rows are deleted. Renewals and releases are conditional on holder and token (and, for
-  renewals, on the holder's session) and check the row count: 0 rows means "not ours".
+  since when, until when (``expires_at``), and with which **token**. Tokens are a hybrid
+  logical clock, the rule of every backend: a new term's token is the greatest of the
+  group's previous token + 1 and the store's clock in milliseconds since the epoch (here
+  also the next value of the table's token sequence, which the same statement advances past
+  the token when it lags). So tokens of a group strictly increase whatever the clocks do,
+  and a group switched from the Lease backend (wall-clock-ms tokens, same fence key) starts
+  above the Lease's tokens. The acquiring transaction commits with ``synchronous_commit`` on,
+  so a crash never reissues a token. The sequence is shared by groups and only a floor:
+  tokens are unique per group, two groups may get the same one. Renewals and releases are
+  conditional on holder and token (and, for renewals, on the holder's session) and check
+  the row count: 0 rows means "not ours".
+- **Session settings**: the sidecar sets what it depends on itself, right after connecting,
+  whatever the role or database says: ``statement_timeout``, ``lock_timeout``,
+  ``idle_in_transaction_session_timeout`` and (PostgreSQL >= 14) ``idle_session_timeout`` are
+  0 (asyncio bounds every call on the client; a server-side one would cancel a standby's
+  wait or end an idle holder's session), and the keepalives below. Only
+  ``application_name`` travels in the startup packet, which poolers and old servers accept.
+- **Poolers**: a pooler in transaction or statement mode hands a session (and its advisory
+  lock) to other clients, so two sidecars could hold one lock. Before its first lock, a new
+  connection must prove it is a session of its own: a direct TCP connection by the server
+  seeing our socket's two ends, anything else by a probe (a session setting with a nonce
+  that must stay on this connection and must not show on a second one; see
+  ``postgres_session.check_session``). Failing that raises ``BackendMisconfigured``, which is
+  not wrapped in ``BackendUnavailable``: the sidecar exits rather than retry.
 - **Schema**: created on first use under a transaction-level advisory lock (several sidecars
   may start at once), with ``<table>_schema_version`` recording the layout version. A role
   that only owns its database (no superuser) suffices.
@@ -27,22 +47,26 @@ Design (the server is the authority; its clock decides expiry):
   held through the loss callback at once; the next ``acquire`` reconnects. Every failure to
   reach the server is raised as ``BackendUnavailable``; a connection whose state is unknown
   after an error or cancellation is closed (the server frees its lock) and reopened later.
+  Every such close while a term is held (a failed renewal, release or observe) reports the
+  term lost through the callback too, since the server freed the lock at that moment.
 
-Server-side TCP keepalives (``tcp_keepalives_*`` in ``server_settings``) make the server drop a
-*partitioned* holder's session, freeing its lock, only after that holder has stepped down.
+Server-side TCP keepalives (``tcp_keepalives_*``, set after connecting by
+``postgres_session``) make the server drop a *partitioned* holder's session, freeing its
+lock, only after that holder has stepped down.
 The holder steps down ``renew_deadline`` after its last successful renewal; the server last
 heard from it at that renewal and drops it ``idle + interval * count`` seconds later, with
 ``idle = ceil(renew_deadline + KEEPALIVE_MARGIN)``, ``interval = 1``, ``count = 3``:
 total >= renew_deadline + 1 s + 3 s > renew_deadline + margin (e.g. renew_deadline 10 s:
 idle 11 s, dropped after 14-15 s). Longer is always safe; the expiry check above bounds
-failover for a holder that is slow rather than gone.
+failover for a holder that is slow rather than gone. Through a session-mode pooler the
+keepalives watch the pooler's connection, not the sidecar's: the expiry check replaces a
+partitioned holder there.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
-import math
 import time
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
@@ -51,6 +75,7 @@ from typing import TYPE_CHECKING, TypeAlias
 
 import asyncpg
 
+from singleton_sidecar.backends.postgres_session import check_session, session_settings
 from singleton_sidecar.backends.postgres_sql import DDL_LOCK_ID, NAMESPACE, SCHEMA_VERSION, Statements
 from singleton_sidecar.core.lock import (
     BackendUnavailable,
@@ -66,21 +91,8 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
-KEEPALIVE_MARGIN = 1.0
-KEEPALIVE_INTERVAL = 1
-KEEPALIVE_COUNT = 3
 _LOCK_RESERVE_MAX = 0.5  # seconds of an acquire's budget kept for the work after the lock wait
 _DB_ERRORS = (OSError, asyncpg.PostgresError, asyncpg.InterfaceError, asyncpg.InternalClientError)
-
-
-def keepalive_settings(renew_deadline: float) -> dict[str, str]:
-    """Server-side keepalives that drop a silent client only after ``renew_deadline`` + margin."""
-    idle = max(1, math.ceil(renew_deadline + KEEPALIVE_MARGIN))
-    return {
-        "tcp_keepalives_idle": str(idle),
-        "tcp_keepalives_interval": str(KEEPALIVE_INTERVAL),
-        "tcp_keepalives_count": str(KEEPALIVE_COUNT),
-    }
 
 
 class PostgresBackend:
@@ -112,8 +124,9 @@ class PostgresBackend:
         self._connect_timeout = connect_timeout
         self._clock = clock
         self._sql = Statements.build(schema, table)
+        # Only application_name goes in the startup packet: poolers refuse other startup
+        # parameters, and older servers any they do not know. The rest is set after connecting.
         self._server_settings = {"application_name": f"singleton:{group}"[:63]}
-        self._server_settings.update(keepalive_settings(renew_deadline))
         self._conn: Connection | None = None
         self._term: Term | None = None  # the term held on self._conn, if any
         self._held_lock_id = 0  # the advisory lock key of self._term
@@ -145,7 +158,7 @@ class PostgresBackend:
                     return await self._busy_record(conn, identity)
             except BaseException as exc:
                 if not (isinstance(exc, asyncpg.PostgresError) and not conn.is_closed()):
-                    self._discard(conn)
+                    self._discard(conn, "acquire failed; closed the lock's connection")
                 raise
             return await self._take(conn, identity, lock_id)
 
@@ -170,7 +183,9 @@ class PostgresBackend:
                 await conn.execute(self._sql.unlock, NAMESPACE, self._held_lock_id)
                 return None
             except BaseException:
-                self._discard(conn)
+                # The server frees the lock with the session: the term ends now, not at the
+                # elector's renew deadline.
+                self._discard(conn, "renewal failed; closed the lock's connection, which frees the lock")
                 raise
 
     async def release(self, term: Term, *, timeout: float) -> None:
@@ -180,17 +195,17 @@ class PostgresBackend:
                 log.debug("group %s: %s releases token %s: not held here",
                           self.group, term.identity, term.token)
                 return
-            self._term = None
             if conn is None or conn.is_closed():
+                self._term = None
                 return
             try:
                 await conn.execute(self._sql.release, self.group, term.identity, term.token)
                 await conn.execute(self._sql.unlock, NAMESPACE, self._held_lock_id)
             except BaseException:
-                log.warning("group %s: release by %s of token %s failed; closing the connection",
-                            self.group, term.identity, term.token)
-                self._discard(conn)
+                # The term stays ours until here, so closing the session reports its loss.
+                self._discard(conn, "release failed; closed the lock's connection, which frees the lock")
                 raise
+            self._term = None
             log.info("group %s: %s released the lock (token %s)", self.group, term.identity, term.token)
 
     async def observe(self, *, timeout: float) -> LockRecord:
@@ -203,15 +218,13 @@ class PostgresBackend:
                         return await self._read(conn)
                     except BaseException as exc:
                         if not (isinstance(exc, asyncpg.PostgresError) and not conn.is_closed()):
-                            self._discard(conn, notify="observe failed on the lock's connection")
+                            self._discard(conn, "observe failed on the lock's connection")
                         raise
-            conn = await self._open(deadline)
-            try:
-                return await self._read(conn)
-            except asyncpg.UndefinedTableError:
-                return LockRecord(holder=None, token=None)
-            finally:
-                await _close(conn)
+            async with self._short_lived(deadline) as conn:
+                try:
+                    return await self._read(conn)
+                except asyncpg.UndefinedTableError:
+                    return LockRecord(holder=None, token=None)
 
     async def current_leader(self, *, timeout: float = 5.0) -> LockRecord:
         """Who leads the group now, with which token (an ``observe``)."""
@@ -238,8 +251,18 @@ class PostgresBackend:
         try:
             await conn.execute(self._sql.lock, NAMESPACE, lock_id)
         except asyncpg.LockNotAvailableError:
-            return False
-        return True
+            granted = False
+        else:
+            granted = True
+        # Left on the session, the wait's timeout would also bound later statements' lock
+        # waits (the take's and the renewals' row locks) and fail them.
+        try:
+            await conn.execute(self._sql.set_lock_timeout, "0")
+        except BaseException:
+            if granted:  # a lock we hold on a session we cannot vouch for: give it up with the session
+                self._discard(conn, "resetting lock_timeout after the lock wait failed")
+            raise
+        return granted
 
     async def _take(self, conn: Connection, identity: Identity, lock_id: int) -> Term | LockRecord:
         """We hold the advisory lock: record the new term with a fresh token."""
@@ -256,7 +279,7 @@ class PostgresBackend:
                 await conn.execute(self._sql.unlock, NAMESPACE, lock_id)
                 return LockRecord(holder=None, token=None)
         except BaseException:
-            self._discard(conn)  # the server frees the lock with the session
+            self._discard(conn, "taking the lock failed; closed the connection")  # frees the lock
             raise
         term = Term(identity=identity, token=Token(token), version=str(token), written_at=sent)
         self._term, self._held_lock_id = term, lock_id
@@ -299,6 +322,9 @@ class PostgresBackend:
             self._lost(conn, "connection to PostgreSQL closed")
         conn = await self._open(deadline)
         try:
+            await check_session(conn, group=self.group, second=lambda: self._short_lived(deadline))
+            settings = session_settings(self.renew_deadline, conn.get_server_version().major)
+            await conn.fetchval(self._sql.set_session, list(settings), list(settings.values()))
             if not self._schema_ready:
                 await self._ensure_schema(conn)
         except BaseException:
@@ -310,6 +336,15 @@ class PostgresBackend:
                                        "pg_terminate_backend or network failure)"))
         log.debug("group %s: connected to PostgreSQL (backend pid %s)", self.group, conn.get_server_pid())
         return conn
+
+    @asynccontextmanager
+    async def _short_lived(self, deadline: float) -> AsyncIterator[Connection]:
+        """A connection of its own for one look, closed after it."""
+        conn = await self._open(deadline)
+        try:
+            yield conn
+        finally:
+            await _close(conn)
 
     async def _open(self, deadline: float) -> Connection:
         budget = max(0.001, min(self._connect_timeout, deadline - self._clock()))
@@ -364,13 +399,9 @@ class PostgresBackend:
             except Exception:
                 log.exception("group %s: loss callback failed", self.group)
 
-    def _discard(self, conn: Connection, *, notify: str | None = None) -> None:
-        """Close ``conn`` at once (the server frees its locks); report a term only if ``notify``."""
-        if notify is not None:
-            self._lost(conn, notify)
-        elif self._conn is conn:
-            self._conn = None
-            self._term = None
+    def _discard(self, conn: Connection, reason: str) -> None:
+        """Close ``conn`` at once (the server frees its locks); a term held on it is reported lost."""
+        self._lost(conn, reason)
         conn.terminate()
 
     @asynccontextmanager

@@ -2,11 +2,15 @@
 
 Only identifiers (the schema and table names, validated and quoted here) are put into SQL
 text; every value (group, identity, token, durations, lock keys) is a bind parameter, and
-durations become intervals with ``make_interval(secs => $n)``.
+durations become intervals with ``make_interval(secs => $n)``. The exceptions are the
+pooler probe's values (a hex nonce we generate, IP addresses and ports from our own socket,
+each checked here): the probe must use the simple query protocol, because a transaction-mode
+pooler breaks prepared statements before the probe could say why.
 """
 
 from __future__ import annotations
 
+import ipaddress
 import re
 from dataclasses import dataclass
 from typing import Final
@@ -25,6 +29,10 @@ SCHEMA_VERSION: Final = 1
 _IDENTIFIER = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
 _MAX_IDENTIFIER = 63  # NAMEDATALEN - 1
 _SUFFIXES: Final = ("_schema_version", "_token_seq", "_lock_id_seq")
+_NONCE = re.compile(r"[0-9a-f]{8,64}")
+
+PROBE_SETTING: Final = "singleton.session_probe"
+"""Custom setting the pooler probe writes on the lock's session: ``<nonce>:<backend pid>``."""
 
 
 def quote_identifier(name: str, *, what: str, max_length: int = _MAX_IDENTIFIER) -> str:
@@ -140,6 +148,11 @@ class Statements:
         return "SELECT set_config('lock_timeout', $1, false)"
 
     @property
+    def set_session(self) -> str:
+        """$1 names, $2 values: session-level settings of the lock's connection."""
+        return "SELECT count(set_config(s.name, s.value, false)) FROM unnest($1::text[], $2::text[]) AS s(name, value)"
+
+    @property
     def lock(self) -> str:
         return "SELECT pg_advisory_lock($1::int4, $2::int4)"
 
@@ -153,13 +166,24 @@ class Statements:
 
     @property
     def take(self) -> str:
-        """$1 group, $2 identity, $3 lease seconds, $4 lock id, $5 token sequence."""
+        """$1 group, $2 identity, $3 lease seconds, $4 lock id, $5 token sequence.
+
+        The token is a hybrid logical clock: the greatest of the sequence's next value, the
+        server's clock in milliseconds since the epoch (the Lease backend's unit, so a group
+        switched between backends never goes down) and the row's last token + 1 (the group's
+        own floor: the sequence is shared by groups and may lag, the clock may step back).
+        A sequence that fell behind is advanced to the token (``setval``, not rolled back), so
+        later ``nextval`` starts above it. Runs under the group's advisory lock."""
         return (
-            f"UPDATE {self.leases} SET holder = $2, holder_pid = pg_backend_pid(),"
-            " token = nextval($5::text::regclass), transitions = transitions + 1,"
+            f"WITH issued AS (SELECT nextval($5::text::regclass) AS seq,"
+            " floor(extract(epoch FROM clock_timestamp()) * 1000)::bigint AS clock_ms)"
+            f" UPDATE {self.leases} r SET holder = $2, holder_pid = pg_backend_pid(),"
+            " token = greatest(i.seq, i.clock_ms, coalesce(r.token, 0) + 1),"
+            " transitions = r.transitions + 1,"
             " acquired_at = now(), renewed_at = now(),"
             " expires_at = now() + make_interval(secs => $3), released_at = NULL"
-            " WHERE group_name = $1 AND lock_id = $4 RETURNING token"
+            " FROM issued i WHERE r.group_name = $1 AND r.lock_id = $4"
+            " RETURNING r.token, CASE WHEN r.token > i.seq THEN setval($5::text::regclass, r.token) END"
         )
 
     @property
@@ -199,3 +223,51 @@ class Statements:
     @property
     def terminate(self) -> str:
         return "SELECT pg_terminate_backend($1)"
+
+
+@dataclass(frozen=True)
+class SessionProbe:
+    """Statements of the pooler probe for one nonce; run with the simple query protocol
+    (``execute`` without arguments), each answers with its row count: ``SELECT 1`` or ``SELECT 0``."""
+
+    nonce: str
+
+    def __post_init__(self) -> None:
+        if not _NONCE.fullmatch(self.nonce):
+            raise ValueError(f"probe nonce must be 8 to 64 lowercase hex digits, got {self.nonce!r}")
+
+    @property
+    def mark(self) -> str:
+        """Write ``<nonce>:<pid>`` into the session (session-level, not transaction-local)."""
+        return f"SELECT set_config('{PROBE_SETTING}', '{self.nonce}:' || pg_backend_pid(), false)"
+
+    @property
+    def still_mine(self) -> str:
+        """One row if this statement ran in the marked session (same setting, same backend)."""
+        return f"SELECT 1 WHERE current_setting('{PROBE_SETTING}', true) = '{self.nonce}:' || pg_backend_pid()"
+
+    @property
+    def seen_elsewhere(self) -> str:
+        """One row if this session carries the mark (run on a second connection: it must not)."""
+        return f"SELECT 1 WHERE current_setting('{PROBE_SETTING}', true) LIKE '{self.nonce}:%'"
+
+
+def same_tcp_connection(client: tuple[str, int], server: tuple[str, int]) -> str:
+    """One row if the server's end of this session is the TCP connection whose ends are
+    ``client`` (our socket's address) and ``server`` (the address we reached). A pooler's
+    server connection has the pooler's address and port, never ours; that the server itself
+    is at the address we reached rules out a proxy or pooler on our own machine.
+    Raises ``ValueError`` for anything but plain IP addresses and ports."""
+    (client_ip, client_port), (server_ip, server_port) = (_endpoint(*client), _endpoint(*server))
+    return (
+        "SELECT 1 FROM pg_stat_activity WHERE pid = pg_backend_pid()"
+        f" AND client_addr = '{client_ip}'::inet AND client_port = {client_port}"
+        f" AND inet_server_addr() = '{server_ip}'::inet AND inet_server_port() = {server_port}"
+    )
+
+
+def _endpoint(host: str, port: int) -> tuple[str, int]:
+    address = ipaddress.ip_address(host)
+    if "%" in str(address) or not (isinstance(port, int) and 0 < port < 65536):
+        raise ValueError(f"not a plain IP endpoint: {host!r} {port!r}")
+    return str(address), port

@@ -256,39 +256,47 @@ class Elector:
                 ), timings)
                 if decision.action is Action.FINISH:
                     break
-                if self._status.role is Role.STANDBY:
+                if self._status.role is Role.STANDBY:  # a takeover, not acting yet
                     if decision.action is Action.DRAIN:
-                        # Asked to end a term that has not begun acting: nothing to drain.
-                        decision = Decision(Action.FINISH, decision.reason.replace("stepping down", "stepped down"),
-                                            Role.RELEASED if self._drain_requested.is_set() else Role.STANDBY,
-                                            timings.lease_duration)
+                        decision = self._end_before_acting(decision)
                         break
                     if now >= self._acting_from:
                         self._begin_acting(term)
                 if decision.action is Action.DRAIN:
                     self._publish(role=Role.DRAINING, term=term, reason=decision.reason)
-                    final = self._drain_requested.is_set()
-                    drain_task = asyncio.create_task(self._drain(final=final), name=f"drain:{self.group}")
+                    drain_task = asyncio.create_task(self._drain(final=self._drain_requested.is_set()),
+                                                     name=f"drain:{self.group}")
                     drain_task.add_done_callback(lambda _t: self._wakeup.set())
-                wake_at = min(next_renew, self._deadline)
-                if self._acting_from > now:
-                    wake_at = min(wake_at, self._acting_from)
-                if now < wake_at:
-                    self._wakeup.clear()
-                    await self.clock.wait(self._wakeup, wake_at - now)
-                    continue
-                if now < next_renew:
-                    continue
-                renewed, next_renew = await self._renew(term, now)
-                if renewed is None:
-                    self._lost_reason = "lost the lock: another candidate holds it"
-                    continue
-                term = renewed
+                term, next_renew = await self._wait_or_renew(term, now, next_renew)
         finally:
             if decision.action is not Action.FINISH:  # cancelled mid-term
                 decision = Decision(Action.FINISH, "stopped while leading", Role.STANDBY)
             pause = await self._finish(term, decision, drain_task)
         await self.clock.wait(self._drain_requested, pause)
+
+    def _end_before_acting(self, decision: Decision) -> Decision:
+        """Asked to end a term that has not begun acting: nothing to drain."""
+        then = Role.RELEASED if self._drain_requested.is_set() else Role.STANDBY
+        return Decision(Action.FINISH, decision.reason.replace("stepping down", "stepped down"), then,
+                        self.timings.lease_duration)
+
+    async def _wait_or_renew(self, term: Term, now: float, next_renew: float) -> tuple[Term, float]:
+        """Sleep until the next thing due (renewal, deadline, the end of a takeover wait, a
+        wake-up), or renew if it is due. Returns the term and the next renewal time."""
+        wake_at = min(next_renew, self._deadline)
+        if self._acting_from > now:
+            wake_at = min(wake_at, self._acting_from)
+        if now < wake_at:
+            self._wakeup.clear()
+            await self.clock.wait(self._wakeup, wake_at - now)
+            return term, next_renew
+        if now < next_renew:
+            return term, next_renew
+        renewed, next_renew = await self._renew(term, now)
+        if renewed is None:
+            self._lost_reason = "lost the lock: another candidate holds it"
+            return term, next_renew
+        return renewed, next_renew
 
     def _begin_acting(self, term: Term) -> None:
         self._publish(role=Role.LEADER, term=term, leader_since=self._wall_clock(), reason="acquired the lock")

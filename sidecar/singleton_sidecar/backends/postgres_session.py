@@ -1,0 +1,120 @@
+"""What the PostgreSQL backend's lock connection must be: a session of its own, with the
+settings the backend depends on. Used by ``backends.postgres`` when it opens that connection.
+
+- ``check_session`` refuses a connection pooler in transaction or statement mode, which
+  hands a server session (and the advisory lock in it) to other clients between
+  transactions, so two sidecars could hold one lock. It raises ``BackendMisconfigured``
+  (never retried: the sidecar exits with the message).
+- ``session_settings``: server-side timeouts off and TCP keepalives, set with one statement
+  after connecting (poolers refuse such startup parameters, older servers unknown ones).
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import secrets
+from collections.abc import Callable
+from contextlib import AbstractAsyncContextManager
+from typing import TYPE_CHECKING, NoReturn, TypeAlias
+
+import asyncpg
+
+from singleton_sidecar.backends.postgres_sql import PROBE_SETTING, SessionProbe, same_tcp_connection
+from singleton_sidecar.core.lock import BackendMisconfigured
+
+if TYPE_CHECKING:
+    Connection: TypeAlias = asyncpg.Connection[asyncpg.Record]
+
+log = logging.getLogger(__name__)
+
+KEEPALIVE_MARGIN = 1.0
+KEEPALIVE_INTERVAL = 1
+KEEPALIVE_COUNT = 3
+
+
+def keepalive_settings(renew_deadline: float) -> dict[str, str]:
+    """Server-side keepalives that drop a silent client only after ``renew_deadline`` + margin."""
+    idle = max(1, math.ceil(renew_deadline + KEEPALIVE_MARGIN))
+    return {
+        "tcp_keepalives_idle": str(idle),
+        "tcp_keepalives_interval": str(KEEPALIVE_INTERVAL),
+        "tcp_keepalives_count": str(KEEPALIVE_COUNT),
+    }
+
+
+def session_settings(renew_deadline: float, server_major: int) -> dict[str, str]:
+    """Everything the lock's session must have, whatever the role or database sets.
+
+    Server-side timeouts are off: asyncio bounds every call on the client, while a
+    ``statement_timeout`` would cancel a standby's lock wait, a ``lock_timeout`` would fail a
+    renewal queued behind a row lock, and an idle timeout would end the holder's session
+    (and free its lock) between renewals. ``idle_session_timeout`` exists from PostgreSQL 14
+    on; setting it on an older server would fail.
+    """
+    settings = keepalive_settings(renew_deadline)
+    settings.update(statement_timeout="0", lock_timeout="0", idle_in_transaction_session_timeout="0")
+    if server_major >= 14:
+        settings["idle_session_timeout"] = "0"
+    return settings
+
+
+async def check_session(
+    conn: Connection, *, group: str, second: Callable[[], AbstractAsyncContextManager[Connection]]
+) -> None:
+    """Raise ``BackendMisconfigured`` unless ``conn`` is a server session of its own.
+
+    A direct TCP connection proves itself: the server's view of the session's two ends is our
+    socket's. Otherwise (a Unix socket, NAT, a proxy or a pooler) the probe marks this session
+    (a session-level setting holding a nonce and the backend pid) and checks, each in its own
+    statement and so its own transaction:
+
+    1. this connection still sees its mark (a round-robin pooler with two idle server
+       connections moves the next statement elsewhere; one that resets a server connection
+       after each transaction wipes the mark);
+    2. a ``second`` connection does not see it (a LIFO pooler, PgBouncer's default, gives the
+       second client the server connection this one just left);
+    3. this connection still sees it after that (a pooler that resets server connections
+       between clients wiped it).
+
+    Direct connections and session pooling pass all three by construction. Only the simple
+    query protocol is used: behind such a pooler, prepared statements would fail first, with
+    a less clear error.
+    """
+    if await _direct_tcp(conn):
+        return
+    probe = SessionProbe(secrets.token_hex(16))
+    await conn.execute(probe.mark)
+    if await conn.execute(probe.still_mine) != "SELECT 1":
+        _misconfigured(group, "a setting made on the connection was gone at its next statement")
+    async with second() as other:
+        seen = await other.execute(probe.seen_elsewhere)
+    if seen != "SELECT 0":
+        _misconfigured(group, "a second connection saw the first one's session setting")
+    if await conn.execute(probe.still_mine) != "SELECT 1":
+        _misconfigured(group, "a setting made on the connection was gone after another client connected")
+
+
+async def _direct_tcp(conn: Connection) -> bool:
+    # asyncpg has no public accessor for its socket; without one, the probe decides.
+    transport = getattr(conn, "_transport", None)
+    if transport is None:
+        return False
+    ours, theirs = transport.get_extra_info("sockname"), transport.get_extra_info("peername")
+    if not (isinstance(ours, tuple) and isinstance(theirs, tuple)):
+        return False  # a Unix socket
+    try:
+        query = same_tcp_connection(ours[:2], theirs[:2])
+    except ValueError:
+        return False  # an address the check does not cover (an IPv6 zone)
+    return await conn.execute(query) == "SELECT 1"
+
+
+def _misconfigured(group: str, evidence: str) -> NoReturn:
+    message = (
+        f"postgres group {group!r}: the DSN reaches PostgreSQL through a connection pooler in "
+        f"transaction or statement pooling mode ({evidence}; probe setting {PROBE_SETTING}), which could "
+        "grant one session advisory lock to two sidecars: connect directly to PostgreSQL or use session "
+        "pooling (PgBouncer: pool_mode = session)")
+    log.error("%s", message)
+    raise BackendMisconfigured(message)

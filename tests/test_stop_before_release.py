@@ -1,0 +1,288 @@
+"""Stop before release, judged by what the apps *do*: every gated app records each moment it
+acts in a file (``tests/data/acting_app.py``), and no two tokens may ever act at once, on any
+path that ends a term. Real sidecars, real PostgreSQL, real processes; no fence involved.
+
+Each test fails on the code before this contract (release in the same instant as the new
+role was published; SIGTERM to the direct child only; no deadline of the gate's own).
+"""
+
+from __future__ import annotations
+
+import itertools
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+import uuid
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+from tests.sidecars import SidecarProcess, leaders, one_leader, wait_for
+
+APP = str(Path(__file__).parent / "data" / "acting_app.py")
+TIMINGS = {"SINGLETON_LEASE_DURATION": "3", "SINGLETON_RENEW_DEADLINE": "2", "SINGLETON_RETRY_PERIOD": "0.5"}
+FINISH = 0.8  # seconds a slow app works on after SIGTERM
+
+pytestmark = pytest.mark.postgres
+
+
+@dataclass(frozen=True)
+class Span:
+    token: int
+    first: float
+    last: float
+    pids: frozenset[int]
+
+
+def spans(log: Path) -> list[Span]:
+    """Each token's acting span (first to last recorded act), in order of first act."""
+    seen: dict[int, tuple[float, float, set[int]]] = {}
+    for line in log.read_text().splitlines():
+        token_text, pid_text, at_text = line.split()
+        token, pid, at = int(token_text), int(pid_text), float(at_text)
+        first, last, pids = seen.get(token, (at, at, set()))
+        pids.add(pid)
+        seen[token] = (min(first, at), max(last, at), pids)
+    return sorted((Span(t, f, la, frozenset(p)) for t, (f, la, p) in seen.items()), key=lambda s: s.first)
+
+
+def idle_gaps(log: Path) -> list[float]:
+    """Seconds between one token's last act and the next token's first; negative: both acted at once."""
+    ordered = spans(log)
+    reach = ordered[0].last if ordered else 0.0
+    gaps = []
+    for span in ordered[1:]:
+        gaps.append(span.first - reach)
+        reach = max(reach, span.last)
+    return gaps
+
+
+def assert_never_two_actors(log: Path, *, terms: int) -> list[float]:
+    ordered = spans(log)
+    assert len(ordered) >= terms, f"expected {terms} terms to act, saw {[s.token for s in ordered]}"
+    tokens = [s.token for s in ordered]
+    assert tokens == sorted(tokens), f"tokens acted out of order: {tokens}"
+    gaps = idle_gaps(log)
+    assert all(gap > 0 for gap in gaps), f"two apps acted at once: gaps {gaps}"
+    return gaps
+
+
+def group_gone(pids: frozenset[int]) -> bool:
+    return not any(Path(f"/proc/{pid}").exists() and _state(pid) != "Z" for pid in pids)
+
+
+def _state(pid: int) -> str:
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except (OSError, IndexError):
+        return "gone"
+
+
+Factory = Callable[..., list[SidecarProcess]]
+
+
+@pytest.fixture
+def acting_log(tmp_path: Path) -> Path:
+    return tmp_path / "acts.log"
+
+
+@pytest.fixture
+def gated(pg_dsn: str, tmp_path: Path, acting_log: Path) -> Iterator[Factory]:
+    group = "s-" + uuid.uuid4().hex[:10]
+    started: list[SidecarProcess] = []
+
+    def make(count: int = 2, *, app_env: dict[str, str] | None = None, env: dict[str, str] | None = None,
+             file_gate: bool = False) -> list[SidecarProcess]:
+        for _ in range(count):
+            index = len(started)
+            sidecar_env = {"SINGLETON_GROUP": group, "SINGLETON_BACKEND": "postgres",
+                           "SINGLETON_POSTGRES_DSN": pg_dsn, "SINGLETON_IDENTITY": f"m{index}-{uuid.uuid4().hex[:6]}",
+                           "ACT_LOG": str(acting_log), "ACT_FINISH": str(FINISH), **TIMINGS,
+                           **(app_env or {}), **(env or {})}
+            command: list[str] = [sys.executable, APP]
+            if file_gate:
+                sidecar_env["SINGLETON_GATE_DIR"] = str(tmp_path / f"gate{index}")
+                command = []
+            sidecar = SidecarProcess(f"m{index}", sidecar_env, tmp_path / f"m{index}.log", command=command)
+            started.append(sidecar.start())
+        return started[-count:]
+
+    yield make
+    for sidecar in started:
+        sidecar.stop()
+
+
+def test_step_down_with_a_slow_app_hands_over_only_once_it_stopped(gated: Factory, acting_log: Path) -> None:
+    """Was: 0.77 s of two apps acting at once on every planned handover."""
+    members = gated(3)
+    leader = one_leader(members)
+    wait_for(acting_log.exists, 10, "the leader's app to act")
+    time.sleep(0.3)
+    started = time.monotonic()
+    status, _ = leader.control("POST", "/step-down?reason=test")
+    assert status == 202
+    wait_for(lambda: len(spans(acting_log)) >= 2, 10, "the next leader's app to act")
+    gaps = assert_never_two_actors(acting_log, terms=2)
+    # Nobody acts while the old app finishes (its 0.8 s); the handover itself adds milliseconds.
+    new_first = spans(acting_log)[1].first
+    assert FINISH < new_first - started < FINISH + 1.0, new_first - started
+    assert gaps[0] < 0.5, gaps
+    assert leader.leader_doc()["role"] == "standby"  # type: ignore[index]
+
+
+def test_a_drain_that_hits_its_timeout_kills_the_app_before_release(gated: Factory, acting_log: Path) -> None:
+    members = gated(2, env={"SINGLETON_DRAIN_TIMEOUT": "0.3"}, app_env={"ACT_FINISH": "5"})
+    leader = one_leader(members)
+    wait_for(acting_log.exists, 10, "the leader's app to act")
+    leader.signal_sidecar_only(signal.SIGTERM)
+    wait_for(lambda: len(spans(acting_log)) >= 2, 10, "the next leader's app to act")
+    gaps = assert_never_two_actors(acting_log, terms=2)
+    assert gaps[0] < 2.0, "killed at the drain timeout (plus the kill grace), not after its own 5 s"
+    assert leader.wait_exit(10) == 0
+
+
+def test_children_of_the_app_are_stopped_with_it(gated: Factory, acting_log: Path) -> None:
+    """Was: SIGTERM and SIGKILL reached only the gate's direct child; its children acted on."""
+    members = gated(2, app_env={"ACT_CHILDREN": "2"})
+    leader = one_leader(members)
+    wait_for(lambda: acting_log.exists() and len(spans(acting_log)[0].pids) == 3, 10, "the app and 2 children")
+    old = spans(acting_log)[0]
+    status, _ = leader.control("POST", "/step-down")
+    assert status == 202
+    wait_for(lambda: len(spans(acting_log)) >= 2, 10, "the next leader's app to act")
+    assert_never_two_actors(acting_log, terms=2)
+    assert group_gone(old.pids), "a child of the old app survived"
+
+
+def test_a_stalled_sidecar_cannot_keep_its_app_acting(gated: Factory, acting_log: Path) -> None:
+    """SIGSTOP of the sidecar process alone: the keeper stops the app at the term's deadline,
+    before the lease lets anyone else lead."""
+    members = gated(2, app_env={"ACT_CHILDREN": "1"})
+    leader = one_leader(members)
+    wait_for(acting_log.exists, 10, "the leader's app to act")
+    stalled_at = time.monotonic()
+    leader.signal_sidecar_only(signal.SIGSTOP)
+    try:
+        wait_for(lambda: len(spans(acting_log)) >= 2, 15, "a standby to take over")
+        old = spans(acting_log)[0]
+        gaps = assert_never_two_actors(acting_log, terms=2)
+        renew_deadline, lease = float(TIMINGS["SINGLETON_RENEW_DEADLINE"]), float(TIMINGS["SINGLETON_LEASE_DURATION"])
+        # Stopped by its deadline (SIGTERM) and the app's finishing time, or the kill grace (SIGKILL).
+        assert old.last - stalled_at < renew_deadline + FINISH + 0.2
+        assert gaps[0] > 0 and old.last < stalled_at + lease
+        assert group_gone(old.pids)
+    finally:
+        leader.signal_sidecar_only(signal.SIGCONT)
+
+
+def test_a_killed_sidecar_takes_its_app_with_it(gated: Factory, acting_log: Path) -> None:
+    members = gated(2, app_env={"ACT_CHILDREN": "1"})
+    leader = one_leader(members)
+    wait_for(acting_log.exists, 10, "the leader's app to act")
+    time.sleep(0.2)
+    killed_at = time.monotonic()
+    leader.signal_sidecar_only(signal.SIGKILL)
+    wait_for(lambda: len(spans(acting_log)) >= 2, 10, "the standby's app to act")
+    old = spans(acting_log)[0]
+    assert_never_two_actors(acting_log, terms=2)
+    assert old.last - killed_at < 0.2, "the keeper kills the group as soon as the sidecar is gone"
+    wait_for(lambda: group_gone(old.pids), 2, "the old app's group to be gone")
+
+
+def test_a_drain_hook_that_refuses_the_connection_still_waits_for_the_app(gated: Factory,
+                                                                            acting_log: Path) -> None:
+    """Was: a refused drain-hook URL (the app closed its listener on SIGTERM) released at once."""
+    with socket.socket() as closed:
+        closed.bind(("127.0.0.1", 0))
+        port = closed.getsockname()[1]
+    members = gated(2, env={"SINGLETON_DRAIN_URL": f"http://127.0.0.1:{port}/drain"})
+    leader = one_leader(members)
+    wait_for(acting_log.exists, 10, "the leader's app to act")
+    started = time.monotonic()
+    leader.signal_sidecar_only(signal.SIGTERM)
+    wait_for(lambda: len(spans(acting_log)) >= 2, 10, "the next leader's app to act")
+    assert_never_two_actors(acting_log, terms=2)
+    assert spans(acting_log)[1].first - started > FINISH, "released before the app had finished"
+    assert "drain hook" in leader.log() and "failed" in leader.log()
+
+
+# --- the file gate -----------------------------------------------------------------------------------
+
+
+def run_gate_script(gate_dir: Path, env: dict[str, str]) -> subprocess.Popen[bytes]:
+    wait_for((gate_dir / "gate.sh").exists, 10, "gate.sh to be installed")
+    return subprocess.Popen(["/bin/sh", str(gate_dir / "gate.sh"), sys.executable, APP],
+                            env={**os.environ, **env}, start_new_session=True)
+
+
+@pytest.fixture
+def gate_scripts() -> Iterator[list[subprocess.Popen[bytes]]]:
+    scripts: list[subprocess.Popen[bytes]] = []
+    yield scripts
+    for script in scripts:
+        with __import__("contextlib").suppress(ProcessLookupError):
+            os.killpg(script.pid, signal.SIGKILL)
+        script.wait()
+
+
+@pytest.mark.parametrize("ignore_term", [False, True], ids=["slow app", "app ignoring SIGTERM"])
+def test_file_gate_step_down_waits_for_gate_sh(gated: Factory, acting_log: Path, tmp_path: Path,
+                                               gate_scripts: list[subprocess.Popen[bytes]], ignore_term: bool) -> None:
+    app_env = {"ACT_LOG": str(acting_log), "ACT_FINISH": str(FINISH), "ACT_CHILDREN": "1",
+               "ACT_IGNORE_TERM": "1" if ignore_term else "0"}
+    members = gated(2, file_gate=True, env={"SINGLETON_DRAIN_TIMEOUT": "0.5", "SINGLETON_KILL_GRACE": "0.3"})
+    gate_scripts.extend(run_gate_script(tmp_path / f"gate{i}", app_env) for i in range(2))
+    leader = one_leader(members)
+    wait_for(acting_log.exists, 10, "the leader's app to act")
+    old_token = leader.leader_doc()["token"]  # type: ignore[index]
+    time.sleep(0.3)
+    status, _ = leader.control("POST", "/step-down")
+    assert status == 202
+    wait_for(lambda: len(spans(acting_log)) >= 2, 10, "the next leader's app to act")
+    gaps = assert_never_two_actors(acting_log, terms=2)
+    old = next(s for s in spans(acting_log) if s.token == old_token)
+    assert group_gone(old.pids)
+    if ignore_term:
+        # Drain timeout 0.5 s, then the kill grace written in the flag (0.3 s), not gate.sh's old 1 s default.
+        assert gaps[0] < 0.5 + 0.3 + 0.5, gaps
+
+
+def test_file_gate_keeps_the_leaders_app_running_across_renewals(
+        gated: Factory, acting_log: Path, tmp_path: Path, gate_scripts: list[subprocess.Popen[bytes]]) -> None:
+    """The lease/both default timings (9 / 7.5 / 6 s) leave 1.5 s between a renewal and the
+    deadline. Was: the flag was refreshed on a timer, expired between refreshes, and gate.sh
+    stopped and restarted the leader's app while its sidecar kept leading."""
+    slow = {"SINGLETON_LEASE_DURATION": "9", "SINGLETON_RENEW_DEADLINE": "7.5", "SINGLETON_RETRY_PERIOD": "6"}
+    members = gated(1, file_gate=True, env=slow)
+    gate_scripts.append(run_gate_script(tmp_path / "gate0", {"ACT_LOG": str(acting_log)}))
+    one_leader(members)
+    wait_for(acting_log.exists, 10, "the leader's app to act")
+    time.sleep(20)  # three renewals
+    acting = spans(acting_log)
+    assert len(acting) == 1 and len(acting[0].pids) == 1, "the leader's app was restarted"
+    lines = acting_log.read_text().splitlines()
+    times = [float(line.split()[2]) for line in lines]
+    assert max(b - a for a, b in itertools.pairwise(times)) < 0.5, "the app was stopped for a while"
+
+
+def test_file_gate_hands_over_when_its_container_stops(
+        gated: Factory, acting_log: Path, tmp_path: Path, gate_scripts: list[subprocess.Popen[bytes]]) -> None:
+    """gate.sh's SIGTERM (its container stopping) makes the leader hand over rather than hold
+    the lock with no app; it used to write ``draining.requested`` that nothing read."""
+    members = gated(2, file_gate=True)
+    gate_scripts.extend(run_gate_script(tmp_path / f"gate{i}", {"ACT_LOG": str(acting_log)}) for i in range(2))
+    leader = one_leader(members)
+    index = members.index(leader)
+    wait_for(acting_log.exists, 10, "the leader's app to act")
+    os.kill(gate_scripts[index].pid, signal.SIGTERM)
+    assert gate_scripts[index].wait(10) == 0
+    new = wait_for(lambda: [m for m in leaders(members) if m is not leader], 10, "the other replica to lead")
+    assert new[0].ready()
+    wait_for(lambda: len(spans(acting_log)) >= 2, 10, "the new leader's app to act")
+    assert_never_two_actors(acting_log, terms=2)
+    assert "the main container is stopping" in leader.log()
