@@ -16,7 +16,7 @@ import asyncpg
 import pytest
 import pytest_asyncio
 
-from singleton_sidecar.backends.postgres import PostgresBackend
+from singleton_sidecar.backends.postgres import PostgresBackend, takeover_wait
 from singleton_sidecar.backends.postgres_session import keepalive_settings, session_settings
 from singleton_sidecar.backends.postgres_sql import NAMESPACE
 from singleton_sidecar.core.lock import BackendMisconfigured, BackendUnavailable, Identity, LockRecord, Term, Token
@@ -754,3 +754,43 @@ async def test_direct_connections_pass_the_pooler_check(
     assert await unix.acquire(Identity("b"), timeout=0.3) == LockRecord(
         holder=Identity("a"), token=term.token, version=str(term.token))
     assert opened == {"tcp": 1, "unix": 2}
+
+
+# --- a takeover waits until the previous holder's app is surely stopped ----------------------------
+
+
+@pytest.mark.parametrize(
+    ("unreleased", "expiry_left", "stop_bound", "wait"),
+    [
+        pytest.param(False, 5.0, None, 0.0, id="released: at once"),
+        pytest.param(True, 5.0, None, 5.0, id="not released, no bound: until its expiry"),
+        pytest.param(True, 5.0, 1.5, 1.5, id="not released, exec gate: its stop bound"),
+        pytest.param(True, 0.4, 1.5, 0.4, id="never past its expiry"),
+        pytest.param(True, -2.0, None, 0.0, id="expired long ago (a stalled holder replaced)"),
+        pytest.param(True, None, None, 0.0, id="never held"),
+    ],
+)
+def test_takeover_wait(unreleased: bool, expiry_left: float | None, stop_bound: float | None, wait: float) -> None:
+    assert takeover_wait(unreleased=unreleased, expiry_left=expiry_left, stop_bound=stop_bound) == wait
+
+
+@pytest.mark.parametrize(("stop_bound", "low", "high"), [(0.3, 0.25, 0.6), (None, 9.0, 10.1)],
+                         ids=["declared stop bound", "no bound: the lease"])
+async def test_a_takeover_after_a_lost_session_waits_for_the_old_app(
+        make_backend: Factory, pg_admin_dsn: str, stop_bound: float | None, low: float, high: float) -> None:
+    """The server frees a session lock the instant the session ends (pg_terminate_backend, a
+    restart, a dropped connection), while the old holder's app may still be stopping."""
+    holder, standby = make_backend(stop_bound=stop_bound), make_backend()
+    await acquired(holder, "a")
+    pid = await holder_pid(pg_admin_dsn, holder.group)
+    assert await admin_fetchval(pg_admin_dsn, "SELECT pg_terminate_backend($1)", pid) is True
+    taken = await acquired(standby, "b", timeout=2)
+    assert low < taken.acting_from - time.monotonic() < high
+
+
+async def test_a_takeover_after_a_release_acts_at_once(make_backend: Factory) -> None:
+    holder, standby = make_backend(), make_backend()
+    term = await acquired(holder, "a")
+    await holder.release(term, timeout=2)
+    taken = await acquired(standby, "b", timeout=2)
+    assert taken.acting_from <= time.monotonic()

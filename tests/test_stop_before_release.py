@@ -8,6 +8,7 @@ role was published; SIGTERM to the direct child only; no deadline of the gate's 
 
 from __future__ import annotations
 
+import asyncio
 import itertools
 import os
 import signal
@@ -20,6 +21,7 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
+import asyncpg
 import pytest
 
 from tests.sidecars import SidecarProcess, leaders, one_leader, wait_for
@@ -286,3 +288,38 @@ def test_file_gate_hands_over_when_its_container_stops(
     wait_for(lambda: len(spans(acting_log)) >= 2, 10, "the new leader's app to act")
     assert_never_two_actors(acting_log, terms=2)
     assert "the main container is stopping" in leader.log()
+
+
+def test_a_lost_session_makes_the_next_leader_wait_for_the_old_app(gated: Factory, acting_log: Path,
+                                                                    pg_admin_dsn: str) -> None:
+    """pg_terminate_backend frees the lock at once while the old app is still finishing: the
+    next leader holds the term without acting until the old holder's stop bound has passed."""
+    members = gated(2, env={"SINGLETON_KILL_GRACE": "0.9"}, app_env={"ACT_FINISH": "0.8"})
+    leader = one_leader(members)
+    wait_for(acting_log.exists, 10, "the leader's app to act")
+    key = leader.env.get("SINGLETON_LOCK_KEY") or f"local/{leader.env['SINGLETON_GROUP']}"
+    pid = asyncio.run(_admin(pg_admin_dsn, "SELECT holder_pid FROM singleton_leases WHERE group_name = $1", key))
+    assert asyncio.run(_admin(pg_admin_dsn, "SELECT pg_terminate_backend($1)", pid)) is True
+    wait_for(lambda: len(spans(acting_log)) >= 2, 10, "the next leader's app to act")
+    assert_never_two_actors(acting_log, terms=2)
+
+
+def test_file_gate_a_killed_sidecar_leaves_no_two_apps(
+        gated: Factory, acting_log: Path, tmp_path: Path, gate_scripts: list[subprocess.Popen[bytes]]) -> None:
+    """With the file gate the app outlives a SIGKILLed sidecar until the flag's deadline; the
+    lock is freed at once, so the next leader waits out the old term's lease before acting."""
+    members = gated(2, file_gate=True)
+    gate_scripts.extend(run_gate_script(tmp_path / f"gate{i}", {"ACT_LOG": str(acting_log)}) for i in range(2))
+    leader = one_leader(members)
+    wait_for(acting_log.exists, 10, "the leader's app to act")
+    leader.signal_sidecar_only(signal.SIGKILL)
+    wait_for(lambda: len(spans(acting_log)) >= 2, 15, "the next leader's app to act")
+    assert_never_two_actors(acting_log, terms=2)
+
+
+async def _admin(dsn: str, sql: str, *args: object) -> object:
+    conn = await asyncpg.connect(dsn)
+    try:
+        return await conn.fetchval(sql, *args)
+    finally:
+        await conn.close()

@@ -34,6 +34,8 @@ from singleton_sidecar.podstatus import PodReporter
 log = logging.getLogger(__name__)
 
 FINAL_STATUS_TIMEOUT = 3.0
+KEEPER_SLACK = 0.5
+"""Seconds beyond the kill grace for the keeper to hear of a loss and for the kernel to end the group."""
 STOP_SLACK = 2.0
 """Seconds beyond the kill grace that a gate may take to confirm the app stopped (reaping,
 gate.sh's polling) before the elector gives up on releasing and lets the lock expire."""
@@ -48,8 +50,11 @@ def build_backend(config: SidecarConfig, kube: KubeClient | None) -> LockBackend
 
     def postgres() -> LockBackend:
         assert config.postgres_dsn is not None
+        # The exec gate's keeper kills the app as soon as the sidecar dies or is told: a takeover
+        # after this holder's session ends waits that long, not the whole lease.
+        stop_bound = config.kill_grace + KEEPER_SLACK if config.exec_command else None
         return PostgresBackend(group=config.lock_key, dsn=config.postgres_dsn, lease_duration=timings.lease_duration,
-                               renew_deadline=timings.renew_deadline)
+                               renew_deadline=timings.renew_deadline, stop_bound=stop_bound)
 
     def lease() -> LeaseBackend:
         assert kube is not None and config.namespace is not None

@@ -75,7 +75,8 @@ class BothBackend:
     def _combine(self, pg: Term, lease: Term) -> Term:
         self._parts = {pg.token: (pg, lease)}
         return Term(identity=pg.identity, token=pg.token, version=f"{pg.version}|{lease.version}",
-                    written_at=min(pg.written_at, lease.written_at))
+                    written_at=min(pg.written_at, lease.written_at),
+                    acting_from=max(pg.acting_from, lease.acting_from))
 
     def _split(self, term: Term) -> tuple[Term, Term] | None:
         return self._parts.get(term.token)

@@ -109,7 +109,11 @@ class PostgresBackend:
         schema: str = "public",
         table: str = "singleton_leases",
         clock: Callable[[], float] = time.monotonic,
+        stop_bound: float | None = None,
     ) -> None:
+        """``stop_bound``: seconds this holder's app may still act after its session ends
+        (the exec gate's kill grace: its keeper kills the app as soon as the sidecar is gone
+        or told); None when only the lease's expiry bounds it (file gate, cooperative)."""
         if not group:
             raise ValueError("group must not be empty")
         if not 0 < renew_deadline < lease_duration:
@@ -124,6 +128,7 @@ class PostgresBackend:
         self._connect_timeout = connect_timeout
         self._clock = clock
         self._sql = Statements.build(schema, table)
+        self.stop_bound = stop_bound
         # Only application_name goes in the startup packet: poolers refuse other startup
         # parameters, and older servers any they do not know. The rest is set after connecting.
         self._server_settings = {"application_name": f"singleton:{group}"[:63]}
@@ -270,9 +275,11 @@ class PostgresBackend:
         try:
             async with conn.transaction():
                 await conn.execute(self._sql.durable_commit)
-                token = await conn.fetchval(
-                    self._sql.take, self.group, identity, self.lease_duration, lock_id, self._sql.token_seq)
-            if token is None:
+                row = await conn.fetchrow(self._sql.take, self.group, identity, self.lease_duration, lock_id,
+                                          self._sql.token_seq, self.stop_bound)
+            taken = self._clock()
+            token = None if row is None else row["token"]
+            if row is None or token is None:
                 log.warning("group %s: row for lock id %s vanished while %s acquired; retrying later",
                             self.group, lock_id, identity)
                 self._lock_id = None
@@ -281,8 +288,14 @@ class PostgresBackend:
         except BaseException:
             self._discard(conn, "taking the lock failed; closed the connection")  # frees the lock
             raise
-        term = Term(identity=identity, token=Token(token), version=str(token), written_at=sent)
+        wait = takeover_wait(unreleased=row["unreleased"], expiry_left=row["previous_expiry_left"],
+                             stop_bound=row["previous_stop_bound"])
+        term = Term(identity=identity, token=Token(token), version=str(token), written_at=sent,
+                    acting_from=taken + wait)
         self._term, self._held_lock_id = term, lock_id
+        if wait > 0:
+            log.warning("group %s: %s took over token %s from a holder that did not release; acting in %.3fs",
+                        self.group, identity, token, wait)
         log.info("group %s: %s acquired the lock with token %s", self.group, identity, token)
         return term
 
@@ -417,6 +430,16 @@ class PostgresBackend:
             if isinstance(exc, asyncpg.UndefinedTableError):
                 self._schema_ready, self._lock_id = False, None
             raise BackendUnavailable(f"postgres {what} of group {self.group!r} failed: {exc!r}") from exc
+
+
+def takeover_wait(*, unreleased: bool, expiry_left: float | None, stop_bound: float | None) -> float:
+    """Seconds a new holder waits before acting: none after a release; after a holder that did
+    not release (crash, session ended under it), until its app is surely stopped: its declared
+    stop bound, and never past its lease's expiry (by then its own deadline stopped it)."""
+    if not unreleased:
+        return 0.0
+    left = max(expiry_left or 0.0, 0.0)
+    return left if stop_bound is None else min(left, max(stop_bound, 0.0))
 
 
 def _record(row: asyncpg.Record) -> LockRecord:

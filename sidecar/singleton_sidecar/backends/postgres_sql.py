@@ -86,6 +86,9 @@ class Statements:
         return (
             "SELECT to_regclass($1) IS NOT NULL AND to_regclass($2) IS NOT NULL"
             " AND to_regclass($3) IS NOT NULL AND to_regclass($4) IS NOT NULL"
+            # Columns added within schema version 1 (nullable, so older sidecars ignore them).
+            " AND EXISTS (SELECT 1 FROM pg_attribute WHERE attrelid = to_regclass($1)"
+            "   AND attname = 'stop_bound' AND NOT attisdropped)"
         )
 
     @property
@@ -120,6 +123,8 @@ class Statements:
                 renewed_at  timestamptz NULL,
                 expires_at  timestamptz NULL,
                 released_at timestamptz NULL)""",
+            # How long the holder's app may act after its session ends (NULL: until expires_at).
+            f"ALTER TABLE {self.leases} ADD COLUMN IF NOT EXISTS stop_bound double precision NULL",
             f"""CREATE TABLE IF NOT EXISTS {self.version_table} (
                 version     integer     PRIMARY KEY,
                 applied_at  timestamptz NOT NULL DEFAULT now())""",
@@ -166,7 +171,12 @@ class Statements:
 
     @property
     def take(self) -> str:
-        """$1 group, $2 identity, $3 lease seconds, $4 lock id, $5 token sequence.
+        """$1 group, $2 identity, $3 lease seconds, $4 lock id, $5 token sequence, $6 this holder's
+        stop bound (seconds its app may act after its session ends; NULL: until its lease expires).
+
+        Returns the previous term's state too: a term that was not released (its holder crashed,
+        or its session was ended under it) may still have an app stopping, for at most its stop
+        bound and never past its expiry; the new holder waits that long before acting.
 
         The token is a hybrid logical clock: the greatest of the sequence's next value, the
         server's clock in milliseconds since the epoch (the Lease backend's unit, so a group
@@ -176,14 +186,18 @@ class Statements:
         later ``nextval`` starts above it. Runs under the group's advisory lock."""
         return (
             f"WITH issued AS (SELECT nextval($5::text::regclass) AS seq,"
-            " floor(extract(epoch FROM clock_timestamp()) * 1000)::bigint AS clock_ms)"
+            " floor(extract(epoch FROM clock_timestamp()) * 1000)::bigint AS clock_ms),"
+            f" prev AS (SELECT holder, expires_at, stop_bound FROM {self.leases}"
+            "   WHERE group_name = $1 AND lock_id = $4)"
             f" UPDATE {self.leases} r SET holder = $2, holder_pid = pg_backend_pid(),"
             " token = greatest(i.seq, i.clock_ms, coalesce(r.token, 0) + 1),"
             " transitions = r.transitions + 1,"
             " acquired_at = now(), renewed_at = now(),"
-            " expires_at = now() + make_interval(secs => $3), released_at = NULL"
-            " FROM issued i WHERE r.group_name = $1 AND r.lock_id = $4"
-            " RETURNING r.token, CASE WHEN r.token > i.seq THEN setval($5::text::regclass, r.token) END"
+            " expires_at = now() + make_interval(secs => $3), released_at = NULL, stop_bound = $6"
+            " FROM issued i, prev p WHERE r.group_name = $1 AND r.lock_id = $4"
+            " RETURNING r.token, CASE WHEN r.token > i.seq THEN setval($5::text::regclass, r.token) END AS advanced,"
+            " p.holder IS NOT NULL AS unreleased, p.stop_bound AS previous_stop_bound,"
+            " extract(epoch FROM p.expires_at - now())::float8 AS previous_expiry_left"
         )
 
     @property
