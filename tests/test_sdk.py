@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import signal
+import time
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
@@ -12,7 +13,7 @@ import asyncpg
 import pytest
 
 from singleton_sidecar.sdk import LeaderClient, StaleToken, Term, claim_work, ensure_fence_table, fenced
-from tests.sidecars import FAST_TIMINGS, SidecarProcess, one_leader, wait_serving
+from tests.sidecars import FAST_TIMINGS, SidecarProcess, one_leader, wait_for, wait_serving
 
 WORK_DDL = """
 CREATE TABLE IF NOT EXISTS work_items (
@@ -81,3 +82,35 @@ async def test_fenced_writes_refuse_a_stale_term_and_claims_are_idempotent(pg_ds
             await claim_work(conn, new, table="work_items; DROP TABLE x")
     finally:
         await conn.close()
+
+
+async def test_a_step_down_waits_until_the_sdk_app_has_stopped(pair: list[SidecarProcess]) -> None:
+    """Cooperative mode: the term's end waits for the app's word (``watch_loss`` tells the
+    sidecar it acts, and that it stopped), so the next leader starts only once it has."""
+    leader = await asyncio.to_thread(one_leader, pair)
+    standby = next(s for s in pair if s is not leader)
+    control = f"http://127.0.0.1:{leader.control_port}"
+    async with LeaderClient(leader.url + "/leader", control_url=control) as app:
+        term = await asyncio.wait_for(app.wait_until_leading(), 5)
+        async with app.watch_loss(term) as lost:
+            status, _ = await asyncio.to_thread(leader.control, "POST", "/step-down")
+            assert status == 202
+            await asyncio.wait_for(lost.wait(), 3)  # draining: the SDK says the term is ending
+            await asyncio.sleep(1.0)  # the app finishes the item in hand
+            assert not standby.ready(), "another replica led while the app was still acting"
+            left_at = time.monotonic()
+        await asyncio.to_thread(wait_for, standby.ready, 5, "the standby to lead")
+        assert time.monotonic() - left_at < 2.0
+        doc = leader.leader_doc()
+        assert doc is not None and doc["role"] == "standby"
+
+
+async def test_acting_and_stopped_refuse_a_token_that_is_not_the_term(pair: list[SidecarProcess]) -> None:
+    leader = await asyncio.to_thread(one_leader, pair)
+    doc = leader.leader_doc()
+    assert doc is not None
+    assert leader.control("POST", f"/acting?token={doc['token'] - 1}")[0] == 409
+    assert leader.control("POST", "/acting?token=abc")[0] == 400
+    assert leader.control("POST", f"/stopped?token={doc['token']}")[0] == 409  # never registered
+    assert leader.control("POST", f"/acting?token={doc['token']}")[0] == 200
+    assert leader.control("POST", f"/stopped?token={doc['token']}")[0] == 200

@@ -155,8 +155,10 @@ def _gated_command(command: list[str]) -> list[str]:
 
 def _main_container(spec: GroupSpec, container: dict[str, Any]) -> dict[str, Any]:
     main = copy.deepcopy(container)
-    env = [e for e in main.get("env") or [] if e.get("name") not in ("SINGLETON_LEADER_URL", contract.ENV_GROUP)]
+    ours = ("SINGLETON_LEADER_URL", "SINGLETON_CONTROL_URL", contract.ENV_GROUP)
+    env = [e for e in main.get("env") or [] if e.get("name") not in ours]
     env += [{"name": "SINGLETON_LEADER_URL", "value": f"http://127.0.0.1:{spec.sidecar_port}/leader"},
+            {"name": "SINGLETON_CONTROL_URL", "value": f"http://127.0.0.1:{spec.sidecar_port + 1}"},
             {"name": contract.ENV_GROUP, "value": spec.name}]
     main["env"] = env
     if "readinessProbe" not in main:

@@ -25,7 +25,7 @@ from singleton_sidecar.config import SidecarConfig, describe
 from singleton_sidecar.core.elector import Elector
 from singleton_sidecar.core.identity import make_identity
 from singleton_sidecar.core.lock import BackendMisconfigured, LockBackend
-from singleton_sidecar.gate import ExecGate, FileGate
+from singleton_sidecar.gate import CooperativeGate, ExecGate, FileGate, Gate
 from singleton_sidecar.http import control_app, probe_app
 from singleton_sidecar.kube import KubeClient, load_kube_config
 from singleton_sidecar.metrics import SidecarMetrics
@@ -81,7 +81,7 @@ class Sidecar:
     def __repr__(self) -> str:
         return f"<Sidecar group={self.config.group} identity={self.identity}>"
 
-    def _drain_hook(self, gate: ExecGate | FileGate | None,
+    def _drain_hook(self, gate: Gate,
                     reporter: PodReporter | None) -> Callable[[bool], Awaitable[None]]:
         drain_url = self.config.drain_url
         wait_container = self.config.drain_wait_container
@@ -89,9 +89,8 @@ class Sidecar:
         async def drain(final: bool) -> None:
             drained = drain_url is None or await self._ask_app_to_drain(drain_url)
             waited = False
-            if gate is not None:
-                await gate.wait_stopped()
-                waited = True
+            await gate.wait_stopped()
+            waited = gate.sees_the_app
             if final and wait_container is not None and reporter is not None:
                 # Only when the pod goes away: on a step-down the main container keeps running.
                 log.info("draining: waiting for container %s to stop", wait_container)
@@ -117,6 +116,18 @@ class Sidecar:
             log.warning("drain hook %s failed: %r; waiting for the app to stop", drain_url, exc)
         return False
 
+    def _make_gate(self, request_step_down: Callable[[str], None]) -> Gate:
+        config = self.config
+        if config.exec_command:
+            return ExecGate(config.exec_command, kill_grace=config.kill_grace,
+                            env={contract.ENV_GROUP: config.group, contract.ENV_FENCE_KEY: config.lock_key})
+        if config.gate_dir is not None:
+            gate = FileGate(config.gate_dir, kill_grace=config.kill_grace,
+                            on_app_stopping=lambda: request_step_down("the main container is stopping"))
+            gate.install()
+            return gate
+        return CooperativeGate()
+
     async def run(self) -> int:
         config = self.config
         log.info("starting identity=%s config=%s", self.identity, describe(config))
@@ -124,15 +135,8 @@ class Sidecar:
         kube = KubeClient(load_kube_config(config.kubeconfig)) if needs_kube else None
         backend = build_backend(config, kube)
         metrics = SidecarMetrics(config.group, backend.name)
-        gate: ExecGate | FileGate | None = None
         elector: Elector
-        if config.exec_command:
-            gate = ExecGate(config.exec_command, kill_grace=config.kill_grace,
-                            env={contract.ENV_GROUP: config.group, contract.ENV_FENCE_KEY: config.lock_key})
-        elif config.gate_dir is not None:
-            gate = FileGate(config.gate_dir, kill_grace=config.kill_grace,
-                            on_app_stopping=lambda: elector.request_step_down("the main container is stopping"))
-            gate.install()
+        gate = self._make_gate(lambda reason: elector.request_step_down(reason))  # noqa: PLW0108 - bound below
         reporter: PodReporter | None = None
         if config.in_kubernetes and kube is not None:
             assert config.namespace is not None and config.pod_name is not None
@@ -143,12 +147,11 @@ class Sidecar:
                                    on_hold=lambda seconds: elector.request_hold(seconds))  # noqa: PLW0108
         elector = Elector(group=config.group, identity=self.identity, backend=backend, timings=config.timings,
                           wall_clock=self.wall_clock, drain_hook=self._drain_hook(gate, reporter),
-                          drain_timeout=config.drain_timeout, stop_hook=gate.stop if gate is not None else None,
+                          drain_timeout=config.drain_timeout, stop_hook=gate.stop,
                           stop_timeout=config.kill_grace + STOP_SLACK, on_renew=metrics.on_renew)
         elector.add_listener(metrics.on_status)
-        if gate is not None:
-            elector.add_listener(gate.on_status)
-            elector.add_deadline_listener(gate.on_deadline)
+        elector.add_listener(gate.on_status)
+        elector.add_deadline_listener(gate.on_deadline)
         if reporter is not None:
             elector.add_listener(reporter.on_status)
             # Now, so a standby's pod says "standby" before its first lock wait ends.
@@ -158,7 +161,8 @@ class Sidecar:
         for signum in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(signum, elector.request_drain)
         probe = web.AppRunner(probe_app(elector, metrics, fence_key=config.lock_key), access_log=None)
-        control = web.AppRunner(control_app(elector, fence_key=config.lock_key), access_log=None)
+        acks = gate if isinstance(gate, CooperativeGate) else None
+        control = web.AppRunner(control_app(elector, fence_key=config.lock_key, acks=acks), access_log=None)
         try:
             await probe.setup()
             await control.setup()
@@ -181,13 +185,11 @@ class Sidecar:
         log.info("stopped identity=%s", self.identity)
         return 0
 
-    async def _run_parts(self, elector: Elector, gate: ExecGate | FileGate | None,
+    async def _run_parts(self, elector: Elector, gate: Gate,
                          reporter: PodReporter | None) -> None:
         """The elector runs until released; the helpers run as long as it does."""
         async with asyncio.TaskGroup() as group:
-            helpers: list[asyncio.Task[None]] = []
-            if gate is not None:
-                helpers.append(group.create_task(gate.run(), name="gate"))
+            helpers = [group.create_task(gate.run(), name="gate")]
             if reporter is not None:
                 helpers.append(group.create_task(reporter.run(), name="pod-reporter"))
                 helpers.append(group.create_task(reporter.watch_pod(), name="pod-watch"))

@@ -59,6 +59,9 @@ class ExecGate:
         pid = self._proc.pid if self._proc is not None else None
         return f"<ExecGate command={self.command[0]!r} keeper={pid}>"
 
+    sees_the_app = True
+    """The gate knows when the app has stopped (the keeper's exit)."""
+
     def on_status(self, status: ElectionStatus) -> None:
         self._status = status
         # Synchronously, inside the listener: the app hears it before anything else happens.
@@ -179,6 +182,9 @@ class FileGate:
     def __repr__(self) -> str:
         return f"<FileGate directory={self.directory}>"
 
+    sees_the_app = True
+    """The gate knows when the app has stopped (gate.sh's acknowledgement)."""
+
     def install(self) -> None:
         """Write ``gate.sh`` into the shared folder and clear stale flags from an earlier run."""
         self.directory.mkdir(parents=True, exist_ok=True)
@@ -257,3 +263,61 @@ class FileGate:
             if status is not None and status.role is Role.LEADER and self._on_app_stopping is not None:
                 log.info("file gate: the main container is stopping; handing the term over group=%s", status.group)
                 self._on_app_stopping()
+
+
+class CooperativeGate:
+    """For apps that check leadership themselves (the SDK): nothing to start or kill, but an
+    app that registered as acting for a term (``POST /acting?token=N`` on the control port)
+    is waited for until it says it stopped (``POST /stopped?token=N``) before the term is
+    released. An app that never registered is not waited for: the sidecar cannot see it, and
+    only fenced writes protect what it does after the term ends."""
+
+    def __init__(self) -> None:
+        self._status: ElectionStatus | None = None
+        self._acting: int | None = None
+        self._stopped = asyncio.Event()
+        self._stopped.set()
+
+    def __repr__(self) -> str:
+        return f"<CooperativeGate acting={self._acting}>"
+
+    @property
+    def sees_the_app(self) -> bool:
+        """True when an app registered for the current term, so its stop is known."""
+        return self._acting is not None and self._status is not None and self._acting == self._status.token
+
+    def on_status(self, status: ElectionStatus) -> None:
+        self._status = status
+
+    def on_deadline(self, _deadline: float) -> None:
+        return
+
+    def register(self, token: int) -> bool:
+        """The app acts for ``token``; False unless that is this replica's acting term."""
+        status = self._status
+        if status is None or status.role is not Role.LEADER or status.token != token:
+            return False
+        if self._acting != token:
+            self._acting = token
+            self._stopped.clear()
+        return True
+
+    def acknowledge(self, token: int) -> bool:
+        """The app stopped acting for ``token``; False for a token it never registered."""
+        if self._acting != token:
+            return False
+        self._stopped.set()
+        return True
+
+    async def wait_stopped(self) -> None:
+        await self._stopped.wait()
+
+    async def stop(self) -> None:
+        await self._stopped.wait()
+
+    async def run(self) -> None:
+        await asyncio.Event().wait()
+
+
+Gate = ExecGate | FileGate | CooperativeGate
+"""What the sidecar runs beside the elector: one of the three, chosen by its settings."""

@@ -6,7 +6,9 @@ Probe app (pod network): ``GET /readyz`` (200 only for a leader that is not drai
 ``GET /leader`` (JSON), ``GET /metrics``. Read-only by construction: it has no
 route that changes anything.
 
-Control app (loopback only): ``POST /drain`` and ``POST /step-down``; ``GET /leader``.
+Control app (loopback only): ``POST /drain`` and ``POST /step-down``; ``GET /leader``; in
+cooperative mode ``POST /acting?token=N`` and ``POST /stopped?token=N``, with which an app
+(the SDK) makes the end of term N wait until it has stopped acting.
 """
 
 from __future__ import annotations
@@ -19,11 +21,13 @@ from aiohttp import web
 
 from singleton_sidecar.core.elector import Elector
 from singleton_sidecar.core.status import ElectionStatus, Role
+from singleton_sidecar.gate import CooperativeGate
 from singleton_sidecar.metrics import SidecarMetrics
 
 ELECTOR: web.AppKey[Elector] = web.AppKey("elector", Elector)
 METRICS: web.AppKey[SidecarMetrics] = web.AppKey("metrics", SidecarMetrics)
 FENCE_KEY: web.AppKey[str] = web.AppKey("fence_key", str)
+APP_ACKS: web.AppKey[CooperativeGate] = web.AppKey("app_acks", CooperativeGate)
 
 
 def _rfc3339(epoch: float | None) -> str | None:
@@ -132,11 +136,44 @@ async def step_down(request: web.Request) -> web.Response:
     return web.json_response(leader_document(elector, request.app[FENCE_KEY]), status=202)
 
 
-def control_app(elector: Elector, *, fence_key: str) -> web.Application:
+def _token(request: web.Request) -> int | web.Response:
+    raw = request.query.get("token", "")
+    if not raw.isdigit():
+        return web.json_response({"error": f"query parameter token must be a positive integer, got {raw!r}"},
+                                 status=400)
+    return int(raw)
+
+
+async def acting(request: web.Request) -> web.Response:
+    """The app says it acts for a term: the term's end then waits for its ``/stopped``."""
+    token = _token(request)
+    if isinstance(token, web.Response):
+        return token
+    if not request.app[APP_ACKS].register(token):
+        return web.json_response({"error": f"token {token} is not this replica's acting term",
+                                  **leader_document(request.app[ELECTOR], request.app[FENCE_KEY])}, status=409)
+    return web.json_response({"acting": token})
+
+
+async def stopped(request: web.Request) -> web.Response:
+    """The app stopped acting for a term it registered: the term may be released."""
+    token = _token(request)
+    if isinstance(token, web.Response):
+        return token
+    if not request.app[APP_ACKS].acknowledge(token):
+        return web.json_response({"error": f"token {token} was not registered with POST /acting"}, status=409)
+    return web.json_response({"stopped": token})
+
+
+def control_app(elector: Elector, *, fence_key: str, acks: CooperativeGate | None = None) -> web.Application:
     app = web.Application()
     app[ELECTOR] = elector
     app[FENCE_KEY] = fence_key
     app.router.add_post("/drain", drain)
     app.router.add_post("/step-down", step_down)
     app.router.add_get("/leader", leader)
+    if acks is not None:
+        app[APP_ACKS] = acks
+        app.router.add_post("/acting", acting)
+        app.router.add_post("/stopped", stopped)
     return app

@@ -35,6 +35,7 @@ from singleton_sidecar.fencing import Leadership, StaleToken, ensure_fence_table
 __all__ = ["LeaderClient", "StaleToken", "Term", "claim_work", "ensure_fence_table", "fenced"]
 
 DEFAULT_URL = "http://127.0.0.1:8080/leader"  # the sidecar's default listen address
+DEFAULT_CONTROL_URL = "http://127.0.0.1:8081"  # the sidecar's default control address (loopback)
 
 
 @dataclass(frozen=True)
@@ -49,8 +50,10 @@ class Term:
 
 
 class LeaderClient:
-    def __init__(self, url: str | None = None, *, timeout: float = 1.0, poll: float = 0.1) -> None:
+    def __init__(self, url: str | None = None, *, timeout: float = 1.0, poll: float = 0.1,
+                 control_url: str | None = None) -> None:
         self.url = url or os.environ.get("SINGLETON_LEADER_URL", DEFAULT_URL)
+        self.control_url = (control_url or os.environ.get("SINGLETON_CONTROL_URL", DEFAULT_CONTROL_URL)).rstrip("/")
         self.timeout = timeout
         self.poll = poll
         self._session: aiohttp.ClientSession | None = None
@@ -80,8 +83,8 @@ class LeaderClient:
             now = await self.status()
         except (OSError, aiohttp.ClientError, TimeoutError):
             return None
-        if not now.is_leader or now.token is None:
-            return None
+        if not now.is_leader or now.token is None or now.role != "leader":
+            return None  # standing by, or the term is ending (draining): stop taking work
         return Term(group=now.group, identity=now.identity, token=now.token, fence_key=now.fence_key)
 
     async def wait_until_leading(self) -> Term:
@@ -93,7 +96,11 @@ class LeaderClient:
 
     @contextlib.asynccontextmanager
     async def watch_loss(self, term: Term) -> AsyncIterator[asyncio.Event]:
-        """An Event set as soon as ``term`` is over (polled every ``poll`` seconds)."""
+        """An Event set as soon as ``term`` is over or ending (polled every ``poll`` seconds).
+
+        While the block runs, the sidecar knows the app acts for the term (``POST /acting``):
+        a step-down, handover or drain waits until the block has exited (``POST /stopped``)
+        before the lock can pass to another replica, up to the sidecar's drain timeout."""
         lost = asyncio.Event()
 
         async def watch() -> None:
@@ -101,12 +108,26 @@ class LeaderClient:
                 await asyncio.sleep(self.poll)
             lost.set()
 
+        registered = await self._control("acting", term.token)
         task = asyncio.create_task(watch(), name=f"watch-term-{term.token}")
         try:
             yield lost
         finally:
             task.cancel()
             await asyncio.gather(task, return_exceptions=True)
+            if registered:
+                await self._control("stopped", term.token)
+
+    async def _control(self, action: str, token: int) -> bool:
+        """POST to the sidecar's control endpoint; False if it could not be told (it then does
+        not wait for this app, and only fencing protects its late writes)."""
+        if self._session is None:
+            self._session = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=self.timeout))
+        try:
+            async with self._session.post(f"{self.control_url}/{action}", params={"token": str(token)}) as response:
+                return response.status == 200
+        except (OSError, aiohttp.ClientError, TimeoutError):
+            return False
 
 
 @contextlib.asynccontextmanager
