@@ -12,15 +12,17 @@ only the sidecar's rules, lease 2 s / renew deadline 1.5 s / retry 0.5 s) and in
 the types that apply to the backend (``campaign_faults``) in a seeded random order (every type
 once per round) at seeded random moments. Before each fault the group must have settled (every
 pod answering, one ready leader, its worker writing), bounded at 45 s. Afterwards the ledger
-checker (``singleton_testbed.ledger``) reads what every acting leader wrote.
+checker (``singleton_testbed.ledger``) reads what every acting leader wrote, and the unfenced
+log of every act the workers began, refused by the fence or not.
 
 Prints a table per backend and fault type (count, overlaps, regressions, stale writes accepted,
-failover p50/p99/max, how much of it was a server's own restart, how often a new term began,
+acting overlaps, failover p50/p99/max, how much of it was a server's own restart, how often a new term began,
 the largest gap without a writing leader and how many exceeded the promised bound, the longest
 wait from a new leader's first ready answer to its worker's first row, items lost in flight),
 a line on the liveness goals, and a verdict: PASS needs 0
-overlaps, 0 regressions, 0 stale writes accepted, every fault followed by a ready leader, and
-nothing lost at a graceful deletion. The exit status is 0 on PASS.
+overlaps, 0 regressions, 0 stale writes accepted, 0 acting overlaps (and an act log to judge),
+every fault followed by a ready leader, and nothing lost at a graceful deletion. The exit status
+is 0 on PASS.
 
 ``--quick`` (CI): 10 faults per backend, every type at least once. ``--faults N`` is the total
 over the backends, ``--duration S`` the total seconds of injecting; with both, whichever ends
@@ -168,6 +170,7 @@ def to_json(result: CampaignResult) -> dict[str, object]:
         "seed": result.seed, "quick": result.quick, "seconds": result.seconds, "verdict": result.verdict(),
         "backends": [{"backend": b.backend, "group": b.group, "fence": b.fence, "seconds": b.seconds,
                       "aborted": b.aborted, "ledger": b.report.summary() if b.report else None,
+                      "acting_overlaps": [str(o) for o in (b.report.acting_overlaps if b.report else [])],
                       "stats": {k: asdict(v) for k, v in b.stats.items()},
                       "gaps": [{"before": g.before, "after": g.after, "start": g.start.timestamp(),
                                 "end": g.end.timestamp(), "seconds": g.seconds}

@@ -3,8 +3,9 @@ the tables and verdict it prints.
 
 Attribution: a gap or an item lost in flight belongs to the fault that ended its term (the fault
 whose leader held that token); an overlap, a regression or a stale write to the fault during
-which it was written (the last fault started before it). Anything before the first fault is
-``warm-up``.
+which it was written (the last fault started before it); an acting overlap (two workers acting
+at once, from the unfenced act log) to the fault during which the later of the two began
+acting. Anything before the first fault is ``warm-up``.
 
 The promised bound on a gap without a writing leader, per fault: ``outage + lease + retry +
 1.5 s``: the server's own restart time (0 for the other faults), the lease a crashed or paused
@@ -44,6 +45,8 @@ class KindStats:
     overlaps: int = 0
     regressions: int = 0
     stale: int = 0
+    acting: int = 0
+    """Acting overlaps: two workers acting at once, whether or not the fence refused the writes."""
     failovers: list[float] = field(default_factory=list)
     changed: int = 0
     unrecovered: int = 0
@@ -86,7 +89,7 @@ class BackendResult:
         if self.report is not None:
             self._attribute_ledger(self.report, stats)
         self.stats = {k: v for k, v in stats.items() if v.count or v.overlaps or v.regressions or v.stale
-                      or v.lost or v.max_gap}
+                      or v.acting or v.lost or v.max_gap}
 
     def _attribute_ledger(self, report: LedgerReport, stats: dict[str, KindStats]) -> None:
         starts = [f.t0 for f in self.faults]
@@ -112,6 +115,8 @@ class BackendResult:
             kind(during(row.at.timestamp())).regressions += 1
         for row in report.stale_accepted:
             kind(during(row.at.timestamp())).stale += 1
+        for acting in report.acting_overlaps:
+            kind(during(acting.start.timestamp())).acting += 1
         for gap in report.gaps:
             ender = ended_by.get(gap.before) or during(gap.end.timestamp())
             entry = kind(ender)
@@ -130,12 +135,12 @@ def _duration(seconds: float) -> str:
 
 
 def table(result: BackendResult) -> str:
-    lines = ["| fault | n | overlaps | regressions | stale accepted | failover p50 | p99 | max | of which restart |"
-             " new term | max gap | gaps > bound | first write after ready, max | lost in flight |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    lines = ["| fault | n | overlaps | regressions | stale accepted | acting overlaps | failover p50 | p99 | max |"
+             " of which restart | new term | max gap | gaps > bound | first write after ready, max | lost in flight |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     rows = [*result.stats.values()]
     total = KindStats("all", sum(r.count for r in rows), sum(r.overlaps for r in rows),
-                      sum(r.regressions for r in rows), sum(r.stale for r in rows),
+                      sum(r.regressions for r in rows), sum(r.stale for r in rows), sum(r.acting for r in rows),
                       [x for r in rows for x in r.failovers], sum(r.changed for r in rows),
                       sum(r.unrecovered for r in rows), max((r.max_gap for r in rows), default=0.0),
                       sum(r.long_gaps for r in rows), sum(r.lost for r in rows), [x for r in rows for x in r.outages],
@@ -148,7 +153,8 @@ def table(result: BackendResult) -> str:
         name = f"**{entry.kind}**" if entry.kind == "all" else entry.kind
         restart = _duration(statistics.median(entry.outages)) if entry.outages and entry.kind != "all" else "-"
         lines.append(f"| {name} | {entry.count}{unrecovered} | {entry.overlaps} | {entry.regressions} | "
-                     f"{entry.stale} | {' | '.join(failover)} | {restart} | {entry.changed}/{entry.count} | "
+                     f"{entry.stale} | {entry.acting} | {' | '.join(failover)} | {restart} | "
+                     f"{entry.changed}/{entry.count} | "
                      f"{_duration(entry.max_gap) if entry.max_gap else '-'} | {entry.long_gaps} | "
                      f"{_duration(entry.write_stall) if entry.write_stall else '-'} | {entry.lost} |")
     return "\n".join(lines)
@@ -182,6 +188,10 @@ class CampaignResult:
         return self._sum("stale_accepted") + self._sum("shared_tokens")
 
     @property
+    def total_acting_overlaps(self) -> int:
+        return sum(len(b.report.acting_overlaps) for b in self.backends if b.report is not None)
+
+    @property
     def unrecovered(self) -> list[FaultRecord]:
         return [f for b in self.backends for f in b.unrecovered]
 
@@ -194,6 +204,9 @@ class CampaignResult:
                 found.append(f"{b.backend}: no ledger report")
             elif not b.report.safe:
                 found.append(f"{b.backend}: {b.report.summary()}")
+            if b.report is not None and not b.report.acts_checked:
+                # Its worker logs every act: no act log means acting went unjudged, not that it was safe.
+                found.append(f"{b.backend}: {b.report.acting.summary()}")
             if b.unrecovered:
                 found.append(f"{b.backend}: {len(b.unrecovered)} faults without a new ready leader")
             if b.lost_at_graceful_deletion():
@@ -223,7 +236,8 @@ class CampaignResult:
         per = ", ".join(f"{b.backend} {len(b.faults)}" for b in self.backends)
         figures = (f"{self.total_faults} faults ({per}) in {self.seconds:.0f} s, seed {self.seed}: "
                    f"{self.total_overlaps} overlaps, {self.total_regressions} regressions, "
-                   f"{self.total_stale} stale writes accepted, {len(self.unrecovered)} unrecovered")
+                   f"{self.total_stale} stale writes accepted, {self.total_acting_overlaps} acting overlaps, "
+                   f"{len(self.unrecovered)} unrecovered")
         if self.verdict_ok:
             return f"VERDICT: PASS: {figures}"
         return f"VERDICT: FAIL: {figures}; " + "; ".join(self.problems())

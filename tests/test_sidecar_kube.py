@@ -195,6 +195,8 @@ async def test_pod_deletion_drains_releases_and_hands_over(
     report = await check_ledger(pg_dsn, group)
     assert not report.overlaps, report.overlaps
     assert not report.regressions
+    # A drain waits for the app to exit before it releases: no two apps ever acted at once.
+    assert report.acts_checked and not report.acting_overlaps, report.summary()
     assert not [item for item in report.lost_items if f"token {report.terms[-1][0]} " not in item]
     reasons = events_for(cluster, leader)
     assert "LeaderDraining" in reasons and "LeadershipReleased" in reasons
@@ -234,6 +236,7 @@ async def test_api_server_restart_never_gives_two_leaders(
     report = await check_ledger(pg_dsn, group)
     assert not report.overlaps, report.overlaps
     assert not report.regressions
+    assert report.acts_checked and not report.acting_overlaps, report.summary()
     doc_after = after.leader_doc()
     assert doc_after is not None
     if after is not before:

@@ -4,6 +4,8 @@ outside Kubernetes): leadership, failover, fencing, draining, faults."""
 from __future__ import annotations
 
 import asyncio
+import json
+import os
 import signal
 import subprocess
 import sys
@@ -16,7 +18,9 @@ import asyncpg
 import pytest
 
 from singleton_testbed.ledger import check_ledger
-from singleton_testbed.postgres import PostgresServer
+from singleton_testbed.pgbouncer import PgBouncer, PoolMode
+from singleton_testbed.postgres import APP_PASSWORD, PostgresInfo, PostgresServer
+from singleton_testbed.procs import free_port
 from tests.sidecars import FAST_TIMINGS, SidecarProcess, leaders, one_leader, pause_leader_past_its_lease, wait_for
 
 WORKER = str(Path(__file__).parent / "data" / "ledger_worker.py")
@@ -71,8 +75,13 @@ def test_exactly_one_leader_and_probes(sidecars: Factory) -> None:
     metrics = leader.get("/metrics")[1]
     assert 'singleton_is_leader{backend="postgres"' in metrics and "} 1.0" in metrics
     assert "singleton_renew_latency_seconds_bucket" in metrics
-    # Control actions are not reachable through the probe port.
-    assert leader.get("/drain")[0] in (404, 405)
+    # Control actions are not reachable through the probe port: it has no such routes at all
+    # (405 would mean a /drain route exists there for some method), and the leader still leads.
+    for path in ("/drain", "/drain?wait=true", "/step-down"):
+        assert leader.probe("POST", path)[0] == 404, path
+        assert leader.get(path)[0] == 404, path
+    assert one_leader(group) is leader
+    assert (leader.leader_doc() or {}).get("role") == "leader"
 
 
 def test_sigkill_failover_with_greater_token(sidecars: Factory) -> None:
@@ -110,12 +119,21 @@ async def test_pg_terminate_backend_makes_leader_step_down_at_once(
 async def test_sigstop_leader_steps_down_and_its_token_is_fenced(
     sidecars: Factory, group: str, pg_dsn: str
 ) -> None:
-    members = sidecars(3, gated=True)
-    leader, old = await pause_leader_past_its_lease(members, pg_dsn, group)
+    # Woken as a whole, the pod's keeper (which kills the worker at once, its deadline long past)
+    # and the worker race, so whether the worker writes at all is not definite. Woken first,
+    # alone, with an item in flight, a worker that cannot check its term's deadline (an app
+    # paused between its check and its write) definitely writes that item's done row: the
+    # case only the fence covers, so the fence must refuse it.
+    members = sidecars(3, gated=True, extra={"LEDGER_ITEM_SECONDS": "0.5", "LEDGER_DEADLINE_CHECK": "off"})
+    leader, old = await pause_leader_past_its_lease(members, pg_dsn, group, wake_app_first=True)
     report = await check_ledger(pg_dsn, group)
-    # The stale worker was refused by the fence if it tried to write after waking.
-    assert "fenced out" in leader.log() or not any(
-        t[0] == old["token"] and t[3] > report.terms[-1][2] for t in report.terms)
+    newer = report.terms[-1][0]
+    assert newer > old["token"], report.terms
+    assert f"fenced out: group {old['fenceKey']}: token {old['token']} is stale (the fence has seen {newer})" \
+        in leader.log(), leader.log()[-4000:]
+    assert not report.stale_accepted, report.summary()
+    # The refused row is the done row of the item in flight: that item stays open, the only one.
+    assert [o.token for o in report.lost_at_handover] == [old["token"]], report.summary()
 
 
 async def test_sigterm_drains_then_hands_over_without_losing_work(
@@ -136,6 +154,8 @@ async def test_sigterm_drains_then_hands_over_without_losing_work(
     report = await check_ledger(pg_dsn, group)
     assert not report.overlaps, report.overlaps
     assert not report.regressions
+    # A drain waits for the app to exit before it releases: no two apps ever acted at once.
+    assert report.acts_checked and not report.acting_overlaps, report.summary()
     # The last leader is still working; every earlier term finished all its items.
     assert not [item for item in report.lost_items if f"token {report.terms[-1][0]} " not in item]
 
@@ -154,6 +174,7 @@ async def test_postgres_restart_never_gives_two_leaders(
     report = await check_ledger(pg_dsn, group)
     assert not report.overlaps, report.overlaps
     assert not report.regressions
+    assert report.acts_checked and not report.acting_overlaps, report.summary()
     assert len(leaders(members)) == 1
 
 
@@ -202,6 +223,70 @@ def test_bad_settings_exit_2_with_one_precise_line(env: dict[str, str], expected
     assert len(lines) == 1, result.stderr
     assert expected in lines[0]
     assert "Traceback" not in result.stderr
+
+
+def _cli_env(group: str, dsn: str) -> dict[str, str]:
+    """The environment of a `singleton-sidecar run` outside Kubernetes on free loopback ports,
+    with none of this process's SINGLETON_* variables."""
+    clean = {k: v for k, v in os.environ.items() if not k.startswith("SINGLETON_")}
+    return {**clean, "SINGLETON_GROUP": group, "SINGLETON_BACKEND": "postgres", "SINGLETON_LOCK_KEY": f"local/{group}",
+            "SINGLETON_POSTGRES_DSN": dsn, "SINGLETON_LISTEN": f"127.0.0.1:{free_port()}",
+            "SINGLETON_CONTROL_LISTEN": f"127.0.0.1:{free_port()}"}
+
+
+def _is_log_record(line: str) -> bool:
+    try:
+        record = json.loads(line)
+    except ValueError:
+        return False
+    return isinstance(record, dict) and {"time", "level", "logger", "msg"} <= record.keys()
+
+
+@pytest.mark.postgres
+@pytest.mark.parametrize("pool_mode", ["transaction", "statement"])
+def test_a_transaction_pooler_exits_2_with_one_line_saying_what_to_change(
+    pg_info: PostgresInfo | None, group: str, pool_mode: PoolMode
+) -> None:
+    """The pooler check refuses the DSN before any lock is taken; the CLI reports it as a
+    setting to change (status 2, one line), not as an outage to retry or a crash."""
+    if pg_info is None:
+        pytest.skip("PgBouncer needs the session's own server")
+    with PgBouncer(pg_info, pool_mode=pool_mode) as bouncer:
+        result = subprocess.run([sys.executable, "-m", "singleton_sidecar.cli", "run"],
+                                env=_cli_env(group, bouncer.dsn), capture_output=True, text=True, timeout=30,
+                                check=False)
+    assert result.returncode == 2, result.stderr
+    assert "Traceback" not in result.stderr, result.stderr
+    # The sidecar's own log (JSON records) goes to stderr too, as in a container; besides it,
+    # exactly one line: the error.
+    lines = [line for line in result.stderr.splitlines() if line.strip() and not _is_log_record(line)]
+    assert len(lines) == 1, result.stderr
+    line = lines[0]
+    assert line.startswith("singleton-sidecar: error: "), line
+    assert "through a connection pooler in transaction or statement pooling mode" in line, line
+    assert "connect directly to PostgreSQL or use session pooling" in line, line
+    assert APP_PASSWORD not in result.stderr + result.stdout, "the DSN's password was printed"
+
+
+@pytest.mark.postgres
+def test_a_session_pooler_is_accepted_and_the_sidecar_leads(
+    pg_info: PostgresInfo | None, group: str, tmp_path: Path
+) -> None:
+    if pg_info is None:
+        pytest.skip("PgBouncer needs the session's own server")
+    with PgBouncer(pg_info, pool_mode="session") as bouncer:
+        sidecar = SidecarProcess("pooled", {"SINGLETON_GROUP": group, "SINGLETON_BACKEND": "postgres",
+                                            "SINGLETON_POSTGRES_DSN": bouncer.dsn, **FAST_TIMINGS},
+                                 tmp_path / "pooled.log").start()
+        try:
+            leader = one_leader([sidecar], timeout=15)
+            doc = leader.leader_doc()
+            assert doc is not None and doc["isLeader"] is True and doc["role"] == "leader", doc
+            assert isinstance(doc["token"], int) and doc["token"] > 0, doc
+            assert sidecar.alive(), sidecar.log()
+        finally:
+            sidecar.stop()
+        assert sidecar.wait_exit(0) == 0, sidecar.log()  # drained and released through the pooler
 
 
 def test_file_gate_runs_the_app_only_on_the_leader(sidecars: Factory, tmp_path: Path) -> None:

@@ -74,8 +74,16 @@ async def run_operator(config: OperatorConfig) -> int:
     metrics = OperatorMetrics()
     backend = LeaseBackend(client=client, namespace=config.lease_namespace, name=LEASE_NAME,
                            lease_duration=BACKEND_DEFAULTS["lease"].lease_duration)
+    # kopf is this elector's app: a term ends (and the Lease passes on) only once kopf has stopped.
+    kopf_stopped = asyncio.Event()
+    kopf_stopped.set()
+
+    async def wait_kopf_stopped() -> None:
+        await kopf_stopped.wait()
+
     elector = Elector(group=LEASE_NAME, identity=Identity(config.identity), backend=backend,
-                      timings=BACKEND_DEFAULTS["lease"], wall_clock=time.time)
+                      timings=BACKEND_DEFAULTS["lease"], wall_clock=time.time, stop_hook=wait_kopf_stopped,
+                      stop_timeout=KOPF_STOP_GRACE + 2.0)
     leading, lost, stopping = asyncio.Event(), asyncio.Event(), asyncio.Event()
 
     def on_status(status: ElectionStatus) -> None:
@@ -98,7 +106,11 @@ async def run_operator(config: OperatorConfig) -> int:
         log.info("campaigning for lease %s/%s as %s", config.lease_namespace, LEASE_NAME, config.identity)
         if await _first(leading, stopping) is leading:
             log.info("leading: starting kopf (namespaces: %s)", ", ".join(config.namespaces) or "all")
-            exit_code = await _run_kopf_while_leading(config, client, metrics, lost, stopping)
+            kopf_stopped.clear()
+            try:
+                exit_code = await _run_kopf_while_leading(config, client, metrics, lost, stopping)
+            finally:
+                kopf_stopped.set()
     finally:
         elector.request_drain()
         with contextlib.suppress(asyncio.CancelledError):

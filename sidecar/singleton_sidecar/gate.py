@@ -19,11 +19,14 @@ alone, a long GC pause, CPU starvation) cannot keep the app acting past it:
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import math
 import os
 import secrets
+import shutil
 import sys
+import tempfile
 import time
 from collections.abc import Callable
 from importlib import resources
@@ -35,6 +38,9 @@ log = logging.getLogger(__name__)
 
 GATE_SCRIPT = "gate.sh"
 KEEPER_SCRIPT = "keeper.py"
+ENV_DEADLINE_FILE = "SINGLETON_DEADLINE_FILE"
+"""Set for the exec-gated app: a file holding the term's deadline in monotonic seconds (0 once
+the term ends). An app that checks it before each act never begins one past its term."""
 GATE_EXITED = "exited"
 """What gate.sh leaves in ``idle`` when it has stopped the app and exited (its container is stopping)."""
 
@@ -54,6 +60,7 @@ class ExecGate:
         self._exited = asyncio.Event()
         self._exited.set()
         self._reaper: asyncio.Future[int] | None = None
+        self._dir: str | None = None
 
     def __repr__(self) -> str:
         pid = self._proc.pid if self._proc is not None else None
@@ -75,6 +82,8 @@ class ExecGate:
         if deadline > 0:
             self._deadline = deadline
             self._tell(f"deadline {deadline}")
+        else:
+            self._tell("ended")
 
     async def wait_stopped(self) -> None:
         """The drain step: returns once the keeper has exited (the app's group is gone)."""
@@ -84,6 +93,17 @@ class ExecGate:
         """The stop step: SIGTERM (if not sent), SIGKILL after ``kill_grace``, wait for the group."""
         self._tell(f"stop {self.kill_grace}")
         await self._exited.wait()
+
+    def _runtime_dir(self) -> str:
+        """A private folder for the deadline file; "" where none can be made (a read-only
+        root filesystem without a writable temporary folder): the app then has no file."""
+        if self._dir is None:
+            try:
+                self._dir = tempfile.mkdtemp(prefix="singleton-gate-")
+            except OSError as exc:
+                log.warning("exec gate: no folder for the deadline file (%s); apps get none", exc)
+                self._dir = ""
+        return self._dir
 
     def _tell(self, line: str) -> None:
         if self._control is None:
@@ -107,10 +127,16 @@ class ExecGate:
             if self._proc is not None:
                 self._tell("stop 0")
                 await self._exited.wait()
+            if self._dir:
+                shutil.rmtree(self._dir, ignore_errors=True)
 
     async def _start(self, status: ElectionStatus) -> None:
         env = {**os.environ, **self.env, "SINGLETON_TOKEN": str(status.token),
                "SINGLETON_IDENTITY": status.identity}
+        runtime_dir = self._runtime_dir()
+        deadline_file = os.path.join(runtime_dir, f"deadline-{status.token}") if runtime_dir else ""
+        if deadline_file:
+            env[ENV_DEADLINE_FILE] = deadline_file
         keeper = str(resources.files("singleton_sidecar").joinpath(KEEPER_SCRIPT))
         read_end, write_end = os.pipe()
         os.set_blocking(write_end, False)
@@ -119,7 +145,8 @@ class ExecGate:
             # takes to kill the app (it sees its pipe close).
             self._proc = await asyncio.create_subprocess_exec(
                 sys.executable, "-S", "-E", keeper, "--deadline", repr(self._deadline),
-                "--kill-grace", repr(self.kill_grace), "--control-fd", str(read_end), "--", *self.command,
+                "--kill-grace", repr(self.kill_grace), "--control-fd", str(read_end),
+                *(["--deadline-file", deadline_file] if deadline_file else []), "--", *self.command,
                 env=env, pass_fds=(read_end,), stdin=asyncio.subprocess.DEVNULL,
             )
         except BaseException:
@@ -139,6 +166,9 @@ class ExecGate:
                 self._control = None
             if self._proc is proc:
                 self._proc = None
+            if deadline_file:
+                with contextlib.suppress(OSError):
+                    os.unlink(deadline_file)
             code = task.result() if not task.cancelled() and task.exception() is None else None
             log.info("gated process stopped exit_code=%s group=%s", code, status.group)
             self._exited.set()

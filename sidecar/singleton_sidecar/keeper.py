@@ -5,6 +5,7 @@ The sidecar starts one keeper per term (``gate.ExecGate``) and talks to it over 
 
     deadline <t>   the term may act until monotonic time <t> (sent on every renewal)
     stop <g>       stop now: SIGTERM to the whole group, SIGKILL <g> seconds later ("inf": no kill)
+    ended          the term is over (the deadline file says 0: no new act may begin)
 
 The keeper needs nothing of the sidecar to enforce that: when the deadline passes without an
 extension (the sidecar is stopped, starved or paused) it sends SIGTERM to the group and
@@ -43,9 +44,12 @@ def _die_with_keeper() -> None:
 
 
 class Keeper:
-    def __init__(self, command: list[str], *, deadline: float, kill_grace: float, control_fd: int) -> None:
+    def __init__(self, command: list[str], *, deadline: float, kill_grace: float, control_fd: int,
+                 deadline_file: str | None = None) -> None:
         self.command = command
+        self.deadline_file = deadline_file
         self.deadline = deadline
+        self._publish_deadline(deadline)
         self.kill_grace = kill_grace
         self.control_fd = control_fd
         self.stopping = False
@@ -96,6 +100,18 @@ class Keeper:
                 control_open = False
                 self.stop(0.0)
 
+    def _publish_deadline(self, deadline: float) -> None:
+        """Keep ``SINGLETON_DEADLINE_FILE`` (monotonic seconds): an app that checks it before
+        each act never begins one after its term's deadline, even woken from a freeze of the
+        whole pod before anyone could stop it."""
+        if self.deadline_file is None:
+            return
+        tmp = f"{self.deadline_file}.tmp"
+        with contextlib.suppress(OSError), open(tmp, "w") as out:
+            out.write(f"{deadline:.6f}\n")
+        with contextlib.suppress(OSError):
+            os.replace(tmp, self.deadline_file)
+
     def stop(self, grace: float, *, at: float | None = None) -> None:
         self.stopping = True
         self.kill_at = min(self.kill_at, (time.monotonic() if at is None else at) + grace)
@@ -116,8 +132,12 @@ class Keeper:
             verb, _, value = line.decode().partition(" ")
             if verb == "deadline":
                 self.deadline = float(value)
+                if not self.stopping:
+                    self._publish_deadline(self.deadline)
             elif verb == "stop":
                 self.stop(float(value))
+            elif verb == "ended":
+                self._publish_deadline(0.0)  # the term is over: no new act may begin
         return True
 
     def _left(self) -> list[int]:
@@ -164,12 +184,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--deadline", type=float, required=True, help="monotonic time the term may act until")
     parser.add_argument("--kill-grace", type=float, required=True, help="seconds from SIGTERM to SIGKILL")
     parser.add_argument("--control-fd", type=int, required=True, help="the pipe the sidecar writes to")
+    parser.add_argument("--deadline-file", default=None, help="file to keep the term's deadline in, for the app")
     parser.add_argument("command", nargs=argparse.REMAINDER)
     args = parser.parse_args(argv)
     command = args.command[1:] if args.command[:1] == ["--"] else args.command
     if not command:
         parser.error("a command is required after --")
-    return Keeper(command, deadline=args.deadline, kill_grace=args.kill_grace, control_fd=args.control_fd).run()
+    return Keeper(command, deadline=args.deadline, kill_grace=args.kill_grace, control_fd=args.control_fd,
+                  deadline_file=args.deadline_file).run()
 
 
 if __name__ == "__main__":
