@@ -348,3 +348,15 @@ async def test_same_named_groups_in_two_namespaces_share_a_database_without_meet
     fences = await admin(pg_dsn, "SELECT array_agg(token ORDER BY group_name) FROM singleton_fence "
                                  "WHERE group_name LIKE $1", f"%/{group}")
     assert fences == [doc_a["token"], doc_b["token"]]
+
+
+def test_a_replica_on_a_vm_and_one_in_a_pod_share_one_lock(sidecars: Factory, group: str) -> None:
+    """Was: the pod's sidecar keyed its lock <namespace>/<group>, the VM's the bare group: both led."""
+    in_pod = sidecars(1, extra={"SINGLETON_NAMESPACE": "team-a"})[0]
+    on_vm = sidecars(1, extra={"SINGLETON_LOCK_KEY": f"team-a/{group}"})[0]
+    leader = one_leader([in_pod, on_vm])
+    time.sleep(1.0)
+    assert leaders([in_pod, on_vm]) == [leader], "both replicas lead"
+    other = on_vm if leader is in_pod else in_pod
+    leader.signal(signal.SIGKILL)
+    assert one_leader([other], 10) is other
