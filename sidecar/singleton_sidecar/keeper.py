@@ -65,8 +65,11 @@ class Keeper:
         os.set_blocking(wake_w, False)
         signal.set_wakeup_fd(wake_w)
         signal.signal(signal.SIGCHLD, lambda *_: None)
-        # A stray SIGTERM (to the sidecar's whole process group) must not orphan the app: stop it.
-        signal.signal(signal.SIGTERM, lambda *_: self.stop(self.kill_grace))
+        # The sidecar decides when the app stops: a SIGTERM or Ctrl-C meant for its whole process
+        # group (systemd's control-group stop, a terminal) must neither kill the keeper nor cut
+        # the app's drain short. Handlers, not SIG_IGN, which the app would inherit.
+        for signum in (signal.SIGTERM, signal.SIGINT):
+            signal.signal(signum, lambda *_: None)
         # preexec_fn is safe here: the keeper runs no threads.
         app = subprocess.Popen(self.command, start_new_session=True, preexec_fn=_die_with_keeper)  # noqa: PLW1509
         self.app_pid = app.pid
