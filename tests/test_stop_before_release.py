@@ -135,6 +135,12 @@ def test_step_down_with_a_slow_app_hands_over_only_once_it_stopped(gated: Factor
     assert FINISH < new_first - started < FINISH + 1.0, new_first - started
     assert gaps[0] < 0.5, gaps
     assert leader.leader_doc()["role"] == "standby"  # type: ignore[index]
+    metrics = leader.get("/metrics")[1]
+    assert 'singleton_app_stop_seconds_count{backend="postgres"' in metrics
+    assert next(line for line in metrics.splitlines()
+                if line.startswith("singleton_app_stop_seconds_count")).endswith(" 1.0")
+    assert next(line for line in metrics.splitlines()
+                if line.startswith("singleton_app_stop_unconfirmed_total")).endswith(" 0.0")
 
 
 def test_a_drain_that_hits_its_timeout_kills_the_app_before_release(gated: Factory, acting_log: Path) -> None:

@@ -148,7 +148,8 @@ class Sidecar:
         elector = Elector(group=config.group, identity=self.identity, backend=backend, timings=config.timings,
                           wall_clock=self.wall_clock, drain_hook=self._drain_hook(gate, reporter),
                           drain_timeout=config.drain_timeout, stop_hook=gate.stop,
-                          stop_timeout=config.kill_grace + STOP_SLACK, on_renew=metrics.on_renew)
+                          stop_timeout=config.kill_grace + STOP_SLACK, on_renew=metrics.on_renew,
+                          on_app_stopped=metrics.on_app_stopped)
         elector.add_listener(metrics.on_status)
         elector.add_listener(gate.on_status)
         elector.add_deadline_listener(gate.on_deadline)

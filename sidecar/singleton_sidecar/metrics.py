@@ -7,6 +7,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, gene
 from singleton_sidecar.core.status import ElectionStatus, Role
 
 RENEW_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0)
+STOP_BUCKETS = (0.001, 0.01, 0.05, 0.1, 0.25, 0.5, 1.0, 2.0, 5.0, 10.0, 30.0, 60.0)
 
 
 class SidecarMetrics:
@@ -23,6 +24,12 @@ class SidecarMetrics:
                                         list(labels), buckets=RENEW_BUCKETS, registry=self.registry).labels(**labels)
         self._renew_failures = Counter("singleton_renew_failures", "Renewals that failed or found the lock lost.",
                                        list(labels), registry=self.registry).labels(**labels)
+        self._app_stop = Histogram("singleton_app_stop_seconds",
+                                   "Time from the end of a term until the app was confirmed stopped (then released).",
+                                   list(labels), buckets=STOP_BUCKETS, registry=self.registry).labels(**labels)
+        self._app_stop_unconfirmed = Counter(
+            "singleton_app_stop_unconfirmed", "Terms whose app was not confirmed stopped in time: left unreleased, "
+            "the lock freed by expiry.", list(labels), registry=self.registry).labels(**labels)
         role = Gauge("singleton_role", "1 for this replica's current role.", [*labels, "role"],
                      registry=self.registry)
         self._roles = {r: role.labels(**labels, role=r.value) for r in Role}
@@ -42,6 +49,12 @@ class SidecarMetrics:
         self._renew_latency.observe(seconds)
         if not ok:
             self._renew_failures.inc()
+
+    def on_app_stopped(self, seconds: float, confirmed: bool) -> None:
+        if confirmed:
+            self._app_stop.observe(seconds)
+        else:
+            self._app_stop_unconfirmed.inc()
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

@@ -37,6 +37,8 @@ True when the process is going away for good (pod deletion), False for a step-do
 StopHook = Callable[[], Awaitable[None]]
 """Returns once the app has stopped, killing it if it must (the gate's own grace)."""
 RenewObserver = Callable[[float, bool], None]
+StopObserver = Callable[[float, bool], None]
+"""Told how long the stop step took, and whether the app was confirmed stopped."""
 
 RELEASE_TIMEOUT = 2.0
 """Seconds a release may take; the lock frees by itself (session end or expiry) after that."""
@@ -57,6 +59,7 @@ class Elector:
         stop_hook: StopHook | None = None,
         stop_timeout: float = 5.0,
         on_renew: RenewObserver | None = None,
+        on_app_stopped: StopObserver | None = None,
     ) -> None:
         self.group = group
         self.identity = identity
@@ -69,6 +72,7 @@ class Elector:
         self._stop_hook = stop_hook
         self.stop_timeout = stop_timeout
         self._on_renew = on_renew
+        self._on_app_stopped = on_app_stopped
         self._listeners: list[Listener] = []
         self._deadline_listeners: list[DeadlineListener] = []
         self._wakeup = asyncio.Event()
@@ -338,13 +342,16 @@ class Elector:
             if not stopping.done():
                 stopping.cancel()
             (outcome,) = await asyncio.gather(stopping, return_exceptions=True)
-        if not finished.is_set() or isinstance(outcome, BaseException):
+        seconds = self.clock.monotonic() - started
+        confirmed = finished.is_set() and not isinstance(outcome, BaseException)
+        if self._on_app_stopped is not None:
+            self._on_app_stopped(seconds, confirmed)
+        if not confirmed:
             if isinstance(outcome, Exception):
                 log.error("stopping the app failed group=%s identity=%s", self.group, self.identity,
                           exc_info=outcome)
             return False
-        log.info("app stopped group=%s identity=%s seconds=%.3f", self.group, self.identity,
-                 self.clock.monotonic() - started)
+        log.info("app stopped group=%s identity=%s seconds=%.3f", self.group, self.identity, seconds)
         return True
 
     async def _renew(self, term: Term, now: float) -> tuple[Term | None, float]:
