@@ -23,6 +23,7 @@ lint: venv
 	$(BIN)/ruff check $(PACKAGES) tests benchmarks demo
 	$(BIN)/mypy
 	$(BIN)/mypy --strict demo
+	$(BIN)/lint-imports --no-logo --no-cache  # the layer contracts: [tool.importlinter] in pyproject.toml
 
 test: venv testbed lint
 	$(BIN)/pytest -ra $(PYTEST_ARGS)

@@ -60,6 +60,9 @@ class Api:
     def delete_pod(self, namespace: str, name: str, grace: int | None = None) -> None:
         body = {} if grace is None else {"gracePeriodSeconds": grace}
         status, answer = self.request("DELETE", f"/api/v1/namespaces/{namespace}/pods/{name}", body)
+        # Both mean the request was accepted: 200 (deleted, or graceful deletion begun) or 202
+        # (the API server's answer when the deletion completes asynchronously, e.g. with
+        # orphanDependents=false). What becomes of the pod is what the callers check.
         assert status in (200, 202), answer
 
 

@@ -30,7 +30,9 @@ Conventions (kept small on purpose):
       each block the group is settled (three ready pods, one leader, the status agreeing);
       variables ``leader`` and ``standby`` are pod names.
 
-Each block runs as one bash script (``bash -e -x``: it stops at the first failing command),
+Each block runs as one bash script (``bash -e -o pipefail -x``: it stops at the first failing
+command, and a pipeline fails when any command of it fails; every ``curl`` the tests run carries
+``-f``, so that an HTTP error is a failing command: ``test_every_curl_the_docs_run_fails_on_http_errors``),
 from a folder mirroring the repository's top level (files a command writes land there),
 with stdin closed. Background jobs a block leaves are killed with its process group.
 ``make`` never reinstalls the venv (``-o .venv/bin/.installed``).
@@ -46,14 +48,17 @@ import ast
 import base64
 import contextlib
 import dataclasses
+import http.server
 import json
 import os
 import re
 import secrets
+import shlex
 import shutil
 import signal
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -410,8 +415,9 @@ def script_of(block: Block, values: dict[str, str]) -> str:
 
 
 def _run(script: str, *, cwd: Path, env: dict[str, str]) -> subprocess.CompletedProcess[str]:
-    proc = subprocess.Popen(["bash", "-e", "-x", "-c", script], cwd=cwd, env=env, stdin=subprocess.DEVNULL,
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    proc = subprocess.Popen(["bash", "-e", "-o", "pipefail", "-x", "-c", script], cwd=cwd, env=env,
+                            stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            start_new_session=True)
     try:
         output, _ = proc.communicate(timeout=BLOCK_TIMEOUT)
     except subprocess.TimeoutExpired:
@@ -447,9 +453,133 @@ def test_the_commands_of_the_docs_run(block: Block, contexts: Contexts) -> None:
         if (contexts.testbed_state / "testbed.json").exists():  # a `make testbed-up` that was not brought down
             subprocess.run([str(VENV_BIN / "singleton-testbed"), "down"], env=env, capture_output=True, check=False)
     print(result.stdout)  # shown with -rP
+    check_block_ran(block, result)
+
+
+def check_block_ran(block: Block, result: subprocess.CompletedProcess[str]) -> None:
+    """The verdict on a block's run: every command succeeded."""
     assert result.returncode == 0, (
         f"{block.id} (setup {block.setup}) failed with status {result.returncode}; doc line numbers are "
         f"relative to the block (line {block.line} + N):\n{result.stdout[-6000:]}")
+
+
+# --- an HTTP error fails a block ----------------------------------------------------------------
+
+CURL = re.compile(r"(?<![\w-])curl(?P<args>(?:\s+(?!#)[^\s|;&)]+)*)")
+CURL_OPTIONS_WITH_ARGUMENT = set("AbcCdDeEFHKmoPQrtTuUwxXyYz")
+"""Short options of curl that take an argument (the rest of their cluster, or the next word)."""
+
+
+def curl_fails_on_http_errors(args: str) -> bool:
+    """Whether curl, given these arguments, exits non-zero on an HTTP error (``-f``, ``--fail``,
+    ``--fail-with-body``; ``-f`` may sit in a cluster such as ``-sSf``)."""
+    try:
+        words = shlex.split(args)
+    except ValueError:
+        words = args.split()
+    argument_next = False
+    for word in words:
+        if argument_next:
+            argument_next = False
+            continue
+        if word in ("--fail", "--fail-with-body"):
+            return True
+        if word.startswith("-") and not word.startswith("--"):
+            for index, letter in enumerate(word[1:], start=1):
+                if letter == "f":
+                    return True
+                if letter in CURL_OPTIONS_WITH_ARGUMENT:
+                    argument_next = index == len(word) - 1
+                    break
+    return False
+
+
+def curls_without_fail(text: str) -> list[str]:
+    """The curl commands of a shell command that an HTTP error would not fail."""
+    return [f"curl{m['args']}" for m in CURL.finditer(text) if not curl_fails_on_http_errors(m["args"])]
+
+
+@pytest.mark.parametrize(("command", "lacking"), [
+    ("curl -sf 127.0.0.1:1/leader", []),
+    ("curl -fsS 127.0.0.1:1/x | grep y", []),
+    ("curl --fail -s http://h/x", []),
+    ("curl -s --fail-with-body http://h/x", []),
+    ("x=$(curl -sSf http://h/x) && echo $x", []),
+    ("curl -s 127.0.0.1:1/metrics | grep '^a'", ["curl -s 127.0.0.1:1/metrics"]),
+    ("curl -o f http://h/x", ["curl -o f http://h/x"]),  # f is -o's file
+    ("curl -XPOST -s http://h/x", ["curl -XPOST -s http://h/x"]),
+    ("echo a; curl http://h/x && curl -f http://h/y", ["curl http://h/x"]),
+])
+def test_the_curl_check_reads_flags_as_curl_does(command: str, lacking: list[str]) -> None:
+    assert curls_without_fail(command) == lacking
+
+
+def test_every_curl_the_docs_run_fails_on_http_errors() -> None:
+    """``curl`` exits 0 on a 404 or a 503 unless told ``-f``: a doc command that fetches an
+    endpoint would pass the doc tests whatever the endpoint answered."""
+    lacking = [f"{block.doc.name}:{command.line}: {curl}" for block in SH_BLOCKS for command in block.commands()
+               if command.skip is None for curl in curls_without_fail(command.text)]
+    assert not lacking, "give these -f (--fail), so that an HTTP error fails the doc test:\n" + "\n".join(lacking)
+
+
+class _Pages(http.server.BaseHTTPRequestHandler):
+    """/ok answers 200, /unavailable 503, anything else 404; each with a body, as a server's error
+    pages have."""
+
+    def do_GET(self) -> None:
+        status = {"/ok": 200, "/unavailable": 503}.get(self.path, 404)
+        body = f"page says {status}\n".encode()
+        self.send_response(status)
+        self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        self.wfile.write(body)
+
+    def log_message(self, format: str, *args: Any) -> None:
+        pass  # quiet: the test's output is the blocks'
+
+
+@pytest.fixture
+def pages() -> Iterator[str]:
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), _Pages)
+    thread = threading.Thread(target=server.serve_forever, name="doc-test-pages", daemon=True)
+    thread.start()
+    try:
+        yield f"http://127.0.0.1:{server.server_address[1]}"
+    finally:
+        server.shutdown()
+        server.server_close()
+        thread.join(5)
+
+
+def _block(tmp_path: Path, *lines: str) -> Block:
+    return Block(tmp_path / "probe.md", 1, "sh", lines, None)
+
+
+def _run_block(block: Block, tmp_path: Path) -> subprocess.CompletedProcess[str]:
+    return _run(script_of(block, {}), cwd=tmp_path, env={**os.environ, "PS4": "+ [doc line $LINENO] "})
+
+
+@pytest.mark.parametrize(("path", "status"), [("/missing", 404), ("/unavailable", 503)])
+def test_a_doc_block_whose_curl_gets_an_http_error_fails(pages: str, tmp_path: Path, path: str, status: int) -> None:
+    after = tmp_path / "after"
+    # Without -f, curl prints the error page and exits 0: the block would run on and pass.
+    plain = _run_block(_block(tmp_path, f"curl -s {pages}{path}", f"touch {after}"), tmp_path)
+    assert plain.returncode == 0 and f"page says {status}" in plain.stdout, plain.stdout
+    assert after.exists()
+    after.unlink()
+    # With -f it exits 22, alone or inside a pipeline, and the block stops there and fails.
+    for command in (f"curl -sf {pages}{path}", f"curl -sf {pages}{path} | cat"):
+        block = _block(tmp_path, command, f"touch {after}")
+        result = _run_block(block, tmp_path)
+        assert result.returncode == 22, result.stdout  # curl: "HTTP page not retrieved" (--fail)
+        assert not after.exists(), f"the block went on after `{command}` failed:\n{result.stdout}"
+        with pytest.raises(AssertionError, match=r"probe\.md:1 \(setup plain\) failed with status 22"):
+            check_block_ran(block, result)
+    # The same block against a page that answers 200 runs to its end and passes.
+    block = _block(tmp_path, f"curl -sf {pages}/ok | cat", f"touch {after}")
+    result = _run_block(block, tmp_path)
+    check_block_ran(block, result)
+    assert "page says 200" in result.stdout and after.exists(), result.stdout
 
 
 # --- the other kinds of blocks, and --help -------------------------------------------------------

@@ -63,6 +63,8 @@ def can_i(cluster: Cluster, account: str, verb: str, resource: str, *args: str) 
                              "--as-group=system:serviceaccounts", f"--as-group=system:serviceaccounts:{namespace}",
                              "--as-group=system:authenticated", check=False)
     answer = result.stdout.strip()
+    # can-i exits 1 for "no", so its answer, not its status, is the verdict; anything but
+    # "yes" or "no" is an error (a typo in a resource, an unreachable server).
     assert answer in ("yes", "no"), (result.stdout, result.stderr)
     return answer == "yes"
 

@@ -59,7 +59,7 @@ start_app() {
 app_alive() {
   if [ "$own_group" = 0 ]; then kill -0 "$child" 2>/dev/null; return; fi
   for stat in /proc/[0-9]*/stat; do
-    read -r line < "$stat" 2>/dev/null || continue
+    read -r line 2>/dev/null < "$stat" || continue
     # shellcheck disable=SC2086
     set -- ${line##*) }
     [ "$3" = "$child" ] && [ "$1" != Z ] && return 0
