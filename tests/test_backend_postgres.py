@@ -23,6 +23,7 @@ from singleton_sidecar.core.lock import BackendMisconfigured, BackendUnavailable
 from singleton_sidecar.fencing import ensure_fence_table, fence
 from singleton_testbed.pgbouncer import PgBouncer, PoolMode
 from singleton_testbed.postgres import PostgresInfo, PostgresServer
+from tests.pgquery import fetchval
 
 pytestmark = [pytest.mark.postgres, pytest.mark.timeout(60)]
 
@@ -83,12 +84,20 @@ async def acquired(backend: PostgresBackend, identity: str, timeout: float = 5.0
     return result
 
 
-async def admin_fetchval(dsn: str, query: str, *args: object) -> object:
-    conn = await asyncpg.connect(dsn)
-    try:
-        return await conn.fetchval(query, *args)
-    finally:
-        await conn.close()
+admin_fetchval = fetchval
+
+
+async def acquire_within(backend: PostgresBackend, identity: str, seconds: float
+                         ) -> tuple[Term, list[Term | LockRecord]]:
+    """Try to acquire in short attempts until it works; the term and every attempt's result."""
+    started = time.monotonic()
+    seen: list[Term | LockRecord] = []
+    while time.monotonic() - started < seconds:
+        result = await backend.acquire(Identity(identity), timeout=0.3)
+        seen.append(result)
+        if isinstance(result, Term):
+            return result, seen
+    pytest.fail(f"{identity} never acquired: {seen}")
 
 
 async def holder_pid(admin_dsn: str, group: str) -> int:
@@ -280,14 +289,7 @@ async def test_stalled_holder_is_terminated_after_expiry(
     holders.append(holder)
     holder.signal(signal.SIGSTOP)
     started = time.monotonic()
-    seen: list[Term | LockRecord] = []
-    while time.monotonic() - started < 8:
-        result = await standby.acquire(Identity("b"), timeout=0.3)
-        seen.append(result)
-        if isinstance(result, Term):
-            break
-    else:
-        pytest.fail(f"standby never acquired: {seen}")
+    result, seen = await acquire_within(standby, "b", 8)
     elapsed = time.monotonic() - started
     assert isinstance(result, Term) and result.token > holder.token
     assert seen[0] == LockRecord(holder=Identity(f"proc-{standby.group}"), token=Token(holder.token),
@@ -569,14 +571,7 @@ async def test_stalled_holder_is_replaced_under_role_timeouts(
     holder.set_loss_callback(lambda _reason: lost.set())
     term = await acquired(holder, "a")  # and never renewed, as by a stalled process
     started = time.monotonic()
-    seen: list[Term | LockRecord] = []
-    while time.monotonic() - started < 8:
-        result = await standby.acquire(Identity("b"), timeout=0.3)
-        seen.append(result)
-        if isinstance(result, Term):
-            break
-    else:
-        pytest.fail(f"standby never acquired: {seen}")
+    result, seen = await acquire_within(standby, "b", 8)
     elapsed = time.monotonic() - started
     waiting = LockRecord(holder=Identity("a"), token=term.token, version=str(term.token))
     assert len(seen) > 1 and all(r == waiting for r in seen[:-1]), seen

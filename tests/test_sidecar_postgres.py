@@ -14,13 +14,13 @@ import uuid
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
-import asyncpg
 import pytest
 
 from singleton_testbed.ledger import check_ledger
 from singleton_testbed.pgbouncer import PgBouncer, PoolMode
 from singleton_testbed.postgres import APP_PASSWORD, PostgresInfo, PostgresServer
 from singleton_testbed.procs import free_port
+from tests.pgquery import fetchval
 from tests.sidecars import FAST_TIMINGS, SidecarProcess, leaders, one_leader, pause_leader_past_its_lease, wait_for
 
 WORKER = str(Path(__file__).parent / "data" / "ledger_worker.py")
@@ -54,12 +54,7 @@ def sidecars(pg_dsn: str, group: str, tmp_path: Path) -> Iterator[Factory]:
         sidecar.stop()
 
 
-async def admin(dsn: str, sql: str, *args: object) -> object:
-    conn = await asyncpg.connect(dsn)
-    try:
-        return await conn.fetchval(sql, *args)
-    finally:
-        await conn.close()
+admin = fetchval
 
 
 def test_exactly_one_leader_and_probes(sidecars: Factory) -> None:

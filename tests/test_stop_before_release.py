@@ -21,9 +21,9 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
-import asyncpg
 import pytest
 
+from tests.pgquery import fetchval
 from tests.sidecars import SidecarProcess, leaders, one_leader, wait_for
 
 APP = str(Path(__file__).parent / "data" / "acting_app.py")
@@ -304,8 +304,8 @@ def test_a_lost_session_makes_the_next_leader_wait_for_the_old_app(gated: Factor
     leader = one_leader(members)
     wait_for(acting_log.exists, 10, "the leader's app to act")
     key = leader.env.get("SINGLETON_LOCK_KEY") or f"local/{leader.env['SINGLETON_GROUP']}"
-    pid = asyncio.run(_admin(pg_admin_dsn, "SELECT holder_pid FROM singleton_leases WHERE group_name = $1", key))
-    assert asyncio.run(_admin(pg_admin_dsn, "SELECT pg_terminate_backend($1)", pid)) is True
+    pid = asyncio.run(fetchval(pg_admin_dsn, "SELECT holder_pid FROM singleton_leases WHERE group_name = $1", key))
+    assert asyncio.run(fetchval(pg_admin_dsn, "SELECT pg_terminate_backend($1)", pid)) is True
     wait_for(lambda: len(spans(acting_log)) >= 2, 10, "the next leader's app to act")
     assert_never_two_actors(acting_log, terms=2)
 
@@ -321,11 +321,3 @@ def test_file_gate_a_killed_sidecar_leaves_no_two_apps(
     leader.signal_sidecar_only(signal.SIGKILL)
     wait_for(lambda: len(spans(acting_log)) >= 2, 15, "the next leader's app to act")
     assert_never_two_actors(acting_log, terms=2)
-
-
-async def _admin(dsn: str, sql: str, *args: object) -> object:
-    conn = await asyncpg.connect(dsn)
-    try:
-        return await conn.fetchval(sql, *args)
-    finally:
-        await conn.close()
