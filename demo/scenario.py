@@ -35,7 +35,15 @@ class Scenario:
         await asyncio.to_thread(kubectl, self.state, *args)
 
     async def settle(self, what: str, timeout: float = 90) -> PodRow:
-        return await self.observer.wait_for(_leader, timeout, what)
+        """One ready leader, the standbys ready, the status in agreement, and the leader's app
+        writing (so every fault hits a term that has acted, and shows in the ledger)."""
+        ledger = self.observer.ledger
+
+        def writing_leader(snapshot: Snapshot) -> PodRow | None:
+            leader = _leader(snapshot)
+            return leader if leader is not None and leader.token in ledger.spans else None
+
+        return await self.observer.wait_for(writing_leader, timeout, what)
 
     async def run(self) -> None:
         observer = self.observer
