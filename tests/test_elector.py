@@ -46,7 +46,7 @@ class Rig:
                  renew: list[Any] | None = None, release: list[Any] | None = None,
                  drain_hook: Callable[[Rig], Callable[[bool], Awaitable[None]]] | None = None,
                  drain_timeout: float = 30.0,
-                 stop_hook: Callable[[Rig], Callable[[], Awaitable[None]]] | None = None,
+                 stop_hook: Callable[[Rig], Callable[[bool], Awaitable[None]]] | None = None,
                  stop_timeout: float = 3.0) -> None:
         self.clock = FakeClock(T0)
         self.log: list[tuple[Any, ...]] = []
@@ -858,11 +858,11 @@ async def test_a_zero_hold_ends_a_hold_early() -> None:
 # --- the end of a term: publish, stop the app, release -----------------------------------------------
 
 
-def stop_taking(seconds: float) -> Callable[[Rig], Callable[[], Awaitable[None]]]:
+def stop_taking(seconds: float) -> Callable[[Rig], Callable[[bool], Awaitable[None]]]:
     """A gate whose app takes ``seconds`` to stop."""
-    def build(rig: Rig) -> Callable[[], Awaitable[None]]:
-        async def stop() -> None:
-            rig.note("stop", "start")
+    def build(rig: Rig) -> Callable[[bool], Awaitable[None]]:
+        async def stop(urgent: bool) -> None:
+            rig.note("stop", "urgent" if urgent else "start")
             await rig.clock.sleep(seconds)
             rig.note("stop", "done")
 
@@ -882,7 +882,8 @@ S = DEFAULT  # 6 / 4 / 2
             Action.FINISH, "stepped down: no successful renewal within renew_deadline (4s)", Role.STANDBY, 2.0),
             id="deadline reached: finish at once"),
         pytest.param(LeadState(now=1, deadline=4, lost_reason="lock lost: x"), Decision(
-            Action.FINISH, "stepped down: lock lost: x", Role.STANDBY, 2.0), id="lost: finish at once"),
+            Action.FINISH, "stepped down: lock lost: x", Role.STANDBY, 2.0, urgent=True),
+            id="lost: finish at once, kill at once"),
         pytest.param(LeadState(now=1, deadline=4, step_down_reason="asked"),
                      Decision(Action.DRAIN, "stepping down: asked"), id="step-down: drain first"),
         pytest.param(LeadState(now=1, deadline=4, drain_requested=True),
@@ -905,7 +906,7 @@ S = DEFAULT  # 6 / 4 / 2
                      id="deadline while draining: forced, released"),
         pytest.param(LeadState(now=1, deadline=4, lost_reason="lock lost: x", step_down_reason="asked",
                                draining=True),
-                     Decision(Action.FINISH, "stepped down: lock lost: x", Role.STANDBY, 2.0),
+                     Decision(Action.FINISH, "stepped down: lock lost: x", Role.STANDBY, 2.0, urgent=True),
                      id="loss while stepping down: forced"),
     ],
 )
@@ -934,11 +935,11 @@ def _request_drain(rig: Rig) -> None:
                      ["3.75 renew 7", "4 publish standby", "4 stop start", "4.8 stop done", "4.8 release 7"],
                      id="renew deadline"),
         pytest.param([LOST], None, 30.0,
-                     ["2 renew 7", "2 publish standby", "2 stop start", "2.8 stop done", "2.8 release 7"],
+                     ["2 renew 7", "2 publish standby", "2 stop urgent", "2.8 stop done", "2.8 release 7"],
                      id="another holder"),
         pytest.param([], _fire_loss, 30.0,
-                     ["1 loss connection dropped", "1 publish standby", "1 stop start", "1.8 stop done",
-                      "1.8 release 7"], id="lock lost"),
+                     ["1 loss connection dropped", "1 publish standby", "1 stop urgent", "1.8 stop done",
+                      "1.8 release 7"], id="lock lost: the app is killed at once"),
     ],
 )
 async def test_every_ending_releases_only_after_the_app_stopped(

@@ -78,7 +78,7 @@ async def run_operator(config: OperatorConfig) -> int:
     kopf_stopped = asyncio.Event()
     kopf_stopped.set()
 
-    async def wait_kopf_stopped() -> None:
+    async def wait_kopf_stopped(_urgent: bool) -> None:
         await kopf_stopped.wait()
 
     elector = Elector(group=LEASE_NAME, identity=Identity(config.identity), backend=backend,

@@ -34,8 +34,8 @@ from singleton_sidecar.podstatus import PodReporter
 log = logging.getLogger(__name__)
 
 FINAL_STATUS_TIMEOUT = 3.0
-KEEPER_SLACK = 0.5
-"""Seconds beyond the kill grace for the keeper to hear of a loss and for the kernel to end the group."""
+KEEPER_SLACK = 0.25
+"""Seconds for the sidecar to hear its session ended, for the keeper to kill and the kernel to end the group."""
 STOP_SLACK = 2.0
 """Seconds beyond the kill grace that a gate may take to confirm the app stopped (reaping,
 gate.sh's polling) before the elector gives up on releasing and lets the lock expire."""
@@ -50,9 +50,10 @@ def build_backend(config: SidecarConfig, kube: KubeClient | None) -> LockBackend
 
     def postgres() -> LockBackend:
         assert config.postgres_dsn is not None
-        # The exec gate's keeper kills the app as soon as the sidecar dies or is told: a takeover
-        # after this holder's session ends waits that long, not the whole lease.
-        stop_bound = config.kill_grace + KEEPER_SLACK if config.exec_command else None
+        # The exec gate's keeper kills the app's group as soon as the sidecar dies, and at once
+        # when the sidecar hears its lock is gone: a takeover after this holder's session ended
+        # waits that long, not the whole lease.
+        stop_bound = KEEPER_SLACK if config.exec_command else None
         return PostgresBackend(group=config.lock_key, dsn=config.postgres_dsn, lease_duration=timings.lease_duration,
                                renew_deadline=timings.renew_deadline, stop_bound=stop_bound)
 

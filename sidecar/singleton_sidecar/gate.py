@@ -89,9 +89,10 @@ class ExecGate:
         """The drain step: returns once the keeper has exited (the app's group is gone)."""
         await self._exited.wait()
 
-    async def stop(self) -> None:
-        """The stop step: SIGTERM (if not sent), SIGKILL after ``kill_grace``, wait for the group."""
-        self._tell(f"stop {self.kill_grace}")
+    async def stop(self, urgent: bool = False) -> None:
+        """The stop step: SIGTERM (if not sent), SIGKILL after ``kill_grace`` (at once when
+        ``urgent``: the lock is gone already), and wait until the group is gone."""
+        self._tell(f"stop {0 if urgent else self.kill_grace}")
         await self._exited.wait()
 
     def _runtime_dir(self) -> str:
@@ -277,8 +278,11 @@ class FileGate:
         while not self._acknowledged():  # noqa: ASYNC110
             await asyncio.sleep(self.poll)
 
-    async def stop(self) -> None:
-        """The stop step: the flag is gone (``gate.sh`` kills after the grace); wait for its word."""
+    async def stop(self, urgent: bool = False) -> None:
+        """The stop step: the flag is gone (``gate.sh`` kills after the grace); wait for its word.
+        ``urgent`` changes nothing: gate.sh applies the grace it read (a takeover after a lost
+        lock waits out the old term's lease for the file gate)."""
+        del urgent
         await self.wait_stopped()
 
     async def run(self) -> None:
@@ -342,7 +346,8 @@ class CooperativeGate:
     async def wait_stopped(self) -> None:
         await self._stopped.wait()
 
-    async def stop(self) -> None:
+    async def stop(self, urgent: bool = False) -> None:
+        del urgent  # nothing to kill: the app stops by itself
         await self._stopped.wait()
 
     async def run(self) -> None:

@@ -34,8 +34,9 @@ DeadlineListener = Callable[[float], None]
 DrainHook = Callable[[bool], Awaitable[None]]
 """Asks the app to finish its in-flight work and returns once it has stopped. Called with
 True when the process is going away for good (pod deletion), False for a step-down."""
-StopHook = Callable[[], Awaitable[None]]
-"""Returns once the app has stopped, killing it if it must (the gate's own grace)."""
+StopHook = Callable[[bool], Awaitable[None]]
+"""Returns once the app has stopped, killing it if it must: after the gate's grace, or at once
+when called with True (the lock is already gone)."""
 RenewObserver = Callable[[float, bool], None]
 StopObserver = Callable[[float, bool], None]
 """Told how long the stop step took, and whether the app was confirmed stopped."""
@@ -318,7 +319,7 @@ class Elector:
         if decision.then is Role.STANDBY:
             log.warning("stepped down group=%s identity=%s token=%s reason=%s",
                         self.group, self.identity, term.token, decision.reason)
-        if not was_acting or await self._stop_app():
+        if not was_acting or await self._stop_app(urgent=decision.urgent):
             await self._release(term, decision.reason)
             return decision.pause
         # Never release while the app may still act: the lock frees by itself at expiry.
@@ -328,12 +329,12 @@ class Elector:
                   self.identity, term.token)
         return max(decision.pause, self.timings.lease_duration)
 
-    async def _stop_app(self) -> bool:
+    async def _stop_app(self, *, urgent: bool) -> bool:
         """Wait (bounded) until the app has stopped; True once it has."""
         if self._stop_hook is None:
             return True
         started = self.clock.monotonic()
-        stopping = asyncio.ensure_future(self._stop_hook())
+        stopping = asyncio.ensure_future(self._stop_hook(urgent))
         finished = asyncio.Event()
         stopping.add_done_callback(lambda _t: finished.set())
         try:

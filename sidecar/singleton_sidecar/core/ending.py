@@ -61,6 +61,9 @@ class Decision:
     """The role published at FINISH: RELEASED when no longer campaigning."""
     pause: float = 0.0
     """Seconds to wait after the release before campaigning again."""
+    urgent: bool = False
+    """The lock is already gone (the store freed it): another candidate may lead now, so the
+    app is killed at once rather than given its grace."""
 
 
 def decide(state: LeadState, timings: Timings) -> Decision:
@@ -68,7 +71,7 @@ def decide(state: LeadState, timings: Timings) -> Decision:
     deadline passed cannot be drained any longer, it may only stop."""
     then = Role.RELEASED if state.drain_requested else Role.STANDBY
     if state.lost_reason is not None:
-        return Decision(Action.FINISH, f"stepped down: {state.lost_reason}", then, timings.retry_period)
+        return Decision(Action.FINISH, f"stepped down: {state.lost_reason}", then, timings.retry_period, urgent=True)
     if state.now >= state.deadline:
         return Decision(Action.FINISH,
                         f"stepped down: no successful renewal within renew_deadline ({timings.renew_deadline:g}s)",
