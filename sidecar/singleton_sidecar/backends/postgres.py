@@ -112,8 +112,9 @@ class PostgresBackend:
         stop_bound: float | None = None,
     ) -> None:
         """``stop_bound``: seconds this holder's app may still act after its session ends
-        (the exec gate's kill grace: its keeper kills the app as soon as the sidecar is gone
-        or told); None when only the lease's expiry bounds it (file gate, cooperative)."""
+        (the exec gate's: its keeper kills the app's group at once when the sidecar dies or
+        hears the lock is gone); None when only the lease's expiry bounds it (file gate,
+        cooperative)."""
         if not group:
             raise ValueError("group must not be empty")
         if not 0 < renew_deadline < lease_duration:
