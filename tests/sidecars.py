@@ -167,6 +167,22 @@ def process_groups_below(root: int) -> list[int]:
     return found
 
 
+def stop_gate_script(script: subprocess.Popen[bytes]) -> None:
+    """Stop a ``gate.sh`` the way its container would be stopped: SIGTERM (it stops the app it
+    runs, in a process group of its own, and exits), then SIGKILL to whatever is left of its
+    group and of the groups below it, so a test never leaves an app running."""
+    groups = {script.pid, *process_groups_below(script.pid)}
+    if script.poll() is None:
+        script.send_signal(signal.SIGTERM)
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            script.wait(10)
+        groups.update(process_groups_below(script.pid))  # started meanwhile, if it did not exit
+    for pgid in groups:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(pgid, signal.SIGKILL)
+    script.wait()
+
+
 def wait_for(predicate: Any, timeout: float, what: str, interval: float = 0.01) -> Any:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:

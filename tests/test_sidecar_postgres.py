@@ -21,7 +21,15 @@ from singleton_testbed.pgbouncer import PgBouncer, PoolMode
 from singleton_testbed.postgres import APP_PASSWORD, PostgresInfo, PostgresServer
 from singleton_testbed.procs import free_port
 from tests.pgquery import fetchval
-from tests.sidecars import FAST_TIMINGS, SidecarProcess, leaders, one_leader, pause_leader_past_its_lease, wait_for
+from tests.sidecars import (
+    FAST_TIMINGS,
+    SidecarProcess,
+    leaders,
+    one_leader,
+    pause_leader_past_its_lease,
+    stop_gate_script,
+    wait_for,
+)
 
 WORKER = str(Path(__file__).parent / "data" / "ledger_worker.py")
 Factory = Callable[..., list[SidecarProcess]]
@@ -313,8 +321,7 @@ def test_file_gate_runs_the_app_only_on_the_leader(sidecars: Factory, tmp_path: 
         assert (dirs[index] / "out").stat().st_size == size, "the old leader's app kept running"
     finally:
         for app in apps:
-            __import__("os").killpg(app.pid, signal.SIGKILL)
-            app.wait()
+            stop_gate_script(app)
 
 
 async def test_same_named_groups_in_two_namespaces_share_a_database_without_meeting(

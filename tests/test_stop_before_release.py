@@ -24,7 +24,7 @@ from pathlib import Path
 import pytest
 
 from tests.pgquery import fetchval
-from tests.sidecars import SidecarProcess, leaders, one_leader, wait_for
+from tests.sidecars import SidecarProcess, leaders, one_leader, stop_gate_script, wait_for
 
 APP = str(Path(__file__).parent / "data" / "acting_app.py")
 TIMINGS = {"SINGLETON_LEASE_DURATION": "3", "SINGLETON_RENEW_DEADLINE": "2", "SINGLETON_RETRY_PERIOD": "0.5"}
@@ -233,9 +233,7 @@ def gate_scripts() -> Iterator[list[subprocess.Popen[bytes]]]:
     scripts: list[subprocess.Popen[bytes]] = []
     yield scripts
     for script in scripts:
-        with __import__("contextlib").suppress(ProcessLookupError):
-            os.killpg(script.pid, signal.SIGKILL)
-        script.wait()
+        stop_gate_script(script)
 
 
 @pytest.mark.parametrize("ignore_term", [False, True], ids=["slow app", "app ignoring SIGTERM"])
