@@ -158,7 +158,8 @@ def test_children_of_the_app_are_stopped_with_it(gated: Factory, acting_log: Pat
     """Was: SIGTERM and SIGKILL reached only the gate's direct child; its children acted on."""
     members = gated(2, app_env={"ACT_CHILDREN": "2"})
     leader = one_leader(members)
-    wait_for(lambda: acting_log.exists() and len(spans(acting_log)[0].pids) == 3, 10, "the app and 2 children")
+    wait_for(lambda: acting_log.exists() and [len(s.pids) for s in spans(acting_log)] == [3], 10,
+             "the app and 2 children")
     old = spans(acting_log)[0]
     status, _ = leader.control("POST", "/step-down")
     assert status == 202
@@ -319,3 +320,49 @@ def test_file_gate_a_killed_sidecar_leaves_no_two_apps(
     leader.signal_sidecar_only(signal.SIGKILL)
     wait_for(lambda: len(spans(acting_log)) >= 2, 15, "the next leader's app to act")
     assert_never_two_actors(acting_log, terms=2)
+
+
+def _keeper_of(sidecar: SidecarProcess) -> int:
+    assert sidecar.popen is not None
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                stat = (entry / "stat").read_text().rsplit(")", 1)[1].split()
+                cmdline = (entry / "cmdline").read_bytes()
+            except (OSError, IndexError):
+                continue
+            if int(stat[1]) == sidecar.popen.pid and b"keeper.py" in cmdline:
+                return int(entry.name)
+    raise AssertionError("no keeper under the sidecar")
+
+
+def test_a_keeper_killed_alone_leaves_no_orphan_acting(gated: Factory, acting_log: Path) -> None:
+    """Was: the app died with its keeper but its children, orphaned, acted on, and the sidecar
+    took the keeper's exit for "stopped" and later released beside them."""
+    members = gated(2, app_env={"ACT_CHILDREN": "1"})
+    leader = one_leader(members)
+    wait_for(lambda: acting_log.exists() and [len(s.pids) for s in spans(acting_log)] == [2], 10,
+             "the app and its child")
+    first = spans(acting_log)[0]
+    os.kill(_keeper_of(leader), signal.SIGKILL)
+    wait_for(lambda: group_gone(first.pids), 5, "the orphaned child to be stopped")
+    status, _ = leader.control("POST", "/step-down")
+    assert status == 202
+    wait_for(lambda: len(spans(acting_log)) >= 2, 10, "the next leader's app to act")
+    assert_never_two_actors(acting_log, terms=2)
+
+
+def test_a_sidecar_stalled_while_draining_cannot_stretch_the_drain(gated: Factory, acting_log: Path) -> None:
+    """Was: once draining, the keeper waited for the app without the term's deadline, so a
+    sidecar stalled mid-drain let its app act on after another replica took over."""
+    members = gated(2, env={"SINGLETON_DRAIN_TIMEOUT": "60"}, app_env={"ACT_FINISH": "30"})
+    leader = one_leader(members)
+    wait_for(acting_log.exists, 10, "the leader's app to act")
+    leader.signal_sidecar_only(signal.SIGTERM)
+    wait_for(lambda: (leader.leader_doc() or {}).get("role") == "draining", 5, "the drain to begin")
+    leader.signal_sidecar_only(signal.SIGSTOP)
+    try:
+        wait_for(lambda: len(spans(acting_log)) >= 2, 20, "a standby to take over")
+        assert_never_two_actors(acting_log, terms=2)
+    finally:
+        leader.signal_sidecar_only(signal.SIGCONT)

@@ -25,7 +25,7 @@ from singleton_sidecar.config import SidecarConfig, describe
 from singleton_sidecar.core.elector import Elector
 from singleton_sidecar.core.identity import make_identity
 from singleton_sidecar.core.lock import BackendMisconfigured, LockBackend
-from singleton_sidecar.gate import CooperativeGate, ExecGate, FileGate, Gate
+from singleton_sidecar.gate import CooperativeGate, ExecGate, FileGate, Gate, become_subreaper
 from singleton_sidecar.http import control_app, probe_app
 from singleton_sidecar.kube import KubeClient, load_kube_config
 from singleton_sidecar.metrics import SidecarMetrics
@@ -120,6 +120,7 @@ class Sidecar:
     def _make_gate(self, request_step_down: Callable[[str], None]) -> Gate:
         config = self.config
         if config.exec_command:
+            become_subreaper()
             return ExecGate(config.exec_command, kill_grace=config.kill_grace,
                             env={contract.ENV_GROUP: config.group, contract.ENV_FENCE_KEY: config.lock_key})
         if config.gate_dir is not None:

@@ -20,11 +20,13 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import ctypes
 import logging
 import math
 import os
 import secrets
 import shutil
+import signal
 import sys
 import tempfile
 import time
@@ -37,12 +39,55 @@ from singleton_sidecar.core.status import ElectionStatus, Role
 log = logging.getLogger(__name__)
 
 GATE_SCRIPT = "gate.sh"
+_PR_SET_CHILD_SUBREAPER = 36
 KEEPER_SCRIPT = "keeper.py"
 ENV_DEADLINE_FILE = "SINGLETON_DEADLINE_FILE"
 """Set for the exec-gated app: a file holding the term's deadline in monotonic seconds (0 once
 the term ends). An app that checks it before each act never begins one past its term."""
 GATE_EXITED = "exited"
 """What gate.sh leaves in ``idle`` when it has stopped the app and exited (its container is stopping)."""
+
+
+def become_subreaper() -> None:
+    """Descendants orphaned under this process are reparented to it, not to init, so the
+    exec gate can find and stop what a keeper killed on its own left behind."""
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.prctl(_PR_SET_CHILD_SUBREAPER, 1)
+
+
+def sweep_orphans(*, timeout: float = 5.0) -> int:
+    """SIGKILL every child of this process (the exec gate's keeper has exited, so any child
+    left is an orphaned descendant of the app) and reap it, until none is left. Blocking, but
+    only in the rare case there are any (a keeper killed alone). Returns how many were killed."""
+    me, killed, deadline = str(os.getpid()), 0, time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        children = _children_of(me)
+        if not children:
+            break
+        for pid in children:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+                killed += 1
+            with contextlib.suppress(ChildProcessError):
+                os.waitpid(pid, 0)
+    if killed:
+        log.warning("exec gate: killed %d orphaned process(es) of the app (its keeper died alone)", killed)
+    return killed
+
+
+def _children_of(ppid: str) -> list[int]:
+    found = []
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat") as stat:
+                fields = stat.read().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        if fields[1] == ppid:
+            found.append(int(entry))
+    return found
 
 
 class ExecGate:
@@ -165,6 +210,9 @@ class ExecGate:
             os.close(write_end)
             if self._control == write_end:
                 self._control = None
+            # A keeper killed on its own takes the app with it (PR_SET_PDEATHSIG), but not the
+            # app's children: they were reparented to us (a child subreaper) and go now.
+            sweep_orphans()
             if self._proc is proc:
                 self._proc = None
             if deadline_file:

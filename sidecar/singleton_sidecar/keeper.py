@@ -9,7 +9,8 @@ The sidecar starts one keeper per term (``gate.ExecGate``) and talks to it over 
 
 The keeper needs nothing of the sidecar to enforce that: when the deadline passes without an
 extension (the sidecar is stopped, starved or paused) it sends SIGTERM to the group and
-SIGKILL ``--kill-grace`` later; when the pipe closes (the sidecar died) it sends SIGKILL at
+SIGKILL ``--kill-grace`` later, a drain included (it lasts only while the term is renewed);
+when the pipe closes (the sidecar died) it sends SIGKILL at
 once. It is a child subreaper, so descendants that outlive their parents are reparented to
 it and reaped; it exits only once the whole group is gone, with the app's exit status. The
 sidecar's "the app has stopped" is the keeper's exit.
@@ -53,6 +54,7 @@ class Keeper:
         self.kill_grace = kill_grace
         self.control_fd = control_fd
         self.stopping = False
+        self.ended = False
         self.kill_at = math.inf
         self.app_pid = 0
         self.app_status: int | None = None
@@ -83,13 +85,14 @@ class Keeper:
                 if not self.stopping:
                     self.stop(self.kill_grace)  # the app exited; what it left behind goes too
             now = time.monotonic()
-            if not self.stopping and now >= self.deadline:
+            if now >= self.deadline and self.kill_at > self.deadline + self.kill_grace:
+                # Also while draining ("stop inf"): a drain lasts only as long as the term.
                 print(f"keeper: no renewal before the term's deadline; stopping process group {self.app_pid}",
                       file=sys.stderr, flush=True)
                 self.stop(self.kill_grace, at=self.deadline)
             if self.stopping:
                 self._signal(left, signal.SIGKILL if now >= self.kill_at else signal.SIGTERM)
-            wake_at = self.kill_at if self.stopping else self.deadline
+            wake_at = min(self.kill_at, self.deadline + (self.kill_grace if now >= self.deadline else 0.0))
             timeout = None if wake_at == math.inf else max(wake_at - now, 0.0)
             if self.stopping and (timeout is None or now >= self.kill_at):
                 timeout = 0.02  # waiting for the dead to be reaped (a grandchild's exit sends us nothing)
@@ -135,11 +138,12 @@ class Keeper:
             verb, _, value = line.decode().partition(" ")
             if verb == "deadline":
                 self.deadline = float(value)
-                if not self.stopping:
-                    self._publish_deadline(self.deadline)
+                if not self.ended:
+                    self._publish_deadline(self.deadline)  # draining included: the term goes on
             elif verb == "stop":
                 self.stop(float(value))
             elif verb == "ended":
+                self.ended = True
                 self._publish_deadline(0.0)  # the term is over: no new act may begin
         return True
 
