@@ -1,36 +1,47 @@
-"""A seeded fault-injection campaign against groups of 3 sidecar pods, judged by a fenced ledger.
+"""A seeded fault-injection campaign against groups of 3 sidecar pods, judged by what the apps
+did (the act log) and by the fenced ledger.
 
     .venv/bin/python -m benchmarks.campaign [--backend postgres lease both] [--faults N | --duration S]
-                                            [--seed S] [--quick] [--kinds K ...] [--fence off]
+                                            [--seed S] [--quick] [--kinds K ...] [--segment-faults N]
+                                            [--variants exec/fenced file/unfenced ...] [--fence off]
                                             [--worker-env NAME=VALUE ...] [--json PATH] [--workdir DIR] [--keep]
 
 Needs root and ``ip netns`` (the pods run on the test bed's stand-in kubelet, each in its own
 network namespace) and the test bed's binaries. It starts its own PostgreSQL, etcd +
-kube-apiserver and stand-in kubelet (it restarts them), then, for each backend in turn, runs a
-group of 3 pods (``campaign_bed``: sidecar + exec-gated ledger worker, a ServiceAccount with
-only the sidecar's rules, lease 2 s / renew deadline 1.5 s / retry 0.5 s) and injects faults of
-the types that apply to the backend (``campaign_faults``) in a seeded random order (every type
-once per round) at seeded random moments. Before each fault the group must have settled (every
-pod answering, one ready leader, its worker writing), bounded at 45 s. Afterwards the ledger
-checker (``singleton_testbed.ledger``) reads what every acting leader wrote, and the unfenced
-log of every act the workers began, refused by the fence or not.
+kube-apiserver (with the SingletonService CRD) and stand-in kubelet (it restarts them), then, for
+each backend in turn, runs groups of 3 pods one after the other, a **segment** each
+(``--segment-faults`` faults, then a new group of the next variant): exec gate or file gate (the
+operator's pod for ``gating: {mode: file}``), the ledger worker fenced or not, each pod's app
+finishing in 0..1 s after SIGTERM with 0..2 children, one slow pod whose drain timeout is shorter
+than its app's finishing time (``campaign_bed``). It injects faults of the kinds that apply to the
+backend (``campaign_faults``) in a seeded random order (every kind once per round, as the leaders
+allow) at seeded random moments. Before each fault the group must have settled (every pod
+answering, one ready leader, its worker writing), bounded at 45 s. After each segment the checker
+(``singleton_testbed.ledger``) reads the act log (every act any worker began, refused by the fence
+or not) and the fenced ledger.
 
-Prints a table per backend and fault type (count, overlaps, regressions, stale writes accepted,
-acting overlaps, failover p50/p99/max, how much of it was a server's own restart, how often a new term began,
-the largest gap without a writing leader and how many exceeded the promised bound, the longest
-wait from a new leader's first ready answer to its worker's first row, items lost in flight),
-a line on the liveness goals, and a verdict: PASS needs 0
-overlaps, 0 regressions, 0 stale writes accepted, 0 acting overlaps (and an act log to judge),
-every fault followed by a ready leader, and nothing lost at a graceful deletion. The exit status
-is 0 on PASS.
+Prints, per backend, its segments and a table per fault kind (acting overlaps that are failures,
+acts in flight through a freeze, idle gap without an acting app p50/p99/max, fenced overlaps,
+regressions, stale writes accepted, failover p50/p99/max, how much of it was a server's own
+restart, how often a new term began, the largest ledger gap and how many exceeded the promised
+bound, the longest wait from a new leader's first ready answer to its worker's first row, items
+lost in flight), a table per path (how the old term ended) over all backends, a line on the
+liveness goals, and a verdict (``campaign_report``): PASS needs 0 acting overlaps other than acts
+in flight through a freeze, 0 fenced overlaps, 0 regressions, 0 stale writes accepted (fenced
+segments), an act log to judge, every fault followed by a ready leader, and nothing lost at a
+graceful deletion. The exit status is 0 on PASS.
 
-``--quick`` (CI): 10 faults per backend, every type at least once. ``--faults N`` is the total
-over the backends, ``--duration S`` the total seconds of injecting; with both, whichever ends
-first. ``--fence off`` runs the workers without fencing (deliberately unsafe, for showing that
-the campaign can fail); ``--worker-env`` passes options to the worker (``LEDGER_TX_SECONDS``:
-work inside each fenced transaction). The Python API is ``run_campaign(CampaignOptions(...))``,
-called from the main thread; the logs stay in the work folder unless it passed. The seed fixes
-the order of the faults, the moments and the hold times; which pod leads when is up to the run.
+``--quick`` (CI): 10 faults per backend in two segments of 5 (exec gate and file gate on every
+backend, fenced and unfenced on every gate), every kind at least once over the campaign.
+``--faults N`` is the total over the backends, ``--duration S`` the total seconds of injecting;
+with both, whichever ends first. ``--variants`` limits the segments to these variants (``exec`` or
+``file``, ``/fenced`` or ``/unfenced``); ``--fence off`` runs every segment unfenced.
+``--worker-env`` passes options to every worker (``LEDGER_TX_SECONDS``: work inside each fenced
+transaction; ``LEDGER_DEADLINE_CHECK=off``: workers that cannot check their deadline, which a
+frozen pod's thaw then catches acting: deliberately unsafe). The Python API is
+``run_campaign(CampaignOptions(...))``, called from the main thread; the logs stay in the work
+folder unless it passed. The seed fixes the variants' pods, the order of the faults, the moments and
+the hold times; which pod leads when is up to the run.
 """
 
 from __future__ import annotations
@@ -48,16 +59,32 @@ from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from benchmarks.campaign_bed import Bed, CampaignError, Group
+from benchmarks.campaign_bed import VARIANTS, Bed, CampaignError, Group, Variant
 from benchmarks.campaign_faults import ALL_KINDS, APPLIES, Deck, Injector
 from benchmarks.campaign_poll import Poller
-from benchmarks.campaign_report import BackendResult, CampaignResult
+from benchmarks.campaign_report import BackendResult, CampaignResult, Segment
 from singleton_testbed.ledger import check_ledger
 
 BACKENDS = ("postgres", "lease", "both")
 QUICK_FAULTS_PER_BACKEND = 10
+QUICK_SEGMENT_FAULTS = 5
 DEFAULT_FAULTS_PER_BACKEND = 10
+DEFAULT_SEGMENT_FAULTS = 25
 SETTLE_TIMEOUT = 45.0
+
+
+def parse_variant(text: str) -> Variant:
+    """``exec/fenced``, ``file/unfenced``..."""
+    gate, _, fence = text.partition("/")
+    if gate not in ("exec", "file") or fence not in ("fenced", "unfenced"):
+        raise ValueError(f"a variant is exec or file, then /fenced or /unfenced: got {text!r}")
+    return Variant(gate, fence == "fenced")
+
+
+def variant_for(backend_index: int, segment: int, variants: tuple[Variant, ...]) -> Variant:
+    """Segments take the variants in turn, each backend two further on (with all four, a
+    backend's first two segments are one exec and one file gate, one fenced and one not)."""
+    return variants[(2 * backend_index + segment) % len(variants)]
 
 
 @dataclass
@@ -70,6 +97,10 @@ class CampaignOptions:
     seed: int | None = None
     quick: bool = False
     fence: bool = True
+    """False: every segment unfenced, whatever ``variants`` say."""
+    variants: tuple[Variant, ...] = VARIANTS
+    segment_faults: int | None = None
+    """Faults per segment (group); default 5 in quick mode, else 25."""
     kinds: tuple[str, ...] | None = None
     """Only these fault types (where they apply)."""
     worker_env: dict[str, str] = field(default_factory=dict)
@@ -103,9 +134,9 @@ def run_campaign(options: CampaignOptions) -> CampaignResult:
         bed.start()
         poller.start()
         options.log(f"test bed up in {time.monotonic() - started:.1f} s")
-        for backend, count, duration in zip(backends, counts, durations, strict=True):
+        for index, (backend, count, duration) in enumerate(zip(backends, counts, durations, strict=True)):
             result.backends.append(run_backend(bed, poller, backend, count=count, duration=duration, seed=seed,
-                                               options=options))
+                                               options=options, backend_index=index))
             poller.forget_all()
     finally:
         poller.stop()
@@ -126,56 +157,88 @@ def _fault_counts(total: int | None, per_backend: float, backends: tuple[str, ..
 
 
 def run_backend(bed: Bed, poller: Poller, backend: str, *, count: int | None, duration: float | None, seed: int,
-                options: CampaignOptions) -> BackendResult:
+                options: CampaignOptions, backend_index: int = 0) -> BackendResult:
+    """The backend's segments, one group after the other, until ``count`` faults or ``duration``."""
     rng = random.Random(f"{seed}/{backend}")
     kinds = tuple(k for k in APPLIES[backend] if options.kinds is None or k in options.kinds)
-    group = Group(bed, backend, poller, fence=options.fence, worker_env=dict(options.worker_env))
-    result = BackendResult(backend, group.name, options.fence)
+    per_segment = options.segment_faults or (QUICK_SEGMENT_FAULTS if options.quick else DEFAULT_SEGMENT_FAULTS)
+    result = BackendResult(backend)
+    deck = Deck(kinds, rng)
     started = time.monotonic()
     deadline = None if duration is None else started + duration
+    done = 0
+    while kinds and (count is None or done < count) and (deadline is None or time.monotonic() < deadline):
+        variant = variant_for(backend_index, len(result.segments), options.variants)
+        if not options.fence:
+            variant = Variant(variant.gate, False)
+        faults = per_segment if count is None else min(per_segment, count - done)
+        segment = run_segment(bed, poller, backend, variant, len(result.segments), faults=faults, deadline=deadline,
+                              rng=rng, deck=deck, seed=seed, options=options, total=count, before=done)
+        result.segments.append(segment)
+        done += len(segment.faults)
+        if segment.aborted:
+            break
+    result.attribute()
+    return result
+
+
+def run_segment(bed: Bed, poller: Poller, backend: str, variant: Variant, index: int, *, faults: int,
+                deadline: float | None, rng: random.Random, deck: Deck, seed: int, options: CampaignOptions,
+                total: int | None, before: int) -> Segment:
+    group = Group(bed, backend, poller, variant=variant, rng=random.Random(f"{seed}/{backend}/{index}"),
+                  worker_env=dict(options.worker_env))
+    segment = Segment(index, group.name, variant)
+    started = time.monotonic()
     log = options.log
     idle = (0.2, 1.0) if options.quick else (0.3, 2.0)
+    of = "" if total is None else f"/{total}"
+    log(f"[{backend:<8}] segment {index + 1}: group {group.name}, {variant}")
     try:
         group.setup()
         group.wait_settled(60)
-        injector = Injector(bed, group, poller, rng)
-        deck = Deck(kinds, rng)
-        total = "" if count is None else f"/{count}"
-        while kinds and (count is None or len(result.faults) < count) and (
-                deadline is None or time.monotonic() < deadline):
+        injector = Injector(bed, group, poller, rng, index)
+        while len(segment.faults) < faults and (deadline is None or time.monotonic() < deadline):
             time.sleep(rng.uniform(*idle))
             leader = group.wait_settled(SETTLE_TIMEOUT)
-            record = injector.inject(deck.deal(), len(result.faults), leader)
-            result.faults.append(record)
-            log(f"[{backend:<8} {len(result.faults):>3}{total}] {record.describe()}")
+            record = injector.inject(deck.deal(group.slow(leader.pod)), before + len(segment.faults), leader)
+            segment.faults.append(record)
+            log(f"[{backend:<8} {before + len(segment.faults):>3}{of}] {record.describe()}")
             group.wait_settled(SETTLE_TIMEOUT, since=time.time())
     except CampaignError as exc:
-        result.aborted = str(exc)
+        segment.aborted = str(exc)
         log(f"[{backend}] aborted: {exc}")
     finally:
-        result.seconds = time.monotonic() - started
+        segment.seconds = time.monotonic() - started
+        segment.profiles = dict(group.profiles)
         group.teardown()
         try:
-            result.report = asyncio.run(check_ledger(bed.pg.info.admin_dsn, group.name))
+            segment.report = asyncio.run(check_ledger(bed.pg.info.admin_dsn, group.name))
         except OSError as exc:
-            result.aborted = result.aborted or f"ledger unreadable: {exc}"
-    result.attribute()
-    log(f"[{backend}] {len(result.faults)} faults in {result.seconds:.0f} s; ledger: "
-        f"{result.report.summary() if result.report else '-'}")
-    return result
+            segment.aborted = segment.aborted or f"ledger unreadable: {exc}"
+    log(f"[{backend}] segment {index + 1} ({variant}): {len(segment.faults)} faults in {segment.seconds:.0f} s; "
+        f"{segment.report.summary() if segment.report else '-'}")
+    return segment
 
 
 def to_json(result: CampaignResult) -> dict[str, object]:
     return {
         "seed": result.seed, "quick": result.quick, "seconds": result.seconds, "verdict": result.verdict(),
-        "backends": [{"backend": b.backend, "group": b.group, "fence": b.fence, "seconds": b.seconds,
-                      "aborted": b.aborted, "ledger": b.report.summary() if b.report else None,
-                      "acting_overlaps": [str(o) for o in (b.report.acting_overlaps if b.report else [])],
-                      "stats": {k: asdict(v) for k, v in b.stats.items()},
-                      "gaps": [{"before": g.before, "after": g.after, "start": g.start.timestamp(),
-                                "end": g.end.timestamp(), "seconds": g.seconds}
-                               for g in (b.report.gaps if b.report else [])],
-                      "faults": [asdict(f) for f in b.faults]} for b in result.backends],
+        "backends": [{
+            "backend": b.backend, "seconds": b.seconds,
+            "stats": {k: asdict(v) for k, v in b.stats.items()},
+            "paths": {k: asdict(v) for k, v in b.paths.items()},
+            "segments": [{
+                "group": s.group, "gate": s.variant.gate, "fence": s.variant.fence, "seconds": s.seconds,
+                "aborted": s.aborted, "profiles": {pod: asdict(p) for pod, p in s.profiles.items()},
+                "ledger": s.report.summary() if s.report else None,
+                "acting_overlaps": [{"text": str(o), **asdict(o)} for o in (s.report.acting_overlaps
+                                                                          if s.report else [])],
+                "idle_gaps": [{"before": g.before, "after": g.after, "start": g.start.timestamp(),
+                               "end": g.end.timestamp(), "seconds": g.seconds}
+                              for g in (s.report.idle_gaps if s.report else [])],
+                "gaps": [{"before": g.before, "after": g.after, "start": g.start.timestamp(),
+                          "end": g.end.timestamp(), "seconds": g.seconds} for g in (s.report.gaps if s.report else [])],
+                "faults": [asdict(f) for f in s.faults]} for s in b.segments]} for b in result.backends],
     }
 
 
@@ -186,10 +249,17 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--faults", type=int, help="total faults over the backends")
     parser.add_argument("--duration", type=float, help="total seconds of injecting over the backends")
     parser.add_argument("--seed", type=int, help="random seed (default: a random one, printed)")
-    parser.add_argument("--quick", action="store_true", help=f"CI: {QUICK_FAULTS_PER_BACKEND} faults per backend")
+    parser.add_argument("--quick", action="store_true",
+                        help=f"CI: {QUICK_FAULTS_PER_BACKEND} faults per backend, segments of {QUICK_SEGMENT_FAULTS}")
     parser.add_argument("--kinds", nargs="+", choices=ALL_KINDS, help="only these fault types")
     parser.add_argument("--fence", choices=["on", "off"], default="on",
-                        help="off: workers write without their token (deliberately unsafe)")
+                        help="off: every segment's workers write without their token")
+    parser.add_argument("--variants", nargs="+", metavar="GATE/FENCE",
+                        help="segments take these in turn (default: exec/fenced file/unfenced file/fenced "
+                             "exec/unfenced)")
+    parser.add_argument("--segment-faults", type=int,
+                        help=f"faults per group before the next variant (default {DEFAULT_SEGMENT_FAULTS}; "
+                             f"quick {QUICK_SEGMENT_FAULTS})")
     parser.add_argument("--worker-env", nargs="+", default=[], metavar="NAME=VALUE",
                         help="options of the ledger worker, e.g. LEDGER_TX_SECONDS=0.02")
     parser.add_argument("--workdir", type=Path, help="keep everything here (default: a temporary folder)")
@@ -200,8 +270,13 @@ def main(argv: list[str] | None = None) -> int:
     def log(line: str) -> None:
         print(line, flush=True)
 
+    try:
+        variants = tuple(parse_variant(v) for v in args.variants) if args.variants else VARIANTS
+    except ValueError as exc:
+        parser.error(str(exc))
     options = CampaignOptions(backends=tuple(args.backend), faults=args.faults, duration=args.duration,
-                              seed=args.seed, quick=args.quick, fence=args.fence == "on",
+                              seed=args.seed, quick=args.quick, fence=args.fence == "on", variants=variants,
+                              segment_faults=args.segment_faults,
                               kinds=tuple(args.kinds) if args.kinds else None,
                               worker_env=dict(item.split("=", 1) for item in args.worker_env), workdir=args.workdir,
                               keep=args.keep, log=log)

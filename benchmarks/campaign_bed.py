@@ -1,19 +1,37 @@
-"""The campaign's test bed and groups: PostgreSQL, etcd + kube-apiserver and one stand-in
-kubelet, all the campaign's own (it restarts them), started from the main thread (servers die
-with the thread that started them); and, per backend, a group of sidecar pods.
+"""The campaign's test bed and groups: PostgreSQL, etcd + kube-apiserver (with the
+SingletonService CRD) and one stand-in kubelet, all the campaign's own (it restarts them),
+started from the main thread (servers die with the thread that started them); and, per backend
+and segment, a group of 3 sidecar pods of one ``Variant``.
 
-Each pod is one container: ``singleton-sidecar run -- python tests/data/ledger_worker.py``
-(the exec gate: the worker writes the fenced ledger only while its sidecar leads), in a network
-namespace of its own, with the downward-API environment, a ServiceAccount limited to
-``contract.sidecar_rbac_rules(group)`` (in-cluster token at the standard path), and short
-timings (lease 2 s, renew deadline 1.5 s, retry 0.5 s). A killed container is restarted by the
-stand-in; a deleted pod is replaced by a new one, as a ReplicaSet would.
+A group's pods, in a namespace of their own, each in a network namespace of its own, with the
+downward-API environment, a ServiceAccount limited to ``contract.sidecar_rbac_rules(group)``
+(in-cluster token at the standard path) and short timings (lease 2 s, renew deadline 1.5 s,
+retry 0.5 s), run the ledger worker (``tests/data/ledger_worker.py``) gated one of two ways:
+
+- **exec gate**: one container, ``singleton-sidecar run -- python ledger_worker.py`` (the keeper
+  runs the worker in a process group of its own and gives it ``SINGLETON_DEADLINE_FILE``);
+- **file gate**: the pod the operator builds for ``gating: {mode: file}``
+  (``singleton_operator.resources.pod_template``): the sidecar as a native sidecar, the worker as
+  the main container wrapped by ``gate.sh`` from a shared ``emptyDir``; the worker follows the
+  gate's flag (``LEDGER_GATE_DIR``) for its deadline.
+
+Every group also has a ``SingletonService`` object (``singletonctl`` finds groups through it;
+for file-gated groups it is what their pods are built from; no operator runs, so nothing
+reconciles it) and a Secret with the DSN. The worker writes fenced or not (the variant); each pod
+draws how long its app takes to finish after SIGTERM (``LEDGER_FINISH_SECONDS``, 0..1 s) and how
+many children act beside it (``LEDGER_CHILDREN``, 0..2). One pod of each group (and each pod that
+replaces it) is **slow**: its app takes 0.5..1 s to finish and its sidecar's drain timeout is
+0.2 s, so a planned ending of its term hits the drain timeout. A killed container is restarted by
+the stand-in; a deleted pod is replaced by a new one (with the same role, slow or not), as a
+ReplicaSet would.
 """
 
 from __future__ import annotations
 
 import asyncio
+import base64
 import dataclasses
+import random
 import secrets
 import sys
 import time
@@ -25,22 +43,41 @@ from typing import Any
 import asyncpg
 from tests.kubelet_fixtures import Api
 
+from benchmarks.campaign_pods import freeze_pod, loopback_request, thaw_pod
 from benchmarks.campaign_poll import PORT, Poller, Sample
+from singleton_operator import resources
+from singleton_operator.spec import read_spec
 from singleton_sidecar import contract
 from singleton_testbed.binaries import add_to_path, find_all
-from singleton_testbed.controlplane import ControlPlane
-from singleton_testbed.kubelet_control import StandInKubelet
+from singleton_testbed.controlplane import ControlPlane, wait_established
+from singleton_testbed.kubelet_control import PodInfo, StandInKubelet
 from singleton_testbed.netns import PodNetworkConfig
 from singleton_testbed.postgres import PostgresServer
 
 NET = PodNetworkConfig()
-WORKER = Path(__file__).resolve().parent.parent / "tests" / "data" / "ledger_worker.py"
+ROOT = Path(__file__).resolve().parent.parent
+WORKER = ROOT / "tests" / "data" / "ledger_worker.py"
+CRD = ROOT / "crds" / "singleton.dev_singletonservices.yaml"
 CONTAINER = "sidecar"
+"""The exec-gated pod's one container (sidecar, keeper and worker)."""
+APP_CONTAINER = "worker"
+"""The file-gated pod's main container (``gate.sh`` and the worker); its sidecar is
+``resources.SIDECAR_CONTAINER``."""
+IMAGE = "ghcr.io/singleton-dev/singleton:0.1.0"
 LEASE, RENEW, RETRY = 2.0, 1.5, 0.5
 TIMINGS = {contract.ENV_LEASE_DURATION: "2", contract.ENV_RENEW_DEADLINE: "1.5", contract.ENV_RETRY_PERIOD: "0.5"}
-DRAIN_TIMEOUT = 5
+CONTROL_PORT = PORT + 1
+DRAIN_TIMEOUT = 5.0
+SLOW_DRAIN_TIMEOUT = 0.2
+"""The slow pod's drain timeout: shorter than its app's finishing time (``SLOW_FINISH``)."""
+FINISH_MAX = 1.0
+SLOW_FINISH = (0.5, 1.0)
+CHILDREN_MAX = 2
 GRACE = 8
 REPLICAS = 3
+DSN_SECRET = "ledger-db"
+THAW_STAGGER = 0.1
+"""A frozen pod's app is thawed this long before its sidecar and gate (``campaign_pods``)."""
 
 
 class CampaignError(Exception):
@@ -115,6 +152,7 @@ class Bed:
         self.cp = ControlPlane(binaries, workdir / "k8s", serve_pods=True)
         self.kubelet: StandInKubelet | None = None
         self.api: Api | None = None
+        self.kubeconfig: Path | None = None
 
     def __repr__(self) -> str:
         return f"<Bed {self.workdir}>"
@@ -124,6 +162,10 @@ class Bed:
         self.pg.start()
         info = self.cp.start()
         self.api = Api(info.kubeconfig)
+        self.kubeconfig = info.kubeconfig
+        self.cp.kubectl("apply", "--server-side", "--force-conflicts", "--field-manager=singleton-campaign",
+                        "-f", str(CRD))
+        wait_established(self.cp.kubectl, "crd/singletonservices.singleton.dev")
         self.kubelet = StandInKubelet(kubeconfig=info.kubeconfig, node=f"campaign-{self.suffix}",
                                       state_dir=self.workdir / "standin")
         self.kubelet.start()
@@ -167,65 +209,243 @@ class Bed:
         return admin_call(self.admin, method, path, body, ok=ok, attempts=attempts)
 
 
+
+@dataclasses.dataclass(frozen=True)
+class Variant:
+    """What a group's pods run: the gate (``exec`` or ``file``) and whether the worker fences its
+    writes (unfenced: an app whose acts no store can refuse; the act log is then the only judge)."""
+
+    gate: str
+    fence: bool
+
+    def __str__(self) -> str:
+        return f"{self.gate} gate, {'fenced' if self.fence else 'unfenced'}"
+
+
+VARIANTS = (Variant("exec", True), Variant("file", False), Variant("file", True), Variant("exec", False))
+"""In the order segments take them (``campaign.variant_for``)."""
+
+
+@dataclasses.dataclass(frozen=True)
+class PodProfile:
+    """One pod's app and drain: seconds its app acts on after SIGTERM, children acting beside it,
+    its sidecar's drain timeout."""
+
+    finish: float
+    children: int
+    drain_timeout: float
+
+    @property
+    def slow(self) -> bool:
+        """A planned ending of its term hits the drain timeout."""
+        return self.drain_timeout < self.finish
+
+    def __str__(self) -> str:
+        return (f"finish {self.finish:g}s, {self.children} children, drain timeout {self.drain_timeout:g}s"
+                + (" (slow)" if self.slow else ""))
+
+
+@dataclasses.dataclass
+class Frozen:
+    """A pod frozen whole: its network namespace and its containers' main processes."""
+
+    netns: str
+    container_pids: tuple[int, ...]
+    processes: int = 0
+    """How many processes were stopped."""
+
+
+def _env(name: str, value: str) -> dict[str, Any]:
+    return {"name": name, "value": value}
+
+
+def _with_env(env: list[dict[str, Any]], values: dict[str, str]) -> list[dict[str, Any]]:
+    """``env`` with ``values`` set (replacing entries of the same name)."""
+    return [*(e for e in env if e.get("name") not in values), *(_env(k, v) for k, v in values.items())]
+
+
 @dataclasses.dataclass
 class Group:
-    """One backend's group of sidecar pods."""
+    """One segment's group of sidecar pods, of one variant."""
 
     bed: Bed
     backend: str
     poller: Poller
-    fence: bool = True
+    variant: Variant = VARIANTS[0]
+    rng: random.Random = dataclasses.field(default_factory=random.Random)
+    """Draws each pod's profile."""
     worker_env: dict[str, str] = dataclasses.field(default_factory=dict)
     name: str = ""
     namespace: str = ""
     pods: dict[str, str] = dataclasses.field(default_factory=dict)
     """Current members: pod name → IP (empty while it is starting)."""
+    profiles: dict[str, PodProfile] = dataclasses.field(default_factory=dict)
+    """Every pod the group ever had → its profile (deleted pods stay: faults refer to them)."""
     created: int = 0
+    service: dict[str, Any] = dataclasses.field(default_factory=dict)
+    """The SingletonService object as the API server returned it."""
 
     def __post_init__(self) -> None:
         self.name = self.name or f"camp-{self.backend}-{secrets.token_hex(3)}"
         self.namespace = self.namespace or self.name
         self.account = "singleton-sidecar"
 
+    @property
+    def fence(self) -> bool:
+        return self.variant.fence
+
+    @property
+    def sidecar_container(self) -> str:
+        return CONTAINER if self.variant.gate == "exec" else resources.SIDECAR_CONTAINER
+
+    def slow(self, pod: str) -> bool:
+        profile = self.profiles.get(pod)
+        return profile is not None and profile.slow
+
     def setup(self) -> None:
         create_account(self.bed.call, self.namespace, self.account, self.name)
-        for _ in range(REPLICAS):
-            self.add_pod()
+        dsn = base64.b64encode(self.bed.pod_dsn.encode()).decode()
+        self.bed.call("POST", f"/api/v1/namespaces/{self.namespace}/secrets",
+                      {"metadata": {"name": DSN_SECRET}, "data": {"dsn": dsn}})
+        self.service = self.bed.call(
+            "POST", f"/apis/{contract.API_GROUP}/{contract.API_VERSION}/namespaces/{self.namespace}/{contract.PLURAL}",
+            self.service_body())
+        for index in range(REPLICAS):
+            self.add_pod(slow=index == 0)
 
-    def manifest(self, pod: str) -> dict[str, Any]:
+    def service_body(self) -> dict[str, Any]:
+        """The group as a SingletonService: what ``singletonctl`` reads, and for the file gate what
+        the pods are built from (the operator's ``pod_template``)."""
+        spec: dict[str, Any] = {
+            "replicas": REPLICAS, "backend": self.backend,
+            "timings": {"leaseDuration": "2s", "renewDeadline": "1500ms", "retryPeriod": "500ms"},
+            "drain": {"timeout": f"{DRAIN_TIMEOUT:g}s"}, "terminationGracePeriodSeconds": GRACE,
+            "gating": {"mode": "file" if self.variant.gate == "file" else "cooperative"},
+            "sidecar": {"port": PORT, "image": IMAGE},
+            "template": {"spec": {"containers": [{"name": APP_CONTAINER, "image": IMAGE,
+                                                  "command": [sys.executable, str(WORKER)]}]}},
+        }
+        if self.backend != "lease":
+            spec["postgres"] = {"secretRef": {"name": DSN_SECRET, "key": "dsn"}}
+        return {"apiVersion": f"{contract.API_GROUP}/{contract.API_VERSION}", "kind": contract.KIND,
+                "metadata": {"name": self.name, "namespace": self.namespace}, "spec": spec}
+
+    def draw_profile(self, slow: bool) -> PodProfile:
+        children = self.rng.randint(0, CHILDREN_MAX)
+        if slow:
+            return PodProfile(round(self.rng.uniform(*SLOW_FINISH), 2), children, SLOW_DRAIN_TIMEOUT)
+        return PodProfile(round(self.rng.uniform(0.0, FINISH_MAX), 2), children, DRAIN_TIMEOUT)
+
+    def app_env(self, profile: PodProfile) -> dict[str, str]:
+        """The worker's environment (beside what its gate gives it)."""
+        env = {"LEDGER_DSN": self.bed.pod_dsn, "PYTHONUNBUFFERED": "1",
+               "LEDGER_FINISH_SECONDS": f"{profile.finish:g}", "LEDGER_CHILDREN": str(profile.children)}
+        if not self.fence:
+            env["LEDGER_FENCE"] = "off"
+        return {**env, **self.worker_env}
+
+    def manifest(self, pod: str, profile: PodProfile) -> dict[str, Any]:
+        return self._exec_manifest(pod, profile) if self.variant.gate == "exec" else self._file_manifest(pod, profile)
+
+    def _exec_manifest(self, pod: str, profile: PodProfile) -> dict[str, Any]:
         env = [
             *sidecar_pod_env(self.name, self.backend, TIMINGS),
-            {"name": contract.ENV_DRAIN_TIMEOUT, "value": str(DRAIN_TIMEOUT)},
-            {"name": "LEDGER_DSN", "value": self.bed.pod_dsn},
-            {"name": "PYTHONUNBUFFERED", "value": "1"},
+            _env(contract.ENV_DRAIN_TIMEOUT, f"{profile.drain_timeout:g}"),
+            *(_env(k, v) for k, v in self.app_env(profile).items()),
         ]
         if self.backend != "lease":
-            env.append({"name": contract.ENV_POSTGRES_DSN, "value": self.bed.pod_dsn})
-        if not self.fence:
-            env.append({"name": "LEDGER_FENCE", "value": "off"})
-        env += [{"name": k, "value": v} for k, v in self.worker_env.items()]
+            env.append(_env(contract.ENV_POSTGRES_DSN, self.bed.pod_dsn))
         command = [sys.executable, "-m", "singleton_sidecar.cli", "run", "--", sys.executable, str(WORKER)]
         return {"apiVersion": "v1", "kind": "Pod",
-                "metadata": {"name": pod, "labels": {"app": self.name}},
+                "metadata": {"name": pod, "labels": {"app": self.name, contract.LABEL_GROUP: self.name}},
                 "spec": {"nodeName": self.bed.standin.node, "serviceAccountName": self.account,
                          "terminationGracePeriodSeconds": GRACE,
-                         "containers": [{"name": CONTAINER, "image": "ghcr.io/singleton-dev/singleton:0.1.0",
-                                         "command": command, "env": env,
+                         "containers": [{"name": CONTAINER, "image": IMAGE, "command": command, "env": env,
                                          "ports": [{"name": "probes", "containerPort": PORT}]}]}}
 
-    def add_pod(self) -> str:
+    def _file_manifest(self, pod: str, profile: PodProfile) -> dict[str, Any]:
+        """The operator's pod for ``gating: {mode: file}``, with this pod's profile; images are
+        ignored by the stand-in, so commands run this machine's Python."""
+        template = resources.pod_template(read_spec(self.service, default_sidecar_image=IMAGE))
+        spec = template["spec"]
+        sidecar = next(c for c in spec["initContainers"] if c["name"] == resources.SIDECAR_CONTAINER)
+        sidecar["command"] = [sys.executable, "-m", "singleton_sidecar.cli", "run"]
+        sidecar["env"] = _with_env(sidecar["env"], {contract.ENV_DRAIN_TIMEOUT: f"{profile.drain_timeout:g}",
+                                                    contract.ENV_LOG_FORMAT: "text"})
+        main = next(c for c in spec["containers"] if c["name"] == APP_CONTAINER)
+        main["env"] = [
+            *_with_env(main.get("env") or [], {
+                **self.app_env(profile), "LEDGER_GATE_DIR": resources.GATE_DIR,
+                "SINGLETON_FENCE_KEY": contract.lock_key(self.name, self.namespace)}),
+            # gate.sh exports only the token: the worker's identity is its pod's name.
+            {"name": "SINGLETON_IDENTITY", "valueFrom": {"fieldRef": {"fieldPath": "metadata.name"}}},
+        ]
+        spec["nodeName"] = self.bed.standin.node
+        spec["serviceAccountName"] = self.account
+        return {"apiVersion": "v1", "kind": "Pod",
+                "metadata": {"name": pod, "labels": {**template["metadata"]["labels"], "app": self.name}},
+                "spec": spec}
+
+    def add_pod(self, *, slow: bool = False) -> str:
         pod = f"{self.name}-{self.created}"
         self.created += 1
-        self.bed.call("POST", f"/api/v1/namespaces/{self.namespace}/pods", self.manifest(pod))
+        profile = self.draw_profile(slow)
+        self.bed.call("POST", f"/api/v1/namespaces/{self.namespace}/pods", self.manifest(pod, profile))
+        self.profiles[pod] = profile
         self.pods[pod] = ""
         return pod
 
     def delete_pod(self, pod: str) -> None:
-        """Graceful deletion (the pod's grace period), and a replacement pod, as a ReplicaSet would."""
+        """Graceful deletion (the pod's grace period), and a replacement pod (slow if it was), as a
+        ReplicaSet would."""
         self.bed.call("DELETE", f"/api/v1/namespaces/{self.namespace}/pods/{pod}", {})
         self.pods.pop(pod, None)
         self.poller.forget(pod)
-        self.add_pod()
+        self.add_pod(slow=self.slow(pod))
+
+    # --- what the faults do to a pod's processes (``campaign_pods``) ---------------------------
+
+    def pod_info(self, pod: str) -> PodInfo:
+        try:
+            return self.bed.standin.pod(self.namespace, pod)
+        except (KeyError, LookupError, RuntimeError, OSError) as exc:
+            raise CampaignError(f"pod {pod} is not running: {exc}") from exc
+
+    def _netns(self, info: PodInfo) -> str:
+        if info.netns is None:
+            raise CampaignError(f"pod {info.name} has no network namespace")
+        return info.netns
+
+    def sidecar_pid(self, pod: str) -> int:
+        pid = self.pod_info(pod).container(self.sidecar_container).pid
+        if pid is None:
+            raise CampaignError(f"pod {pod}: its sidecar is not running")
+        return pid
+
+    def freeze(self, pod: str) -> Frozen:
+        """SIGSTOP every process of the pod (a cgroup freeze); ``thaw`` undoes it."""
+        info = self.pod_info(pod)
+        netns = self._netns(info)
+        frozen = Frozen(netns, tuple(c.pid for c in info.containers if c.pid is not None))
+        frozen.processes = freeze_pod(netns)
+        return frozen
+
+    @staticmethod
+    def thaw(frozen: Frozen) -> None:
+        """SIGCONT the pod: its app first, its sidecar and gate ``THAW_STAGGER`` later."""
+        thaw_pod(frozen.netns, list(frozen.container_pids), THAW_STAGGER)
+
+    def step_down(self, pod: str) -> tuple[int, str]:
+        """``POST /step-down`` on the sidecar's control port, on the pod's loopback."""
+        return loopback_request(self._netns(self.pod_info(pod)), CONTROL_PORT, "POST",
+                                "/step-down?reason=campaign")
+
+    def drain_timeouts(self, pod: str) -> int:
+        """How often the pod's sidecar logged that its drain timeout passed (all its restarts)."""
+        try:
+            return self.bed.standin.read_log(self.namespace, pod, self.sidecar_container).count("drain timeout (")
+        except (FileNotFoundError, OSError):
+            return 0
 
     def watch_started(self) -> None:
         """Give the poller the IP of every member that runs now."""

@@ -3,7 +3,8 @@
 | fault | what is done | postgres | lease | both |
 |---|---|---|---|---|
 | ``sigkill`` | SIGKILL of the leader's sidecar container (the stand-in restarts it) | ✓ | ✓ | ✓ |
-| ``sigstop`` | SIGSTOP of the leader's container for lease + 0.5..1.5 s, then SIGCONT | ✓ | ✓ | ✓ |
+| ``sigstop`` | the leader's whole pod frozen (below) | ✓ | ✓ | ✓ |
+| ``sigstop-sidecar`` | SIGSTOP of the leader's sidecar process alone (below) | ✓ | ✓ | ✓ |
 | ``pg-terminate`` | ``pg_terminate_backend`` of the leader's lock session | ✓ | | ✓ |
 | ``pg-restart`` | restart of PostgreSQL (fast shutdown, start) | ✓ | | ✓ |
 | ``apiserver-restart`` | restart of kube-apiserver | | ✓ | ✓ |
@@ -11,39 +12,97 @@
 | ``partition-pg`` | the leader's pod cut off from PostgreSQL (dropped), healed after 3..4.5 s | ✓ | | ✓ |
 | ``partition-api`` | the leader's pod cut off from the API server (dropped), healed after 3..4.5 s | | ✓ | ✓ |
 | ``delete-pod`` | graceful deletion of the leader's pod; a new pod replaces it | ✓ | ✓ | ✓ |
+| ``drain-timeout`` | the slow pod leads: its pod deleted, or its sidecar SIGTERMed (below) | ✓ | ✓ | ✓ |
+| ``handover`` | ``singletonctl handover`` (below) | ✓ | ✓ | ✓ |
+| ``step-down`` | ``POST /step-down`` on the leader's sidecar control port (the pod's loopback) | ✓ | ✓ | ✓ |
+
+- ``sigstop``: SIGSTOP of every process of the pod (``campaign_pods``) for lease + 0.5..1.5 s,
+  then SIGCONT, its app first and its sidecar and gate 0.1 s later.
+- ``sigstop-sidecar``: SIGSTOP of the sidecar process alone for lease + 0.5..1.5 s, then
+  SIGCONT; its keeper (exec gate) or ``gate.sh`` (file gate) and its app run on, and the gate's
+  own deadline must stop the app.
+- ``drain-timeout``: the slow pod's app finishes in 0.5..1 s and its drain timeout is 0.2 s;
+  seeded, its pod is deleted or its sidecar process gets SIGTERM (as the kubelet sends it).
+- ``handover``: ``singletonctl handover`` of the group, to a seeded ready standby (``--to``) or
+  to any.
 
 A fault is injected where it can move leadership: PostgreSQL faults where the election uses
 PostgreSQL, API server faults where it uses a Lease. Elsewhere they would test only the ledger
 worker's own connection (the lease backend's worker still writes to PostgreSQL) or the pod
 annotations (the postgres backend's sidecar still writes them), not the election.
 
+Which pod leads is up to the group, so the deck deals by leader: ``drain-timeout`` only when the
+slow pod leads (and first, when it does), ``delete-pod``, ``handover`` and ``step-down`` only when
+another does (their app drains in time); every other kind whoever leads. When no kind left in the
+deck applies (a run limited with ``--kinds``) it deals the next one anyway.
+
+Each fault also names the **path** by which the old term ended (``PATHS``): the kind's, except
+that a planned ending (deletion, handover, step-down, SIGTERM) whose sidecar logged that its drain
+timeout passed is a ``drain timeout``.
+
 Failover is timed from the moment the fault starts to the first ``/readyz`` 200 (polled from
 the host over the pods' IPs) of a new term (a greater token). After a server restart
 (``apiserver-restart``, ``etcd-restart``) leadership may survive, so it is timed to the first
-``/readyz`` 200 of any term once the server is back, and includes the restart itself.
+``/readyz`` 200 of any term once the server is back, and includes the restart itself. A
+``handover`` is timed from singletonctl's start: with ``--to`` it holds the other standbys off
+and waits 0.5 s before it asks the leader to step down.
 """
 
 from __future__ import annotations
 
+import contextlib
+import io
+import os
 import random
+import signal
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from benchmarks.campaign_bed import CONTAINER, LEASE, NET, Bed, CampaignError, Group
+from benchmarks.campaign_bed import LEASE, NET, Bed, CampaignError, Group
 from benchmarks.campaign_poll import Poller, Sample
+from singleton_ctl import cli as singletonctl
 from singleton_sidecar import contract
 
-ALL_KINDS = ("sigkill", "sigstop", "pg-terminate", "pg-restart", "apiserver-restart", "etcd-restart",
-             "partition-pg", "partition-api", "delete-pod")
+ALL_KINDS = ("sigkill", "sigstop", "sigstop-sidecar", "pg-terminate", "pg-restart", "apiserver-restart",
+             "etcd-restart", "partition-pg", "partition-api", "delete-pod", "drain-timeout", "handover", "step-down")
+NEW_KINDS = ("sigstop-sidecar", "drain-timeout", "handover", "step-down")
+"""The kinds added with the act log (quick mode must inject each at least once)."""
+_EVERYWHERE = ("sigkill", "sigstop", "sigstop-sidecar", "delete-pod", "drain-timeout", "handover", "step-down")
 APPLIES: dict[str, tuple[str, ...]] = {
-    "postgres": ("sigkill", "sigstop", "pg-terminate", "pg-restart", "partition-pg", "delete-pod"),
-    "lease": ("sigkill", "sigstop", "apiserver-restart", "etcd-restart", "partition-api", "delete-pod"),
+    "postgres": tuple(k for k in ALL_KINDS if k in _EVERYWHERE or k in ("pg-terminate", "pg-restart", "partition-pg")),
+    "lease": tuple(k for k in ALL_KINDS if k in _EVERYWHERE
+                   or k in ("apiserver-restart", "etcd-restart", "partition-api")),
     "both": ALL_KINDS,
 }
 SERVER_RESTARTS = frozenset({"apiserver-restart", "etcd-restart"})
 """Faults after which the same term may go on: any ready leader counts as recovered."""
+PLANNED = frozenset({"delete-pod", "drain-timeout", "handover", "step-down"})
+"""Planned endings: the term drains (bounded by the drain timeout) before it is released."""
+SLOW_LEADER_ONLY = frozenset({"drain-timeout"})
+QUICK_LEADER_ONLY = frozenset({"delete-pod", "handover", "step-down"})
+FROZEN = "sigstop"
+"""The fault that freezes a whole pod: the one where an act in flight may finish late."""
 RECOVERY_TIMEOUT = 30.0
+
+PATHS: dict[str, str] = {
+    "sigkill": "sidecar killed (SIGKILL)",
+    "sigstop": "pod frozen whole",
+    "sigstop-sidecar": "sidecar stalled alone",
+    "pg-terminate": "PostgreSQL session ended",
+    "pg-restart": "PostgreSQL session ended",
+    "apiserver-restart": "store restarted",
+    "etcd-restart": "store restarted",
+    "partition-pg": "cut off (renew deadline)",
+    "partition-api": "cut off (renew deadline)",
+    "delete-pod": "drain (pod deleted)",
+    "drain-timeout": "drain (pod deleted)",
+    "handover": "handover (singletonctl)",
+    "step-down": "step-down (POST /step-down)",
+}
+DRAIN_TIMEOUT_PATH = "drain timeout"
+SIGTERM_PATH = "drain (SIGTERM)"
+ALL_PATHS = tuple(dict.fromkeys([*PATHS.values(), SIGTERM_PATH, DRAIN_TIMEOUT_PATH]))
 
 
 @dataclass
@@ -55,6 +114,14 @@ class FaultRecord:
     old_token: int
     t0: float
     """Wall-clock start of the fault."""
+    segment: int = 0
+    """Which of the backend's groups (``BackendResult.segments``)."""
+    slow: bool = False
+    """The leader was the slow pod (its drain timeout shorter than its app's finishing time)."""
+    detail: str = ""
+    """How it was done (``SIGTERM``, ``--to POD``, how many processes were frozen...)."""
+    path: str = ""
+    """How the old term ended (``PATHS``)."""
     injected: float = 0.0
     """When the injection ended (SIGCONT sent, partition healed, server back)."""
     hold: float = 0.0
@@ -75,28 +142,42 @@ class FaultRecord:
         return self.new_token is not None and self.new_token != self.old_token
 
     def describe(self) -> str:
+        detail = f" [{self.detail}]" if self.detail else ""
         if self.failover is None:
-            return f"{self.kind:<17} {self.pod} token {self.old_token}: NOT RECOVERED ({self.error})"
+            return f"{self.kind:<17} {self.pod} token {self.old_token}{detail}: NOT RECOVERED ({self.error})"
         same = "same pod, " if self.new_pod == self.pod else ""
-        return (f"{self.kind:<17} {self.pod} token {self.old_token} -> {self.new_pod} token {self.new_token} "
-                f"({same}{self.failover * 1000:.0f} ms)")
+        return (f"{self.kind:<17} {self.pod} token {self.old_token}{detail} -> {self.new_pod} token "
+                f"{self.new_token} ({same}{self.failover * 1000:.0f} ms; {self.path})")
 
 
 class Deck:
-    """Seeded random order that still deals every kind once per round."""
+    """Seeded random order that deals every kind once per round, as far as the leaders allow:
+    ``deal`` takes the next card that applies to the current leader (a card that applies only to
+    it first) and keeps the others for later."""
 
     def __init__(self, kinds: tuple[str, ...], rng: random.Random) -> None:
         self.kinds, self.rng = kinds, rng
-        self._hand: list[str] = []
+        self._hand: list[str] = []  # the next card is the last
 
     def __repr__(self) -> str:
-        return f"<Deck {self.kinds}>"
+        return f"<Deck {self.kinds} hand={self._hand}>"
 
-    def deal(self) -> str:
-        if not self._hand:
-            self._hand = list(self.kinds)
-            self.rng.shuffle(self._hand)
-        return self._hand.pop()
+    def _round(self) -> None:
+        cards = list(self.kinds)
+        self.rng.shuffle(cards)
+        self._hand = cards + self._hand
+
+    def deal(self, slow_leader: bool = False) -> str:
+        def applies(kind: str) -> bool:
+            return kind not in (QUICK_LEADER_ONLY if slow_leader else SLOW_LEADER_ONLY)
+
+        for _ in range(2):
+            fits = [i for i in reversed(range(len(self._hand))) if applies(self._hand[i])]
+            only_now = [i for i in fits if slow_leader and self._hand[i] in SLOW_LEADER_ONLY]
+            if fits:
+                return self._hand.pop((only_now or fits)[0])
+            self._round()
+        return self._hand.pop()  # nothing the deck holds applies to this leader (a --kinds run)
 
 
 @dataclass
@@ -105,10 +186,14 @@ class Injector:
     group: Group
     poller: Poller
     rng: random.Random
+    segment: int = 0
 
     def inject(self, kind: str, index: int, leader: Sample) -> FaultRecord:
         assert leader.token is not None
-        record = FaultRecord(self.group.backend, kind, index, leader.pod, leader.token, time.time())
+        group = self.group
+        timeouts = group.drain_timeouts(leader.pod) if kind in PLANNED else 0
+        record = FaultRecord(group.backend, kind, index, leader.pod, leader.token, time.time(),
+                             segment=self.segment, slow=group.slow(leader.pod), path=PATHS[kind])
         above = None if kind in SERVER_RESTARTS else leader.token
         self.poller.set_fast(True)
         try:
@@ -124,32 +209,46 @@ class Injector:
             record.error = str(exc)
         finally:
             self.poller.set_fast(False)
+        if kind in PLANNED and group.drain_timeouts(leader.pod) > timeouts:
+            record.path = DRAIN_TIMEOUT_PATH  # logged before the release, so before the new leader
         return record
 
     def _act(self, kind: str, record: FaultRecord) -> float:
         """Inject; returns the time from which a ready leader counts as recovered."""
         actions: dict[str, Callable[[FaultRecord], float | None]] = {
-            "sigkill": self._sigkill, "sigstop": self._sigstop, "pg-terminate": self._pg_terminate,
-            "pg-restart": self._pg_restart, "apiserver-restart": self._server_restart,
-            "etcd-restart": self._server_restart, "partition-pg": self._partition,
-            "partition-api": self._partition, "delete-pod": self._delete_pod,
+            "sigkill": self._sigkill, "sigstop": self._sigstop, "sigstop-sidecar": self._sigstop_sidecar,
+            "pg-terminate": self._pg_terminate, "pg-restart": self._pg_restart,
+            "apiserver-restart": self._server_restart, "etcd-restart": self._server_restart,
+            "partition-pg": self._partition, "partition-api": self._partition, "delete-pod": self._delete_pod,
+            "drain-timeout": self._drain_timeout, "handover": self._handover, "step-down": self._step_down,
         }
         after = actions[kind](record)
         return record.t0 if after is None else after
 
-    def _signal(self, record: FaultRecord, signal: str) -> None:
-        self.bed.standin.signal(self.group.namespace, record.pod, CONTAINER, signal)
-
     def _sigkill(self, record: FaultRecord) -> None:
-        self._signal(record, "SIGKILL")
+        self.bed.standin.signal(self.group.namespace, record.pod, self.group.sidecar_container, "SIGKILL")
+
+    def _hold(self, record: FaultRecord) -> None:
+        record.hold = self.rng.uniform(LEASE + 0.5, LEASE + 1.5)
 
     def _sigstop(self, record: FaultRecord) -> None:
-        record.hold = self.rng.uniform(LEASE + 0.5, LEASE + 1.5)
-        self._signal(record, "SIGSTOP")
+        self._hold(record)
+        frozen = self.group.freeze(record.pod)
+        try:
+            record.detail = f"{frozen.processes} processes"
+            self._until(record.t0 + record.hold)
+        finally:
+            self.group.thaw(frozen)
+
+    def _sigstop_sidecar(self, record: FaultRecord) -> None:
+        self._hold(record)
+        pid = self.group.sidecar_pid(record.pod)
+        os.kill(pid, signal.SIGSTOP)
         try:
             self._until(record.t0 + record.hold)
         finally:
-            self._signal(record, "SIGCONT")
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGCONT)
 
     def _pg_terminate(self, record: FaultRecord) -> None:
         bed = self.bed
@@ -182,6 +281,57 @@ class Injector:
 
     def _delete_pod(self, record: FaultRecord) -> None:
         self.group.delete_pod(record.pod)
+
+    def _drain_timeout(self, record: FaultRecord) -> None:
+        if self.rng.random() < 0.5:
+            record.detail = "pod deleted"
+            self.group.delete_pod(record.pod)
+            return
+        record.detail = "SIGTERM"
+        record.path = SIGTERM_PATH
+        os.kill(self.group.sidecar_pid(record.pod), signal.SIGTERM)  # the container's main process, as the kubelet
+
+    def _ready_standbys(self, leader: str, timeout: float = 5.0) -> list[str]:
+        """Pods other than ``leader`` whose sidecar says standby and whose pod is Ready: what
+        ``singletonctl handover`` accepts as a target."""
+        path = (f"/api/v1/namespaces/{self.group.namespace}/pods"
+                f"?labelSelector={contract.LABEL_GROUP}%3D{self.group.name}")
+        deadline = time.monotonic() + timeout
+        while True:
+            ready = []
+            for pod in self.bed.call("GET", path).get("items") or []:
+                meta = pod["metadata"]
+                conditions = (pod.get("status") or {}).get("conditions") or []
+                if (meta["name"] != leader and not meta.get("deletionTimestamp")
+                        and (meta.get("annotations") or {}).get(contract.ANNOTATION_ROLE) == "standby"
+                        and any(c.get("type") == "Ready" and c.get("status") == "True" for c in conditions)):
+                    ready.append(str(meta["name"]))
+            if ready or time.monotonic() > deadline:
+                return sorted(ready)
+            time.sleep(0.1)
+
+    def _handover(self, record: FaultRecord) -> None:
+        standbys = self._ready_standbys(record.pod)
+        argv = ["--kubeconfig", str(self.bed.kubeconfig), "handover", self.group.name, "-n", self.group.namespace,
+                "--timeout", "20"]
+        target = self.rng.choice(standbys) if standbys and self.rng.random() < 0.5 else None
+        if target is not None:
+            argv += ["--to", target]
+        record.detail = f"--to {target}" if target else "any standby"
+        record.t0 = time.time()
+        out = io.StringIO()
+        with contextlib.redirect_stdout(out), contextlib.redirect_stderr(out):
+            status = singletonctl.main(argv)
+        if status != 0:
+            raise CampaignError(f"singletonctl handover failed: {out.getvalue().strip()}")
+
+    def _step_down(self, record: FaultRecord) -> None:
+        try:
+            status, body = self.group.step_down(record.pod)
+        except OSError as exc:
+            raise CampaignError(f"POST /step-down on {record.pod}: {exc}") from exc
+        if status != 202:
+            raise CampaignError(f"POST /step-down on {record.pod}: {status} {body}")
 
     @staticmethod
     def _until(moment: float) -> None:

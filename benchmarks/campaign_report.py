@@ -1,13 +1,23 @@
-"""The campaign's figures: the ledger's findings attributed to the faults, per fault type, and
-the tables and verdict it prints.
+"""The campaign's figures: what the act log and the fenced ledger show, attributed to the faults,
+per fault kind and per path (how the old term ended), and the verdict.
 
-Attribution: a gap or an item lost in flight belongs to the fault that ended its term (the fault
-whose leader held that token); an overlap, a regression or a stale write to the fault during
-which it was written (the last fault started before it); an acting overlap (two workers acting
-at once, from the unfenced act log) to the fault during which the later of the two began
-acting. Anything before the first fault is ``warm-up``.
+Attribution, within one segment (one group): an idle gap (no app acting), a ledger gap or an item
+lost in flight belongs to the fault that ended its term (the fault after which that token no longer
+led); an overlap, a regression or a stale write to the fault during which it was written (the last
+fault started before it); an acting overlap to the fault during which the later actor began
+acting. Anything before the segment's first fault is ``warm-up``.
 
-The promised bound on a gap without a writing leader, per fault: ``outage + lease + retry +
+The verdict rule (``classify``): an acting overlap is **in flight through a freeze**, reported apart
+and not a failure, only when all of these hold: it began during a whole-pod ``sigstop``, its earlier
+actor is the term that fault froze, and that actor began no act after its successor began acting
+(``late_acts == 0``): the frozen app finished, on waking, an act it had begun in its term, which no
+gate can stop. Every other acting overlap is a failure: any in another fault, any with a late act.
+The fenced ledger must show no overlap, regression or stale write in the fenced segments (in the
+unfenced ones an act finished late is written too: their ledger is reported, and judged by the act
+log alone). Terms must begin acting in token order (a term that begins acting after a newer one is
+a regression, in every segment).
+
+The promised bound on a ledger gap without a writing leader, per fault: ``outage + lease + retry +
 1.5 s``: the server's own restart time (0 for the other faults), the lease a crashed or paused
 leader holds, a retry period to notice, and the worker's own start (a Python process, its
 connection and its first write).
@@ -21,32 +31,46 @@ import platform
 import statistics
 from dataclasses import dataclass, field
 
-from benchmarks.campaign_bed import LEASE, RETRY
-from benchmarks.campaign_faults import ALL_KINDS, FaultRecord
-from singleton_testbed.ledger import LedgerReport
+from benchmarks.campaign_bed import LEASE, RETRY, PodProfile, Variant
+from benchmarks.campaign_faults import ALL_KINDS, ALL_PATHS, FROZEN, FaultRecord
+from singleton_testbed.ledger import ActingOverlap, LedgerReport, percentile
 
 WORKER_SLACK = 1.5
 WARM_UP = "warm-up"
-
-
-def percentile(values: list[float], fraction: float) -> float:
-    ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, max(0, round(fraction * len(ordered) + 0.5) - 1))]
 
 
 def gap_bound(record: FaultRecord | None) -> float:
     return (record.outage if record is not None else 0.0) + LEASE + RETRY + WORKER_SLACK
 
 
+def classify(overlap: ActingOverlap, fault: FaultRecord | None) -> bool:
+    """True when the overlap is an act in flight through a freeze (not a gate failure): see the
+    module docstring."""
+    return (fault is not None and fault.kind == FROZEN and overlap.earlier == fault.old_token
+            and overlap.late_acts == 0)
+
+
 @dataclass
-class KindStats:
-    kind: str
+class Stats:
+    """The figures of one fault kind or one path."""
+
+    name: str
     count: int = 0
     overlaps: int = 0
+    """Fenced ledger: two terms writing in interleaved time (fenced segments)."""
     regressions: int = 0
+    """Fenced ledger: the token going backwards in commit order; act log: a term that began acting
+    after a newer one (every segment)."""
     stale: int = 0
     acting: int = 0
-    """Acting overlaps: two workers acting at once, whether or not the fence refused the writes."""
+    """Acting overlaps that are gate failures."""
+    inflight: int = 0
+    """Acting overlaps in flight through a freeze (not counted as failures)."""
+    inflight_longest: float = 0.0
+    unfenced_ledger: int = 0
+    """Unfenced segments: ledger overlaps and stale writes (judged by the act log, not counted)."""
+    idle: list[float] = field(default_factory=list)
+    """Seconds without an acting app, per handover (act log)."""
     failovers: list[float] = field(default_factory=list)
     changed: int = 0
     unrecovered: int = 0
@@ -57,76 +81,177 @@ class KindStats:
     write_stall: float = 0.0
     """The longest wait from a new leader's first ready answer to its worker's first row."""
 
+    def add_fault(self, fault: FaultRecord) -> None:
+        self.count += 1
+        if fault.failover is None:
+            self.unrecovered += 1
+        else:
+            self.failovers.append(fault.failover)
+        self.changed += fault.changed
+        if fault.outage:
+            self.outages.append(fault.outage)
+
+    def merge(self, other: Stats) -> None:
+        for name in ("count", "overlaps", "regressions", "stale", "acting", "inflight", "unfenced_ledger", "changed",
+                     "unrecovered", "long_gaps", "lost"):
+            setattr(self, name, getattr(self, name) + getattr(other, name))
+        for name in ("idle", "failovers", "outages"):
+            getattr(self, name).extend(getattr(other, name))
+        for name in ("inflight_longest", "max_gap", "write_stall"):
+            setattr(self, name, max(getattr(self, name), getattr(other, name)))
+
+    @property
+    def empty(self) -> bool:
+        return not (self.count or self.overlaps or self.regressions or self.stale or self.acting or self.inflight
+                    or self.lost or self.max_gap or self.idle)
+
 
 @dataclass
-class BackendResult:
-    backend: str
+class Segment:
+    """One group of one backend, of one variant, and the faults injected into it."""
+
+    index: int
     group: str
-    fence: bool
+    variant: Variant
+    profiles: dict[str, PodProfile] = field(default_factory=dict)
     faults: list[FaultRecord] = field(default_factory=list)
     report: LedgerReport | None = None
     seconds: float = 0.0
     aborted: str | None = None
-    stats: dict[str, KindStats] = field(default_factory=dict)
+
+    def describe(self) -> str:
+        pods = "; ".join(f"{pod.rsplit('-', 1)[-1]}: {profile}" for pod, profile in self.profiles.items())
+        head = (f"segment {self.index + 1}: group {self.group}, {self.variant}, {len(self.faults)} faults in "
+                f"{self.seconds:.0f} s; pods {pods}")
+        if self.report is not None:
+            ledger = "" if self.variant.fence else " (unfenced: not judged)"
+            head += f"\n  ledger{ledger}: {self.report.summary()}"
+        if self.aborted:
+            head += f"\n  ABORTED: {self.aborted}"
+        return head
+
+
+class _Attribution:
+    """One segment's findings, added to the per-kind and per-path figures."""
+
+    def __init__(self, segment: Segment, kinds: dict[str, Stats], paths: dict[str, Stats]) -> None:
+        self.segment, self.kinds, self.paths = segment, kinds, paths
+        self.faults = sorted(segment.faults, key=lambda f: f.t0)
+        self.starts = [f.t0 for f in self.faults]
+        self.ended_by: dict[int, FaultRecord] = {f.old_token: f for f in self.faults if f.changed}
+        for fault in self.faults:
+            self.ended_by.setdefault(fault.old_token, fault)
+
+    def during(self, moment: float) -> FaultRecord | None:
+        index = bisect.bisect_right(self.starts, moment) - 1
+        return self.faults[index] if index >= 0 else None
+
+    def ender(self, token: int, moment: float) -> FaultRecord | None:
+        """The fault that ended ``token``'s term, else the one under way at ``moment``."""
+        return self.ended_by.get(token) or self.during(moment)
+
+    def entries(self, fault: FaultRecord | None) -> tuple[Stats, Stats]:
+        if fault is None:
+            return self.kinds[WARM_UP], self.paths[WARM_UP]
+        return self.kinds[fault.kind], self.paths[fault.path]
+
+    def run(self) -> None:
+        for fault in self.faults:
+            self.kinds[fault.kind].add_fault(fault)
+            self.paths[fault.path].add_fault(fault)
+        report = self.segment.report
+        if report is not None:
+            self.ledger(report)
+            self.acting(report)
+
+    def ledger(self, report: LedgerReport) -> None:
+        """The fenced ledger's findings: judged in fenced segments, only reported in the others."""
+        fenced = self.segment.variant.fence
+        for overlap in report.overlap_details:
+            for entry in self.entries(self.during(overlap.later_first.timestamp())):
+                if fenced:
+                    entry.overlaps += 1
+                else:
+                    entry.unfenced_ledger += 1
+        for row in report.stale_accepted:
+            for entry in self.entries(self.during(row.at.timestamp())):
+                if fenced:
+                    entry.stale += 1
+                else:
+                    entry.unfenced_ledger += 1
+        for row in report.regression_details if fenced else []:
+            for entry in self.entries(self.during(row.at.timestamp())):
+                entry.regressions += 1
+        self.ledger_liveness(report)
+
+    def ledger_liveness(self, report: LedgerReport) -> None:
+        first_row = {term[0]: term[2].timestamp() for term in report.terms}
+        for fault in self.faults:
+            if fault.changed and fault.recovered is not None and fault.new_token in first_row:
+                for entry in self.entries(fault):
+                    entry.write_stall = max(entry.write_stall, first_row[fault.new_token] - fault.recovered)
+        for gap in report.gaps:
+            ender = self.ender(gap.before, gap.end.timestamp())
+            for entry in self.entries(ender):
+                entry.max_gap = max(entry.max_gap, gap.seconds)
+                entry.long_gaps += gap.seconds > gap_bound(ender)
+        for item in report.lost_at_handover:
+            for entry in self.entries(self.ender(item.token, item.started.timestamp())):
+                entry.lost += 1
+
+    def acting(self, report: LedgerReport) -> None:
+        for overlap in report.acting_overlaps:
+            fault = self.during(overlap.start.timestamp())
+            inflight = classify(overlap, fault)
+            for entry in self.entries(fault):
+                if inflight:
+                    entry.inflight += 1
+                    entry.inflight_longest = max(entry.inflight_longest, overlap.seconds)
+                else:
+                    entry.acting += 1
+        newest = 0
+        for actor in report.acting.actors:  # in the order they began acting
+            if actor.token < newest:
+                for entry in self.entries(self.during(actor.first.timestamp())):
+                    entry.regressions += 1
+            newest = max(newest, actor.token)
+        for idle in report.idle_gaps:
+            for entry in self.entries(self.ender(idle.before, idle.end.timestamp())):
+                entry.idle.append(idle.seconds)
+
+
+@dataclass
+class BackendResult:
+    backend: str
+    segments: list[Segment] = field(default_factory=list)
+    stats: dict[str, Stats] = field(default_factory=dict)
+    """Per fault kind."""
+    paths: dict[str, Stats] = field(default_factory=dict)
+    """Per path (how the old term ended)."""
+
+    @property
+    def faults(self) -> list[FaultRecord]:
+        return [f for s in self.segments for f in s.faults]
+
+    @property
+    def seconds(self) -> float:
+        return sum(s.seconds for s in self.segments)
 
     @property
     def unrecovered(self) -> list[FaultRecord]:
         return [f for f in self.faults if f.failover is None]
 
     def attribute(self) -> None:
-        """Fill ``stats`` from the faults and the ledger report."""
-        stats = {kind: KindStats(kind) for kind in (*ALL_KINDS, WARM_UP)}
-        for fault in self.faults:
-            entry = stats[fault.kind]
-            entry.count += 1
-            if fault.failover is None:
-                entry.unrecovered += 1
-            else:
-                entry.failovers.append(fault.failover)
-            entry.changed += fault.changed
-            if fault.outage:
-                entry.outages.append(fault.outage)
-        if self.report is not None:
-            self._attribute_ledger(self.report, stats)
-        self.stats = {k: v for k, v in stats.items() if v.count or v.overlaps or v.regressions or v.stale
-                      or v.acting or v.lost or v.max_gap}
-
-    def _attribute_ledger(self, report: LedgerReport, stats: dict[str, KindStats]) -> None:
-        starts = [f.t0 for f in self.faults]
-        ended_by: dict[int, FaultRecord] = {}
-        for fault in self.faults:
-            ended_by.setdefault(fault.old_token, fault)
-
-        def during(moment: float) -> FaultRecord | None:
-            index = bisect.bisect_right(starts, moment) - 1
-            return self.faults[index] if index >= 0 else None
-
-        def kind(fault: FaultRecord | None) -> KindStats:
-            return stats[fault.kind if fault is not None else WARM_UP]
-
-        first_row = {term[0]: term[2].timestamp() for term in report.terms}
-        for fault in self.faults:
-            if fault.changed and fault.recovered is not None and fault.new_token in first_row:
-                entry = stats[fault.kind]
-                entry.write_stall = max(entry.write_stall, first_row[fault.new_token] - fault.recovered)
-        for overlap in report.overlap_details:
-            kind(during(overlap.later_first.timestamp())).overlaps += 1
-        for row in report.regression_details:
-            kind(during(row.at.timestamp())).regressions += 1
-        for row in report.stale_accepted:
-            kind(during(row.at.timestamp())).stale += 1
-        for acting in report.acting_overlaps:
-            kind(during(acting.start.timestamp())).acting += 1
-        for gap in report.gaps:
-            ender = ended_by.get(gap.before) or during(gap.end.timestamp())
-            entry = kind(ender)
-            entry.max_gap = max(entry.max_gap, gap.seconds)
-            entry.long_gaps += gap.seconds > gap_bound(ender)
-        for item in report.lost_at_handover:
-            kind(ended_by.get(item.token) or during(item.started.timestamp())).lost += 1
+        """Fill ``stats`` and ``paths`` from the segments' faults and reports."""
+        kinds = {kind: Stats(kind) for kind in (*ALL_KINDS, WARM_UP)}
+        paths = {path: Stats(path) for path in (*ALL_PATHS, WARM_UP)}
+        for segment in self.segments:
+            _Attribution(segment, kinds, paths).run()
+        self.stats = {k: v for k, v in kinds.items() if not v.empty}
+        self.paths = {k: v for k, v in paths.items() if not v.empty}
 
     def lost_at_graceful_deletion(self) -> int:
-        entry = self.stats.get("delete-pod")
+        entry = self.paths.get("drain (pod deleted)")
         return entry.lost if entry is not None else 0
 
 
@@ -134,29 +259,70 @@ def _duration(seconds: float) -> str:
     return f"{seconds * 1000:.0f} ms" if seconds < 1 else f"{seconds:.2f} s"
 
 
+def _spread(values: list[float]) -> list[str]:
+    """Median, p99, max (nearest rank), or dashes."""
+    if not values:
+        return ["-", "-", "-"]
+    return [_duration(statistics.median(values)), _duration(percentile(values, 0.99)), _duration(max(values))]
+
+
+def _total(rows: list[Stats]) -> Stats:
+    total = Stats("all")
+    for row in rows:
+        total.merge(row)
+    return total
+
+
+def _acting_cells(entry: Stats) -> list[str]:
+    inflight = f"{entry.inflight} ({_duration(entry.inflight_longest)})" if entry.inflight else "0"
+    return [str(entry.acting), inflight]
+
+
 def table(result: BackendResult) -> str:
-    lines = ["| fault | n | overlaps | regressions | stale accepted | acting overlaps | failover p50 | p99 | max |"
-             " of which restart | new term | max gap | gaps > bound | first write after ready, max | lost in flight |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    """Per fault kind: the act log's verdict and idle gaps, the fenced ledger's, failover."""
+    lines = ["| fault | n | acting overlaps | in flight through a freeze (longest) | idle gap p50 | p99 | max |"
+             " fenced overlaps | regressions | stale accepted | failover p50 | p99 | max | of which restart |"
+             " new term | ledger gap max | gaps > bound | first write after ready, max | lost in flight |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     rows = [*result.stats.values()]
-    total = KindStats("all", sum(r.count for r in rows), sum(r.overlaps for r in rows),
-                      sum(r.regressions for r in rows), sum(r.stale for r in rows), sum(r.acting for r in rows),
-                      [x for r in rows for x in r.failovers], sum(r.changed for r in rows),
-                      sum(r.unrecovered for r in rows), max((r.max_gap for r in rows), default=0.0),
-                      sum(r.long_gaps for r in rows), sum(r.lost for r in rows), [x for r in rows for x in r.outages],
-                      max((r.write_stall for r in rows), default=0.0))
-    for entry in [*rows, total]:
-        times = entry.failovers
-        failover = [_duration(statistics.median(times)), _duration(percentile(times, 0.99)),
-                    _duration(max(times))] if times else ["-", "-", "-"]
+    for entry in [*rows, _total(rows)]:
         unrecovered = f" (+{entry.unrecovered} unrecovered)" if entry.unrecovered else ""
-        name = f"**{entry.kind}**" if entry.kind == "all" else entry.kind
-        restart = _duration(statistics.median(entry.outages)) if entry.outages and entry.kind != "all" else "-"
-        lines.append(f"| {name} | {entry.count}{unrecovered} | {entry.overlaps} | {entry.regressions} | "
-                     f"{entry.stale} | {entry.acting} | {' | '.join(failover)} | {restart} | "
-                     f"{entry.changed}/{entry.count} | "
+        name = f"**{entry.name}**" if entry.name == "all" else entry.name
+        restart = _duration(statistics.median(entry.outages)) if entry.outages and entry.name != "all" else "-"
+        lines.append(f"| {name} | {entry.count}{unrecovered} | {' | '.join(_acting_cells(entry))} | "
+                     f"{' | '.join(_spread(entry.idle))} | {entry.overlaps} | {entry.regressions} | {entry.stale} | "
+                     f"{' | '.join(_spread(entry.failovers))} | {restart} | {entry.changed}/{entry.count} | "
                      f"{_duration(entry.max_gap) if entry.max_gap else '-'} | {entry.long_gaps} | "
                      f"{_duration(entry.write_stall) if entry.write_stall else '-'} | {entry.lost} |")
+    return "\n".join(lines)
+
+
+def _merged(results: list[BackendResult], attribute: str, order: tuple[str, ...]) -> dict[str, Stats]:
+    merged: dict[str, Stats] = {}
+    for result in results:
+        for name, entry in getattr(result, attribute).items():
+            merged.setdefault(name, Stats(name)).merge(entry)
+    return {name: merged[name] for name in (*order, WARM_UP) if name in merged}
+
+
+def kind_table(results: list[BackendResult]) -> str:
+    """Per fault kind, over every backend (``table``'s columns)."""
+    everything = BackendResult("all")
+    everything.stats = _merged(results, "stats", ALL_KINDS)
+    return table(everything)
+
+
+def path_table(results: list[BackendResult]) -> str:
+    """Per path, over every backend: how long no app acted, and the failover."""
+    merged = _merged(results, "paths", ALL_PATHS)
+    order = list(merged)
+    lines = ["| path (how the old term ended) | n | acting overlaps | in flight through a freeze (longest) |"
+             " idle gap p50 | p99 | max | failover p50 | p99 | max | lost in flight |",
+             "|---|---|---|---|---|---|---|---|---|---|---|"]
+    for name in order:
+        entry = merged[name]
+        lines.append(f"| {name} | {entry.count} | {' | '.join(_acting_cells(entry))} | "
+                     f"{' | '.join(_spread(entry.idle))} | {' | '.join(_spread(entry.failovers))} | {entry.lost} |")
     return "\n".join(lines)
 
 
@@ -173,10 +339,21 @@ class CampaignResult:
         return sum(len(b.faults) for b in self.backends)
 
     def _sum(self, attribute: str) -> int:
-        return sum(len(getattr(b.report, attribute)) for b in self.backends if b.report is not None)
+        return sum(getattr(s, attribute) for b in self.backends for s in b.stats.values())
+
+    @property
+    def total_acting_failures(self) -> int:
+        """Acting overlaps counted as gate failures."""
+        return self._sum("acting")
+
+    @property
+    def total_inflight(self) -> int:
+        """Acting overlaps in flight through a freeze (reported, not failures)."""
+        return self._sum("inflight")
 
     @property
     def total_overlaps(self) -> int:
+        """Fenced ledger overlaps (fenced segments)."""
         return self._sum("overlaps")
 
     @property
@@ -185,11 +362,9 @@ class CampaignResult:
 
     @property
     def total_stale(self) -> int:
-        return self._sum("stale_accepted") + self._sum("shared_tokens")
-
-    @property
-    def total_acting_overlaps(self) -> int:
-        return sum(len(b.report.acting_overlaps) for b in self.backends if b.report is not None)
+        shared = sum(len(s.report.shared_tokens) for b in self.backends for s in b.segments
+                     if s.report is not None and s.variant.fence)
+        return self._sum("stale") + shared
 
     @property
     def unrecovered(self) -> list[FaultRecord]:
@@ -198,15 +373,24 @@ class CampaignResult:
     def problems(self) -> list[str]:
         found = []
         for b in self.backends:
-            if b.aborted:
-                found.append(f"{b.backend}: aborted: {b.aborted}")
-            if b.report is None:
-                found.append(f"{b.backend}: no ledger report")
-            elif not b.report.safe:
-                found.append(f"{b.backend}: {b.report.summary()}")
-            if b.report is not None and not b.report.acts_checked:
-                # Its worker logs every act: no act log means acting went unjudged, not that it was safe.
-                found.append(f"{b.backend}: {b.report.acting.summary()}")
+            for s in b.segments:
+                where = f"{b.backend} segment {s.index + 1} ({s.variant})"
+                if s.aborted:
+                    found.append(f"{where}: aborted: {s.aborted}")
+                if s.report is None:
+                    found.append(f"{where}: no ledger report")
+                    continue
+                if s.variant.fence and not s.report.ledger_safe:
+                    found.append(f"{where}: {s.report.summary()}")
+                if not s.report.acts_checked:
+                    # Its worker logs every act: no act log means acting went unjudged, not that it was safe.
+                    found.append(f"{where}: {s.report.acting.summary()}")
+            acting = sum(s.acting for s in b.stats.values())
+            if acting:
+                found.append(f"{b.backend}: {acting} acting overlaps that are not acts in flight through a freeze")
+            regressions = sum(s.regressions for s in b.stats.values())
+            if regressions:
+                found.append(f"{b.backend}: {regressions} regressions")
             if b.unrecovered:
                 found.append(f"{b.backend}: {len(b.unrecovered)} faults without a new ready leader")
             if b.lost_at_graceful_deletion():
@@ -235,9 +419,9 @@ class CampaignResult:
     def verdict(self) -> str:
         per = ", ".join(f"{b.backend} {len(b.faults)}" for b in self.backends)
         figures = (f"{self.total_faults} faults ({per}) in {self.seconds:.0f} s, seed {self.seed}: "
-                   f"{self.total_overlaps} overlaps, {self.total_regressions} regressions, "
-                   f"{self.total_stale} stale writes accepted, {self.total_acting_overlaps} acting overlaps, "
-                   f"{len(self.unrecovered)} unrecovered")
+                   f"{self.total_acting_failures} acting overlaps ({self.total_inflight} acts in flight through a "
+                   f"freeze, not counted), {self.total_overlaps} fenced overlaps, {self.total_regressions} "
+                   f"regressions, {self.total_stale} stale writes accepted, {len(self.unrecovered)} unrecovered")
         if self.verdict_ok:
             return f"VERDICT: PASS: {figures}"
         return f"VERDICT: FAIL: {figures}; " + "; ".join(self.problems())
@@ -248,12 +432,11 @@ class CampaignResult:
         if self.command:
             parts.append(f"command: {self.command}")
         for b in self.backends:
-            fence = "" if b.fence else ", FENCING OFF (deliberately unsafe)"
-            head = f"\n{b.backend} backend: group {b.group}, {len(b.faults)} faults in {b.seconds:.0f} s{fence}"
-            if b.report is not None:
-                head += f"; ledger: {b.report.summary()}"
-            if b.aborted:
-                head += f"\n  ABORTED: {b.aborted}"
-            parts += [head, "", table(b)]
+            parts.append(f"\n{b.backend} backend: {len(b.faults)} faults in {b.seconds:.0f} s")
+            parts += [s.describe() for s in b.segments]
+            parts += ["", table(b)]
+        if len(self.backends) > 1:
+            parts += ["\nAll backends, per fault kind:", "", kind_table(self.backends)]
+        parts += ["\nAll backends, per path (how the old term ended):", "", path_table(self.backends)]
         parts += ["", self.goals(), self.verdict()]
         return "\n".join(parts)

@@ -1,16 +1,27 @@
-"""The ledger checker can fail, and the fault campaign finds nothing to fail on.
+"""The checkers can fail, and the fault campaign finds nothing to fail on.
 
 - Deliberately unsafe configurations, real sidecar processes on the real PostgreSQL server
-  (postgres backend): a worker that writes without its fencing token, its leader SIGSTOPped
-  mid-item past the lease; a writer that escapes the exec gate (neither the gate's SIGTERM,
-  nor its SIGKILL after the kill grace, nor the pod's SIGKILL reaches it) after its leader is
-  SIGKILLed. The checker must report overlaps and stale writes accepted; the same scenarios
-  with fencing on must come out clean.
-- The same through the campaign's pipeline: pods on the stand-in kubelet with fencing off,
-  SIGSTOP past the lease: the campaign's verdict must be FAIL.
-- The CI quick campaign (``benchmarks.campaign``, ``--quick``): 3 sidecar pods per backend on
-  the stand-in kubelet, every fault type, 0 overlaps, 0 regressions, bounded in time (about
-  2.5 minutes on the 2-core development machine).
+  (postgres backend), judged by the act log and the fenced ledger:
+  - a worker that cannot check its term's deadline (``LEDGER_DEADLINE_CHECK=off``), its whole
+    pod frozen mid-item past the lease and thawed worker first (the order no gate can prevent):
+    unfenced, its late write is accepted (overlap, regression, stale write) and the act log shows
+    it acting in its successor's term; fenced, the fence refuses it ("fenced out") and the ledger
+    stays clean, while the act log still shows the refused act, begun after its successor's
+    first: unsafe for an app whose acts are not fenced writes;
+  - a writer outside any gate, started by the test with a deposed term's token and identity
+    (nothing a gated worker can do escapes the keeper: see the next case): unfenced, the checker
+    reports overlaps and stale writes; fenced, it is fenced out and the act log still shows it;
+  - a gated writer that escapes into a session of its own, deaf to SIGTERM (``LEDGER_ESCAPE``):
+    the keeper, a child subreaper, still stops it when its sidecar dies (it is reparented to the
+    keeper once its parent is killed), so nothing overlaps.
+- The campaign's verdict rule on hand-made act logs (pure): an acting overlap is an act in flight
+  through a freeze only during a whole-pod freeze, from the frozen term, with no late act.
+- The same through the campaign's pipeline: pods on the stand-in kubelet whose workers cannot
+  check their deadline, whole-pod SIGSTOP past the lease: the verdict must be FAIL.
+- The CI quick campaign (``benchmarks.campaign``, ``--quick``): 3 sidecar pods per group, two
+  groups per backend (exec gate and file gate, fenced and not), every fault kind, 0 acting
+  overlaps (but acts in flight through a freeze), 0 fenced overlaps, 0 regressions, bounded in
+  time (about 2.6 minutes on the 2-core development machine).
 """
 
 from __future__ import annotations
@@ -19,6 +30,7 @@ import asyncio
 import contextlib
 import os
 import signal
+import subprocess
 import sys
 import time
 import uuid
@@ -28,6 +40,7 @@ from pathlib import Path
 import asyncpg
 import pytest
 
+from singleton_testbed.kubelet_control import process_alive
 from singleton_testbed.ledger import LedgerReport, check_ledger
 from singleton_testbed.netns import netns_supported
 from tests.conftest import use_existing_cluster
@@ -80,94 +93,244 @@ async def wait_row(dsn: str, group: str, token: int, phase: str | None = None, t
         await asyncio.sleep(0.01)
 
 
-async def sigstop_mid_item_past_the_lease(members: list[SidecarProcess], dsn: str, group: str) -> LedgerReport:
-    """SIGSTOP the leader's process group while its worker holds an item in flight, until
-    another sidecar leads and has written; then SIGCONT: the woken worker finishes its item."""
+async def late_act(dsn: str, group: str, old: int, new: int, timeout: float = 10.0) -> str:
+    """Wait until token ``old`` has ended an act it began after token ``new``'s first act, and
+    return that act's outcome (written, refused, failed)."""
+    deadline = time.monotonic() + timeout
+    while True:
+        conn = await asyncpg.connect(dsn)
+        try:
+            outcome = await conn.fetchval(
+                "SELECT outcome FROM acts WHERE group_name = $1 AND token = $2 AND outcome IS NOT NULL AND began_at > "
+                "(SELECT min(began_at) FROM acts WHERE group_name = $1 AND token = $3) ORDER BY id LIMIT 1",
+                group, old, new)
+        finally:
+            await conn.close()
+        if outcome is not None:
+            return str(outcome)
+        assert time.monotonic() < deadline, f"token {old} did not act after token {new} began"
+        await asyncio.sleep(0.02)
+
+
+async def freeze_mid_item_past_the_lease(members: list[SidecarProcess], dsn: str,
+                                         group: str) -> tuple[LedgerReport, str, int]:
+    """Freeze the leader's whole pod (every process) while its worker has an item in flight, until
+    another sidecar leads and has written; thaw the worker first and wait until it has acted once
+    more, then the rest of the pod. Returns the report, that late act's outcome and the frozen
+    term's token."""
     leader = await asyncio.to_thread(one_leader, members)
     doc = leader.leader_doc()
     assert doc is not None
     await wait_row(dsn, group, doc["token"], "start")
-    leader.signal(signal.SIGSTOP)
+    leader.signal(signal.SIGSTOP)  # the whole pod: sidecar, keeper, worker
     new = await asyncio.to_thread(one_leader, [m for m in members if m is not leader], 10)
     new_doc = new.leader_doc()
     assert new_doc is not None and new_doc["token"] > doc["token"]
     await wait_row(dsn, group, new_doc["token"])
+    leader.signal_app_only(signal.SIGCONT)  # the worker wakes before its keeper can stop it
+    outcome = await late_act(dsn, group, doc["token"], new_doc["token"])
     leader.signal(signal.SIGCONT)
     await asyncio.to_thread(wait_for, lambda: not leader.ready() and leader.leader_doc() is not None, 5,
                             "the woken leader to answer as a standby")
     await asyncio.sleep(1.0)
-    return await check_ledger(dsn, group)
+    return await check_ledger(dsn, group), outcome, int(doc["token"])
 
 
 @pytest.mark.postgres
-async def test_checker_catches_unfenced_writes_of_a_leader_paused_past_its_lease(
+async def test_checker_catches_unfenced_writes_of_a_worker_woken_past_its_lease(
     gated: Factory, pg_dsn: str, group: str
 ) -> None:
-    members = gated(LEDGER_FENCE="off", LEDGER_ITEM_SECONDS="0.3")
-    report = await sigstop_mid_item_past_the_lease(members, pg_dsn, group)
+    members = gated(LEDGER_FENCE="off", LEDGER_DEADLINE_CHECK="off", LEDGER_ITEM_SECONDS="0.3")
+    report, outcome, frozen = await freeze_mid_item_past_the_lease(members, pg_dsn, group)
+    assert outcome == "written"
     assert not report.safe, report.summary()
     assert report.overlaps, report.summary()
     assert report.stale_accepted and report.regressions, report.summary()
     stale = report.stale_accepted[0]
-    assert stale.token < stale.newest_seen
+    assert stale.token < stale.newest_seen == report.terms[-1][0]
+    assert report.acts_checked, report.summary()
+    assert [(o.earlier, o.late_acts > 0) for o in report.acting_overlaps] == [(frozen, True)], report.summary()
 
 
 @pytest.mark.postgres
 async def test_the_same_pause_with_fencing_is_refused_and_clean(gated: Factory, pg_dsn: str, group: str) -> None:
-    members = gated(LEDGER_ITEM_SECONDS="0.3")
-    report = await sigstop_mid_item_past_the_lease(members, pg_dsn, group)
-    assert report.safe, report.summary()
+    members = gated(LEDGER_DEADLINE_CHECK="off", LEDGER_ITEM_SECONDS="0.3")
+    report, outcome, frozen = await freeze_mid_item_past_the_lease(members, pg_dsn, group)
+    assert outcome == "refused"
+    assert report.ledger_safe, report.summary()
     assert not report.overlaps and not report.regressions and not report.stale_accepted
-    assert any("fenced out" in m.log() for m in members), "the woken worker's write was refused by the fence"
+    assert any("fenced out" in m.log() for m in members), (
+        f"the woken worker's write was refused by the fence: {report.summary()}")
     assert report.lost_at_handover, "its item stayed in flight: the fence refused the done row"
+    # The refused write was an act all the same, begun after the new term's first: the act log
+    # shows what the ledger cannot.
+    assert report.acts_checked, report.summary()
+    assert [(o.earlier, o.late_acts) for o in report.acting_overlaps] == [(frozen, 1)], report.summary()
+    assert not report.safe
 
 
-async def escaped_writer_outlives_its_killed_leader(members: list[SidecarProcess], dsn: str,
-                                                    group: str) -> LedgerReport:
+async def stale_writer_outside_any_gate(members: list[SidecarProcess], dsn: str, group: str, tmp_path: Path,
+                                        **worker: str) -> tuple[LedgerReport, int, str, int]:
+    """The leader's pod is killed and another leads; then a worker the test starts itself, under no
+    gate, acts with the killed term's token and identity for a second. Returns the report, the
+    writer's exit status, its output, and the killed term's token."""
     leader = await asyncio.to_thread(one_leader, members)
     doc = leader.leader_doc()
     assert doc is not None
     await wait_row(dsn, group, doc["token"])
-    leader.signal(signal.SIGKILL)  # the whole process group, as a pod's container: not the escaped writer
+    leader.signal(signal.SIGKILL)  # the whole pod
     new = await asyncio.to_thread(one_leader, [m for m in members if m is not leader], 10)
     new_doc = new.leader_doc()
-    assert new_doc is not None
-    await asyncio.sleep(1.5)
-    return await check_ledger(dsn, group)
+    assert new_doc is not None and new_doc["token"] > doc["token"]
+    await wait_row(dsn, group, new_doc["token"])
+    env = {**os.environ, "LEDGER_DSN": dsn, "SINGLETON_GROUP": group, "SINGLETON_FENCE_KEY": doc["fenceKey"],
+           "SINGLETON_TOKEN": str(doc["token"]), "SINGLETON_IDENTITY": doc["identity"], **worker}
+    status, output = await asyncio.to_thread(run_for, [sys.executable, WORKER], env, 1.5, tmp_path / "stale.log")
+    await asyncio.sleep(0.5)
+    return await check_ledger(dsn, group), status, output, int(doc["token"])
+
+
+def run_for(argv: list[str], env: dict[str, str], seconds: float, log: Path) -> tuple[int, str]:
+    """Run ``argv`` until it exits or ``seconds`` passed (then SIGTERM): its status and output."""
+    with open(log, "wb") as out:
+        process = subprocess.Popen(argv, env=env, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
+    try:
+        status = process.wait(seconds)
+    except subprocess.TimeoutExpired:
+        process.terminate()
+        status = process.wait(10)
+    return status, log.read_text(errors="replace")
+
+
+@pytest.mark.postgres
+async def test_checker_catches_a_writer_outside_any_gate(gated: Factory, pg_dsn: str, group: str,
+                                                         tmp_path: Path) -> None:
+    members = gated(LEDGER_FENCE="off")
+    report, status, output, stale = await stale_writer_outside_any_gate(members, pg_dsn, group, tmp_path,
+                                                                        LEDGER_FENCE="off")
+    assert status == 0, output  # it acted until told to stop
+    assert report.overlaps, report.summary()
+    assert report.stale_accepted and all(row.token == stale for row in report.stale_accepted), report.summary()
+    assert report.acts_checked, report.summary()
+    assert any(o.earlier == stale and o.late_acts > 1 for o in report.acting_overlaps), report.summary()
+
+
+@pytest.mark.postgres
+async def test_a_writer_outside_any_gate_is_still_fenced_out(gated: Factory, pg_dsn: str, group: str,
+                                                             tmp_path: Path) -> None:
+    members = gated()
+    report, status, output, stale = await stale_writer_outside_any_gate(members, pg_dsn, group, tmp_path)
+    assert status == 3 and "fenced out" in output, output
+    assert report.ledger_safe, report.summary()
+    # Refused, it had acted all the same, in its successor's term.
+    assert report.acts_checked, report.summary()
+    assert [(o.earlier, o.late_acts) for o in report.acting_overlaps] == [(stale, 1)], report.summary()
+    assert not report.safe
+
+
+def pids_alive(pidfile: Path) -> list[int]:
+    pids = [int(pid) for pid in pidfile.read_text().split()] if pidfile.exists() else []
+    return [pid for pid in pids if process_alive(pid)]
 
 
 def kill_escaped(pidfile: Path) -> None:
-    for pid in pidfile.read_text().split() if pidfile.exists() else []:
+    for pid in pids_alive(pidfile):
         with contextlib.suppress(ProcessLookupError):
-            os.kill(int(pid), signal.SIGKILL)
+            os.kill(pid, signal.SIGKILL)
 
 
 @pytest.mark.postgres
-async def test_checker_catches_a_writer_the_gate_cannot_stop(
+async def test_a_writer_escaped_into_its_own_session_is_stopped_by_the_keeper(
     gated: Factory, pg_dsn: str, group: str, tmp_path: Path
 ) -> None:
+    """``LEDGER_ESCAPE``: the gated process starts the real writer in a session of its own, deaf
+    to SIGTERM. The leader's sidecar is killed alone: its keeper kills the app's group at once,
+    and the escaped writer, reparented to the keeper (a child subreaper) when its parent dies,
+    with it. Unfenced, nothing but the keeper stands between it and the next leader."""
     pidfile = tmp_path / "escaped.pids"
-    members = gated(LEDGER_FENCE="off", LEDGER_ESCAPE="4", LEDGER_ESCAPE_PIDFILE=str(pidfile))
+    members = gated(LEDGER_FENCE="off", LEDGER_ESCAPE="60", LEDGER_ESCAPE_PIDFILE=str(pidfile))
     try:
-        report = await escaped_writer_outlives_its_killed_leader(members, pg_dsn, group)
+        leader = await asyncio.to_thread(one_leader, members)
+        doc = leader.leader_doc()
+        assert doc is not None
+        await wait_row(pg_dsn, group, doc["token"])  # the escaped writer writes
+        escaped = pids_alive(pidfile)
+        assert escaped, "the escaped writer runs"
+        leader.signal_sidecar_only(signal.SIGKILL)
+        await asyncio.to_thread(wait_for, lambda: not pids_alive(pidfile), 5, "the keeper to kill the escaped writer")
+        new = await asyncio.to_thread(one_leader, [m for m in members if m is not leader], 10)
+        new_doc = new.leader_doc()
+        assert new_doc is not None
+        await wait_row(pg_dsn, group, new_doc["token"])
+        await asyncio.sleep(0.5)
+        report = await check_ledger(pg_dsn, group)
     finally:
         kill_escaped(pidfile)
-    assert report.overlaps, report.summary()
-    assert report.stale_accepted, report.summary()
-
-
-@pytest.mark.postgres
-async def test_a_writer_the_gate_cannot_stop_is_still_fenced_out(
-    gated: Factory, pg_dsn: str, group: str, tmp_path: Path
-) -> None:
-    pidfile = tmp_path / "escaped.pids"
-    members = gated(LEDGER_ESCAPE="4", LEDGER_ESCAPE_PIDFILE=str(pidfile))
-    try:
-        report = await escaped_writer_outlives_its_killed_leader(members, pg_dsn, group)
-    finally:
-        kill_escaped(pidfile)
+    assert report.acts_checked and len(report.acting.actors) >= 2, report.summary()
     assert report.safe, report.summary()
-    assert any("fenced out" in m.log() for m in members), "the escaped writer was refused by the fence"
+
+
+def test_the_verdict_rule_on_acts_in_flight_through_a_freeze() -> None:
+    """``campaign_report``: an acting overlap is an act in flight through a freeze only during a
+    whole-pod ``sigstop``, from the frozen term, with no act begun after its successor began;
+    anything else is a gate failure. Idle gaps go to the fault (and path) that ended the term.
+    An unfenced segment's ledger findings are reported, not counted."""
+    from datetime import UTC, datetime, timedelta
+
+    from benchmarks.campaign_bed import Variant
+    from benchmarks.campaign_faults import FaultRecord
+    from benchmarks.campaign_report import BackendResult, Segment
+
+    from singleton_testbed.ledger import judge, judge_acts
+
+    t = datetime(2026, 1, 1, tzinfo=UTC)
+    base = t.timestamp()
+
+    def act(i: int, token: int, began: int, ended: int) -> dict[str, object]:
+        return {"id": i, "identity": f"id-{token}", "token": token, "pid": token, "max_seconds": 0.05,
+                "began_at": t + timedelta(milliseconds=began), "ended_at": t + timedelta(milliseconds=ended)}
+
+    def row(i: int, token: int, phase: str, ms: int) -> dict[str, object]:
+        return {"id": i, "identity": f"id-{token}", "token": token, "item": 1, "phase": phase,
+                "at": t + timedelta(milliseconds=ms)}
+
+    def fault(kind: str, old: int, new: int, at_ms: int, path: str) -> FaultRecord:
+        return FaultRecord("postgres", kind, 0, "pod", old, base + at_ms / 1000, path=path,
+                           recovered=base + at_ms / 1000 + 0.1, new_token=new)
+
+    # Token 5 frozen at 1000 ms mid-act; token 7 acts from 3000; 5 ends its act at 3050: in flight.
+    inflight = [act(1, 5, 0, 10), act(2, 5, 990, 3050), act(3, 7, 3000, 3010), act(4, 7, 3100, 3110)]
+    # The same, but token 5 then begins another act at 3060: a late act, a failure.
+    late = [*inflight, act(5, 5, 3060, 3070)]
+    # Token 7 steps down at 5000; token 9 begins at 5600 while 7's last act ends at 5650: a failure
+    # in a step-down, whatever its late acts.
+    step = [act(1, 7, 0, 10), act(2, 7, 5590, 5650), act(3, 9, 5600, 5610)]
+    freeze = fault("sigstop", 5, 7, 1000, "pod frozen whole")
+    cases = [(inflight, [freeze], 1, 0), (late, [freeze], 0, 1),
+             (step, [fault("step-down", 7, 9, 5000, "step-down (POST /step-down)")], 0, 1),
+             # an overlap during a freeze whose earlier actor is not the frozen term
+             (inflight, [fault("sigstop", 3, 7, 1000, "pod frozen whole")], 0, 1)]
+    for acts, faults, in_flight, failures in cases:
+        report = judge([row(1, 5, "start", 0)])  # type: ignore[list-item]
+        report.acting = judge_acts(acts)
+        result = BackendResult("postgres", [Segment(0, "g", Variant("exec", True), faults=faults, report=report)])
+        result.attribute()
+        entry = result.stats[faults[0].kind]
+        assert (entry.inflight, entry.acting) == (in_flight, failures), (acts, faults)
+        assert result.paths[faults[0].path].acting == failures
+
+    # Idle gaps by kind and path; an unfenced segment's ledger overlap is reported, not counted.
+    acts = [act(1, 5, 0, 10), act(2, 7, 800, 810)]
+    ledger = [row(1, 5, "start", 0), row(2, 7, "start", 800), row(3, 5, "done", 900)]
+    handover = fault("handover", 5, 7, 200, "handover (singletonctl)")
+    for fence in (True, False):
+        report = judge(ledger)  # type: ignore[arg-type]
+        report.acting = judge_acts(acts)
+        result = BackendResult("lease", [Segment(0, "g", Variant("file", fence), faults=[handover], report=report)])
+        result.attribute()
+        entry = result.stats["handover"]
+        assert entry.idle == [pytest.approx(0.79)] and result.paths["handover (singletonctl)"].idle == entry.idle
+        assert (entry.overlaps, entry.stale, entry.unfenced_ledger) == ((1, 1, 0) if fence else (0, 0, 2))
 
 
 def test_gaps_and_lost_items_are_measured() -> None:
@@ -186,6 +349,7 @@ def test_gaps_and_lost_items_are_measured() -> None:
             row(4, 7, 1, "start", 2520), row(5, 7, 1, "done", 2530), row(6, 7, 2, "start", 2540)]
     report = judge(rows, gap_bound=2.0)  # type: ignore[arg-type]
     assert report.safe and report.rows == 6
+    assert not report.acts_checked and "acts NOT checked" in report.summary(), "judge() reads no act log"
     assert [(g.before, g.after) for g in report.gaps] == [(5, 7)] and report.handovers == report.gaps
     assert report.max_gap == pytest.approx(2.5)
     assert len(report.long_gaps) == 1
@@ -224,35 +388,51 @@ _NO_PODS = netns_supported() or ("the campaign runs pods on this machine's stand
 @pytest.mark.skipif(_NO_PODS is not None, reason=str(_NO_PODS))
 def test_ci_quick_campaign_all_faults_no_overlap_no_regression(tmp_path: Path) -> None:
     """CI's quick fault campaign (``python -m benchmarks.campaign --quick``): each backend in
-    turn, every fault type that applies to it, seeded; safety must hold, time is bounded."""
+    turn, an exec-gated and a file-gated group, fenced and not, every fault kind that applies to
+    it, seeded; safety must hold by what the apps did (the act log) and by the fenced ledger, and
+    time is bounded."""
     from benchmarks.campaign import CampaignOptions, run_campaign
-    from benchmarks.campaign_faults import ALL_KINDS
+    from benchmarks.campaign_faults import ALL_KINDS, NEW_KINDS
 
     seed = int(os.environ.get("SINGLETON_CAMPAIGN_SEED", "1"))
     started = time.monotonic()
     result = run_campaign(CampaignOptions(quick=True, seed=seed, workdir=tmp_path / "campaign"))
     elapsed = time.monotonic() - started
     print(result.render())
+    assert result.total_acting_failures == 0, result.render()
     assert result.total_overlaps == 0, result.render()
     assert result.total_regressions == 0 and result.total_stale == 0, result.render()
     assert not result.unrecovered, result.render()
     assert result.verdict_ok, result.render()
+    segments = [(b.backend, s) for b in result.backends for s in b.segments]
+    assert all(s.report is not None and s.report.acts_checked for _, s in segments), result.render()
+    assert {(backend, s.variant.gate) for backend, s in segments} == {
+        (b, g) for b in ("postgres", "lease", "both") for g in ("exec", "file")}, "each gate on every backend"
+    assert {s.variant.fence for _, s in segments} == {True, False}
     injected = {record.kind for backend in result.backends for record in backend.faults}
+    assert set(NEW_KINDS) <= injected, f"new kinds not injected: {set(NEW_KINDS) - injected}"
     assert injected == set(ALL_KINDS), f"not injected: {set(ALL_KINDS) - injected}"
-    assert elapsed < 300, f"the quick campaign took {elapsed:.0f}s (about 140 s on 2 cores)"
+    assert elapsed < 300, f"the quick campaign took {elapsed:.0f}s (about 160 s on 2 cores)"
 
 
 @pytest.mark.k8s
 @pytest.mark.postgres
 @pytest.mark.timeout(240)
 @pytest.mark.skipif(_NO_PODS is not None, reason=str(_NO_PODS))
-def test_the_campaign_fails_when_fencing_is_off(tmp_path: Path) -> None:
-    """The same pipeline with the workers' fencing switched off: SIGSTOP past the lease must
-    show up as overlaps and stale writes, and the verdict must say FAIL."""
+def test_the_campaign_fails_when_apps_cannot_check_their_deadline(tmp_path: Path) -> None:
+    """The same pipeline with workers that cannot check their term's deadline and do not fence:
+    a whole pod frozen past the lease and thawed app first acts again after its successor began.
+    Every freeze must show up as an acting overlap with late acts (a failure, not an act in flight
+    through a freeze), the ledger must show the late writes, and the verdict must say FAIL."""
     from benchmarks.campaign import CampaignOptions, run_campaign
+    from benchmarks.campaign_bed import Variant
 
     result = run_campaign(CampaignOptions(backends=("postgres",), kinds=("sigstop",), faults=2, seed=7,
-                                          fence=False, workdir=tmp_path / "campaign"))
+                                          variants=(Variant("exec", False),),
+                                          worker_env={"LEDGER_DEADLINE_CHECK": "off"},
+                                          workdir=tmp_path / "campaign"))
     print(result.render())
-    assert result.total_overlaps > 0 and result.total_stale > 0, result.render()
+    stats = result.backends[0].stats["sigstop"]
+    assert stats.count == 2 and stats.acting == 2 and stats.inflight == 0, result.render()
+    assert stats.unfenced_ledger > 0, result.render()
     assert not result.verdict_ok and "VERDICT: FAIL" in result.verdict()

@@ -32,7 +32,8 @@ What it reports (every list is empty when the group behaved; ``ledger_safe``):
 - ``lost_items`` / ``in_flight``: items started and never done. ``lost_at_handover`` keeps
   those of terms that a later term followed (the last term's open item may still be running).
 
-**The act log** (``acts``, ``ACTS_DDL``; written by ``tests/data/ledger_worker.py`` only) is
+**The act log** (``acts``, ``ACTS_DDL``; written through ``singleton_testbed.actlog`` by
+``tests/data/ledger_worker.py`` and by client-go's worker in ``benchmarks/clientgo``) is
 unfenced: before every act (each phase write) the worker commits a row saying it is acting
 (``began_at``), on a connection of its own and before the fence is asked, and does not act if
 that insert fails; after the act it fills in ``ended_at`` (and ``outcome``: written, refused,
@@ -57,9 +58,9 @@ which says that declaration is too short for a killed act's end to be trusted.
   end of one to first act begin of the next; ``idle_gaps`` keeps the positive ones), with
   ``max_idle_gap``, ``idle_gap_p50`` and ``idle_gap_p99``.
 - ``checked`` (``LedgerReport.acts_checked``) is False, with ``note`` saying why, when there is
-  no acts table or no act of the group: writers that do not log acts (the sample poller,
-  client-go's unfenced worker) leave the acting unjudged, and the report says so rather than
-  passing it. ``judge`` and ``LedgerJudge`` judge the fenced ledger only (``acts_checked`` False).
+  no acts table or no act of the group: writers that do not log acts (the sample poller) leave
+  the acting unjudged, and the report says so rather than passing it. ``judge`` and
+  ``LedgerJudge`` judge the fenced ledger only (``acts_checked`` False).
 """
 
 from __future__ import annotations
@@ -86,8 +87,8 @@ CREATE TABLE IF NOT EXISTS acts (
 tamper with it create the same table."""
 
 NOT_READ = "acts not read: judge() and LedgerJudge judge the fenced ledger only (check_ledger reads both)"
-NO_TABLE = ("no acts table in this database: its writers do not log their acts (only "
-            "tests/data/ledger_worker.py does), so two apps acting at once would go unseen")
+NO_TABLE = ("no acts table in this database: its writers do not log their acts (only those of "
+            "singleton_testbed.actlog do), so two apps acting at once would go unseen")
 
 
 class Row(Protocol):

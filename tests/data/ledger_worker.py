@@ -5,9 +5,10 @@ Each item is "in flight" from its start row to its done row; on SIGTERM it finis
 item in flight and exits, so a drain that waits for it loses nothing.
 
 Every phase write is also an *act*, the stand-in for what an app does outside the database
-(an e-mail, an HTTP call) that no fence can refuse. Before each one the worker commits a row
-to the unfenced act log (``acts``, ``singleton_testbed.ledger.ACTS_DDL``) on a connection of
-its own, so neither a refused or failed fenced transaction nor a wait for the fence row lock
+(an e-mail, an HTTP call) that no fence can refuse. It follows the act protocol of
+``singleton_testbed.actlog`` (shared with client-go's worker in ``benchmarks/clientgo``): before
+each act it commits a row to the unfenced act log (``acts``, ``singleton_testbed.ledger.ACTS_DDL``)
+on a connection of its own, so neither a refused or failed fenced transaction nor a wait for the fence row lock
 can hide the act; if that insert fails it does not act (it exits 4). After the act it logs
 the end and the outcome (written, refused, failed). ``began_at`` and ``ended_at`` come from
 this process's clock (``time.time()``), so the checker may compare acts of several workers
@@ -40,6 +41,11 @@ Options (environment; the defaults are the safe behaviour the tests rely on):
 - ``LEDGER_DEADLINE_CHECK=off``: do not check ``SINGLETON_DEADLINE_FILE`` (the exec gate's
   term deadline) before each act. On (the default), a worker never begins an act past its
   term's deadline, as a deadline-aware app would; off, it acts like an app that cannot check.
+- ``LEDGER_GATE_DIR``: the file gate's folder (``gate.sh``'s flags): under the file gate the
+  deadline lives in its ``leader`` flag (``<token> <deadline> <grace>``, the deadline on the
+  boot-time clock in centiseconds, as ``/proc/uptime`` shows it). With the deadline check on,
+  the worker then begins an act only while that flag exists, names its token, and its deadline
+  has not passed: the file-gated twin of ``SINGLETON_DEADLINE_FILE``.
 - ``LEDGER_ESCAPE=S``: the writer escapes the gate (deliberately unsafe): the gated process
   starts a writer in a session of its own that ignores SIGTERM, so neither the gate's SIGTERM
   and SIGKILL nor a signal to the pod's process group reaches it; it writes for S seconds and
@@ -47,52 +53,19 @@ Options (environment; the defaults are the safe behaviour the tests rely on):
 """
 
 import asyncio
-import contextlib
 import os
 import signal
 import subprocess
 import sys
 import time
-from datetime import UTC, datetime
 
 import asyncpg
 
-from singleton_sidecar.fencing import StaleToken, ensure_fence_table, fence
-from singleton_testbed.ledger import ACTS_DDL
+from singleton_sidecar.fencing import StaleToken, fence
+from singleton_testbed.actlog import FAILED, REFUSED, WRITTEN, ActLog, create_tables
 
-DDL = """
-CREATE TABLE IF NOT EXISTS ledger (
-    id bigserial PRIMARY KEY, group_name text, identity text, token bigint, item bigint,
-    phase text, at timestamptz DEFAULT clock_timestamp()
-)
-"""
 CHILD_ITEMS = 1_000_000_000
 """Child ``n`` numbers its items from ``n * CHILD_ITEMS``: the ledger keys items by (token, item)."""
-
-
-def wall(seconds: float) -> datetime:
-    return datetime.fromtimestamp(seconds, UTC)
-
-
-class ActLog:
-    """The unfenced act log, on a connection of its own (autocommit: each row is committed
-    before the act it announces)."""
-
-    def __init__(self, conn: asyncpg.Connection, group: str, identity: str, token: int, max_seconds: float) -> None:
-        self.conn, self.group, self.identity, self.token = conn, group, identity, token
-        self.max_seconds = max_seconds
-
-    async def begin(self, item: int, phase: str) -> int:
-        began = time.time()  # before the insert: the logged interval covers the act whatever the insert takes
-        act_id = await self.conn.fetchval(
-            "INSERT INTO acts (group_name, identity, token, pid, item, phase, began_at, max_seconds) "
-            "VALUES ($1,$2,$3,$4,$5,$6,$7,$8) RETURNING id",
-            self.group, self.identity, self.token, os.getpid(), item, phase, wall(began), self.max_seconds)
-        return int(act_id)
-
-    async def end(self, act_id: int, ended: float, outcome: str) -> None:
-        await self.conn.execute("UPDATE acts SET ended_at = $2, outcome = $3 WHERE id = $1",
-                                act_id, wall(ended), outcome)
 
 
 async def wait_for_sigterm() -> int:
@@ -161,6 +134,18 @@ def past_deadline(path: str) -> bool:
     return time.monotonic() >= deadline
 
 
+def past_gate_flag(directory: str, token: int) -> bool:
+    """The file gate's flag says this term may not act now: no flag (the term ended or was never
+    this replica's), another term's token, or its deadline passed on the boot-time clock."""
+    try:
+        with open(os.path.join(directory, "leader")) as source:
+            fields = source.read().split()
+        flag_token, deadline = int(fields[0]), int(fields[1])
+    except (OSError, ValueError, IndexError):
+        return True
+    return flag_token != token or time.clock_gettime(time.CLOCK_BOOTTIME) * 100 >= deadline
+
+
 async def main() -> int:
     if seconds := os.environ.get("LEDGER_ESCAPE"):
         escape(seconds)
@@ -178,25 +163,21 @@ async def main() -> int:
     stop = stop_event(finish_seconds)
     idle_tx_timeout = os.environ.get("LEDGER_IDLE_TX_TIMEOUT_MS", "1000")
     conn = await asyncpg.connect(dsn, server_settings={"idle_in_transaction_session_timeout": idle_tx_timeout})
-    await conn.execute("SELECT pg_advisory_lock(777)")
-    try:
-        await conn.execute(DDL)
-        await conn.execute(ACTS_DDL)
-        await ensure_fence_table(conn)
-    finally:
-        await conn.execute("SELECT pg_advisory_unlock(777)")
-    acts = ActLog(await asyncpg.connect(dsn), group, identity, token, act_max_seconds)
+    await create_tables(conn)
+    acts = await ActLog.connect(dsn, group, identity, token, act_max_seconds)
     if children:
         start_children(children)
     item = first_item
-    deadline_file = os.environ.get("SINGLETON_DEADLINE_FILE") if os.environ.get("LEDGER_DEADLINE_CHECK",
-                                                                                  "on") != "off" else None
+    check = os.environ.get("LEDGER_DEADLINE_CHECK", "on") != "off"
+    deadline_file = os.environ.get("SINGLETON_DEADLINE_FILE") if check else None
+    gate_dir = os.environ.get("LEDGER_GATE_DIR") if check else None
     while not stop.is_set():
         item += 1
         for phase in ("start", "done"):
-            if deadline_file is not None and past_deadline(deadline_file):
+            if ((deadline_file is not None and past_deadline(deadline_file))
+                    or (gate_dir is not None and past_gate_flag(gate_dir, token))):
                 print("the term's deadline has passed: no new act", file=sys.stderr, flush=True)
-                await acts.conn.close()
+                await acts.close()
                 await conn.close()
                 return 0
             try:
@@ -204,7 +185,7 @@ async def main() -> int:
             except (asyncpg.PostgresError, asyncpg.InterfaceError, OSError) as exc:
                 print(f"act log refused the act, not acting: {exc!r}", file=sys.stderr, flush=True)
                 return 4
-            outcome = "failed"
+            outcome = FAILED
             try:
                 async with conn.transaction():
                     if fenced:
@@ -214,20 +195,17 @@ async def main() -> int:
                     await conn.execute(
                         "INSERT INTO ledger (group_name, identity, token, item, phase) VALUES ($1,$2,$3,$4,$5)",
                         group, identity, token, item, phase)
-                outcome = "written"
+                outcome = WRITTEN
             except StaleToken as exc:
-                outcome = "refused"
+                outcome = REFUSED
                 print(f"fenced out: {exc}", file=sys.stderr, flush=True)
                 return 3
             finally:
-                ended = time.time()
-                # Best effort: an end not logged is closed by the checker at began + max_seconds.
-                with contextlib.suppress(asyncpg.PostgresError, asyncpg.InterfaceError, OSError):
-                    await acts.end(act, ended, outcome)
+                await acts.end_quietly(act, time.time(), outcome)
             if phase == "start":
                 await asyncio.sleep(item_seconds)  # the work of one item
         await asyncio.sleep(0.005)
-    await acts.conn.close()
+    await acts.close()
     await conn.close()
     return 0
 
