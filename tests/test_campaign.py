@@ -422,7 +422,7 @@ def test_ci_quick_campaign_all_faults_no_overlap_no_regression(tmp_path: Path) -
 def test_the_campaign_fails_when_apps_cannot_check_their_deadline(tmp_path: Path) -> None:
     """The same pipeline with workers that cannot check their term's deadline and do not fence:
     a whole pod frozen past the lease and thawed app first acts again after its successor began.
-    Every freeze must show up as an acting overlap with late acts (a failure, not an act in flight
+    A freeze shows up as an acting overlap with late acts (a failure, not an act in flight
     through a freeze), the ledger must show the late writes, and the verdict must say FAIL."""
     from benchmarks.campaign import CampaignOptions, run_campaign
     from benchmarks.campaign_bed import Variant
@@ -433,6 +433,8 @@ def test_the_campaign_fails_when_apps_cannot_check_their_deadline(tmp_path: Path
                                           workdir=tmp_path / "campaign"))
     print(result.render())
     stats = result.backends[0].stats["sigstop"]
-    assert stats.count == 2 and stats.acting == 2 and stats.inflight == 0, result.render()
+    # Not every freeze can show: a worker frozen inside a transaction longer than its
+    # idle-in-transaction timeout finds its session ended on waking and exits without acting.
+    assert stats.count == 2 and stats.acting >= 1 and stats.inflight == 0, result.render()
     assert stats.unfenced_ledger > 0, result.render()
     assert not result.verdict_ok and "VERDICT: FAIL" in result.verdict()
