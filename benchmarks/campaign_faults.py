@@ -188,6 +188,16 @@ class Injector:
     rng: random.Random
     segment: int = 0
 
+    def _wait_recovered(self, after: float, above: int | None, until: float) -> Sample | None:
+        """The first ready leader after the fault. A replacement pod (after a deletion) may be
+        the one that wins: it is given to the poller as soon as it runs, not only once settled."""
+        while True:
+            self.group.watch_started()
+            left = until - time.time()
+            found = self.poller.wait_ready(after, above, min(max(left, 0.0), 0.5))
+            if found is not None or left <= 0.5:
+                return found
+
     def inject(self, kind: str, index: int, leader: Sample) -> FaultRecord:
         assert leader.token is not None
         group = self.group
@@ -199,8 +209,7 @@ class Injector:
         try:
             after = self._act(kind, record)
             record.injected = time.time()
-            left = RECOVERY_TIMEOUT - (time.time() - record.t0)
-            found = self.poller.wait_ready(after, above, max(left, 1.0))
+            found = self._wait_recovered(after, above, record.t0 + RECOVERY_TIMEOUT)
             if found is None:
                 record.error = f"no new ready leader within {RECOVERY_TIMEOUT:g}s"
             else:
