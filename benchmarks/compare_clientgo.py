@@ -13,11 +13,15 @@ SIGKILL failover (same, after SIGKILL), API requests/s of the group at rest (dis
 auditIDs in the audit log by user agent), RSS and CPU at rest; with root and ``ip netns``,
 partition failover (``benchmarks/compare_partition.py``: groups of 3 pods on a stand-in
 kubelet, the leader's pod cut off from the API server). Then the SIGSTOP safety
-scenario with short timings (2 s / 1.5 s / 0.5 s) for both: each member has a worker that
-appends to a PostgreSQL ledger while its elector says it leads (ours: the exec gate with
-the fenced tests/data/ledger_worker.py; client-go: benchmarks/clientgo/unfenced_worker.py
-polling /leader), the leader's process group is stopped past the lease, a new leader
-takes over, the old one is continued, and the ledger checker (singleton_testbed.ledger) counts overlaps.
+scenario with short timings (2 s / 1.5 s / 0.5 s) for both, like with like: each member has
+a worker that appends to a PostgreSQL ledger while its elector says it leads and logs every
+act before doing it (the act protocol of singleton_testbed.actlog; ours: the exec gate with
+tests/data/ledger_worker.py; client-go: benchmarks/clientgo/unfenced_worker.py polling
+/leader), both peers once with unfenced workers and once with fenced ones (client-go's
+fenced with its term's start). The leader's process group is stopped past the lease, a new
+leader takes over, the old one is continued, and singleton_testbed.ledger judges the act log
+(two workers acting at once, acts begun by the deposed one) and the ledger (overlaps, stale
+writes accepted; the act log counts the writes the fence refused).
 Prints tables and ratios (client-go / ours) and writes PNG plots to benchmarks/plots/.
 """
 
@@ -36,6 +40,7 @@ import uuid
 from collections.abc import Sequence
 from contextlib import AbstractContextManager
 from dataclasses import asdict, dataclass, field
+from datetime import datetime
 from pathlib import Path
 
 import asyncpg
@@ -45,17 +50,17 @@ from benchmarks.campaign_bed import CampaignError
 from benchmarks.clientgo.elector import CLIENTGO_DEFAULTS, USER_AGENT, ClientGoProcess, build
 from benchmarks.clientgo.unfenced_worker import term_of
 from benchmarks.compare_partition import PartitionRun, PodPeer, partition_runs
-from benchmarks.failover import Bench, bench_servers, cpu_seconds, percentile, rss_mb, running, summary
+from benchmarks.failover import Bench, Starter, bench_servers, cpu_seconds, percentile, rss_mb, running, summary
 from singleton_sidecar.core.timings import BACKEND_DEFAULTS
 from singleton_testbed.controlplane import ControlPlane
-from singleton_testbed.ledger import check_ledger
+from singleton_testbed.ledger import LedgerReport, check_ledger
 
 Timings = tuple[float, float, float]  # lease duration, renew deadline, retry period (s)
 OURS_DEFAULTS: Timings = (BACKEND_DEFAULTS["lease"].lease_duration, BACKEND_DEFAULTS["lease"].renew_deadline,
                           BACKEND_DEFAULTS["lease"].retry_period)
 FAST: Timings = (2.0, 1.5, 0.5)
 SIDECAR_AGENT = "singleton-sidecar"
-FENCED_WORKER = Path(__file__).resolve().parent.parent / "tests" / "data" / "ledger_worker.py"
+LEDGER_WORKER = Path(__file__).resolve().parent.parent / "tests" / "data" / "ledger_worker.py"
 PLOTS = Path(__file__).resolve().parent / "plots"
 
 
@@ -75,8 +80,12 @@ class ClientGoBench(Bench):
     binary: Path = Path()
     timings: Timings = CLIENTGO_DEFAULTS
     ledger_dsn: str | None = None
+    fenced: bool = False
 
     def group(self, count: int) -> AbstractContextManager[list[SidecarProcess]]:
+        return running(self._new_group, count)
+
+    def _new_group(self) -> Starter:
         assert self.control_plane is not None
         kubeconfig = self.control_plane.info.kubeconfig
         lease = "cg-" + uuid.uuid4().hex[:8]
@@ -87,19 +96,23 @@ class ClientGoBench(Bench):
                 f"g{index}", {"SINGLETON_GROUP": lease, "SINGLETON_IDENTITY": identity},
                 self.workdir / f"{lease}-{index}.log", binary=self.binary, kubeconfig=kubeconfig,
                 namespace=self.namespace, lease=lease, identity=identity, timings=self.timings,
-                ledger_dsn=self.ledger_dsn).start()
+                ledger_dsn=self.ledger_dsn, fence=self.fenced).start()
 
-        return running(start, count)
+        return start
 
 
 @dataclass
 class GatedBench(Bench):
     """A ``Bench`` of our sidecars (lease backend, no pod objects) whose exec gate runs the
-    fenced ledger worker, with the given timings."""
+    ledger worker (fenced, or with ``LEDGER_FENCE=off``), with the given timings."""
 
     timings: Timings = FAST
+    fenced: bool = True
 
     def group(self, count: int) -> AbstractContextManager[list[SidecarProcess]]:
+        return running(self._new_group, count)
+
+    def _new_group(self) -> Starter:
         assert self.control_plane is not None
         kubeconfig = self.control_plane.info.kubeconfig
         group = "stop-" + uuid.uuid4().hex[:8]
@@ -111,11 +124,11 @@ class GatedBench(Bench):
                    "KUBECONFIG": str(kubeconfig), "SINGLETON_NAMESPACE": self.namespace,
                    "SINGLETON_LEASE_DURATION": f"{lease_duration:g}",
                    "SINGLETON_RENEW_DEADLINE": f"{renew_deadline:g}",
-                   "SINGLETON_RETRY_PERIOD": f"{retry_period:g}"}
+                   "SINGLETON_RETRY_PERIOD": f"{retry_period:g}", "LEDGER_FENCE": "on" if self.fenced else "off"}
             return SidecarProcess(f"s{index}", env, self.workdir / f"{group}-{index}.log",
-                                  command=[sys.executable, str(FENCED_WORKER)]).start()
+                                  command=[sys.executable, str(LEDGER_WORKER)]).start()
 
-        return running(start, count)
+        return start
 
 
 @dataclass
@@ -129,11 +142,27 @@ class Rest:
 @dataclass
 class StopRun:
     takeover: float
-    overlaps: int  # terms that wrote in interleaved time (singleton_testbed.ledger)
-    stale_rows: int  # rows with an older term's token written after a newer term's (singleton_testbed.ledger)
-    woke_rows: int  # rows the old leader's worker wrote in its old term after SIGCONT
-    woke_writing: float  # for how long after SIGCONT it kept writing (s)
-    fenced_out: bool  # the old leader's worker tried and was refused by the fence
+    """SIGSTOP to another member's /readyz 200 (s)."""
+    acting_overlaps: int
+    """Pairs of workers acting in intersecting time (``ActingReport.overlaps``, the act log)."""
+    late_acts: int
+    """Acts the stopped leader's worker began once the new leader's worker had begun acting."""
+    overlap_seconds: float
+    """The longest acting overlap (s)."""
+    acted_after_wake: float
+    """From SIGCONT to the end of the stopped leader's worker's last act (s; 0: none after SIGCONT)."""
+    ledger_overlaps: int
+    """Terms that wrote in interleaved time (``LedgerReport.overlaps``, the ledger)."""
+    stale_accepted: int
+    """Rows committed with a token older than one already committed (``LedgerReport.stale_accepted``)."""
+    refused: int
+    """Acts of the group whose write the fence refused (outcome ``refused`` in the act log)."""
+    acts_checked: bool
+    fenced_out: bool
+    """The stopped leader's worker said "fenced out" in its log."""
+    group: str
+    dump: str = ""
+    """Where the run's act log and ledger rows were saved when it found anything (else "")."""
 
 
 @dataclass
@@ -207,43 +236,93 @@ def cycle_of(key: str, timings: Timings) -> float:
     return timings[2] * (2.2 if key.startswith("clientgo") else 1.0)
 
 
-async def stale_after(dsn: str, group: str, identity: str, token: int, woke: float) -> tuple[int, float]:
-    """Rows ``identity`` wrote in its term ``token`` after ``woke`` (epoch s), and for how long after it."""
+async def group_rows(dsn: str, group: str) -> tuple[list[dict[str, object]], list[dict[str, object]]]:
+    """The group's act log and ledger rows, in id order, for a record of a run."""
     conn = await asyncpg.connect(dsn)
     try:
-        row = await conn.fetchrow("SELECT count(*) AS n, extract(epoch FROM max(at)) AS last FROM ledger "
-                                  "WHERE group_name = $1 AND identity = $2 AND token = $3 AND at > to_timestamp($4)",
-                                  group, identity, token, woke)
+        acts = await conn.fetch("SELECT * FROM acts WHERE group_name = $1 ORDER BY id", group)
+        ledger = await conn.fetch("SELECT * FROM ledger WHERE group_name = $1 ORDER BY id", group)
     finally:
         await conn.close()
-    assert row is not None
-    return int(row["n"]), float(row["last"]) - woke if row["n"] else 0.0
+    return [dict(r) for r in acts], [dict(r) for r in ledger]
+
+
+async def acted(dsn: str, group: str, identity: str, token: int) -> bool:
+    """Whether ``identity`` has logged an act in term ``token``."""
+    conn = await asyncpg.connect(dsn)
+    try:
+        found = await conn.fetchval("SELECT 1 FROM acts WHERE group_name = $1 AND identity = $2 AND token = $3 "
+                                    "LIMIT 1", group, identity, token)
+    except asyncpg.UndefinedTableError:
+        found = None  # no worker has started yet
+    finally:
+        await conn.close()
+    return found is not None
+
+
+def term_id(member: SidecarProcess) -> tuple[str, int]:
+    """(identity, token) of a leading member's term, as its worker logs its acts: our sidecar's
+    token, or client-go's term start (epoch ms)."""
+    doc = member.leader_doc()
+    assert doc is not None
+    token = doc["token"] if doc.get("token") is not None else term_of(doc)
+    assert token is not None, doc
+    return member.env["SINGLETON_IDENTITY"], int(token)
+
+
+def judge_stop(report: LedgerReport, acts: list[dict[str, object]], *, old: tuple[str, int], new: tuple[str, int],
+               woke: float, takeover: float, fenced_out: bool, group: str) -> StopRun:
+    """One run's figures from its verdict and act rows: ``old`` is the stopped leader's term
+    (identity, token), continued at ``woke`` (epoch s), ``new`` the term that took over."""
+    acting = report.acting
+    actors = {(a.identity, a.token): a for a in acting.actors}
+    stopped, successor = actors.get(old), actors.get(new)
+    after = stopped.last.timestamp() - woke if stopped is not None else 0.0
+    late = 0
+    if successor is not None:
+        late = sum(1 for act in acts if (act["identity"], act["token"]) == old
+                   and isinstance(act["began_at"], datetime) and act["began_at"] >= successor.first)
+    return StopRun(takeover=takeover, acting_overlaps=len(acting.overlaps), late_acts=late,
+                   overlap_seconds=max((o.seconds for o in acting.overlaps), default=0.0),
+                   acted_after_wake=max(after, 0.0), ledger_overlaps=len(report.overlaps),
+                   stale_accepted=len(report.stale_accepted),
+                   refused=sum(1 for act in acts if act["outcome"] == "refused"), acts_checked=acting.checked,
+                   fenced_out=fenced_out, group=group)
 
 
 def sigstop_run(bench: Bench, dsn: str, timings: Timings) -> StopRun:
-    """Stop the leader's process group (elector + worker) past the lease, let a new leader
-    take over and work, continue the old one, and judge the ledger."""
+    """Stop the leader's process group (elector + worker) past the lease once its worker acts,
+    let a new leader take over and act, continue the old one, and judge the act log and the ledger."""
     lease_duration, renew_deadline, _ = timings
     with bench.group(3) as members:
         group = members[0].env["SINGLETON_GROUP"]
         leader = one_leader(members, timeout=30)
-        time.sleep(0.5)  # the leader's worker writes
-        doc = leader.leader_doc()
-        assert doc is not None
-        token = doc["token"] if doc.get("token") is not None else term_of(doc)  # client-go: its worker's term id
-        assert token is not None
+        old = term_id(leader)
+        wait_for(lambda: asyncio.run(acted(dsn, group, *old)), 20, "the leader's worker to act", interval=0.05)
+        time.sleep(0.3)  # the leader's worker acts
         leader.signal(signal.SIGSTOP)
         stopped = time.monotonic()
-        one_leader([m for m in members if m is not leader], timeout=3 * lease_duration + 10)
+        successor = one_leader([m for m in members if m is not leader], timeout=3 * lease_duration + 10)
         takeover = time.monotonic() - stopped
-        time.sleep(0.5)  # the new leader's worker writes
+        new = term_id(successor)
+        wait_for(lambda: asyncio.run(acted(dsn, group, *new)), 20, "the new leader's worker to act", interval=0.05)
+        time.sleep(0.3)  # the new leader's worker acts
         woke = time.time()
         leader.signal(signal.SIGCONT)
         time.sleep(renew_deadline + 1.5)  # the old one wakes up: give it its renew deadline and more
     report = asyncio.run(check_ledger(dsn, group))
-    rows, seconds = asyncio.run(stale_after(dsn, group, leader.env["SINGLETON_IDENTITY"], token, woke))
-    return StopRun(takeover=takeover, overlaps=len(report.overlaps), stale_rows=len(report.stale_accepted),
-                   woke_rows=rows, woke_writing=seconds, fenced_out="fenced out" in leader.log())
+    acts, ledger = asyncio.run(group_rows(dsn, group))
+    run = judge_stop(report, acts, old=old, new=new, woke=woke, takeover=takeover,
+                     fenced_out="fenced out" in leader.log(), group=group)
+    if run.acting_overlaps or run.ledger_overlaps or run.stale_accepted or not run.acts_checked:
+        path = bench.workdir / f"{group}-rows.json"
+        path.write_text(json.dumps({"stopped": {"identity": old[0], "token": old[1], "sigcont_epoch": woke,
+                                                "log": str(leader.log_path)},
+                                    "new": {"identity": new[0], "token": new[1], "log": str(successor.log_path)},
+                                    "verdict": report.summary(), "acts": acts, "ledger": ledger},
+                                   indent=1, default=str))
+        run.dump = str(path)
+    return run
 
 
 def print_peer(result: PeerResult) -> None:
@@ -274,6 +353,14 @@ def ratio(num: float, den: float) -> str:
 
 
 def print_tables(results: Sequence[PeerResult], stops: Sequence[PeerResult], rest_seconds: float) -> None:
+    if results:
+        print_failover_tables(results, rest_seconds)
+    if stops:
+        print_stop_table(stops)
+    sys.stdout.flush()
+
+
+def print_failover_tables(results: Sequence[PeerResult], rest_seconds: float) -> None:
     print("\n| figure (3 members) | " + " | ".join(f"{r.label}, {fmt_timings(r.timings)}" for r in results) + " |")
     print("|---|" + "---|" * len(results))
     print("| graceful handover, median / p99 | " + " | ".join(
@@ -312,18 +399,28 @@ def print_tables(results: Sequence[PeerResult], stops: Sequence[PeerResult], res
         if ours.rest is not None:
             print("| API requests/s at rest | " + " | ".join(
                 ratio(r.rest.requests, ours.rest.requests) if r.rest else "-" for r in others) + " |")
-    if stops:
-        print(f"\nSIGSTOP of the leader's process group past the lease, timings {fmt_timings(FAST)}:")
-        print("\n| peer | runs | runs with overlaps | stale rows accepted | old leader's rows after SIGCONT, "
-              "total (longest it kept writing) | runs where its worker was fenced out | "
-              "SIGSTOP to new leader ready, median |")
-        print("|---|---|---|---|---|---|---|")
-        for r in stops:
-            print(f"| {r.label} | {len(r.stops)} | {sum(1 for s in r.stops if s.overlaps)} | "
-                  f"{sum(s.stale_rows for s in r.stops)} | {sum(s.woke_rows for s in r.stops)} "
-                  f"({ms(max(s.woke_writing for s in r.stops))}) | {sum(1 for s in r.stops if s.fenced_out)} | "
-                  f"{ms(statistics.median(s.takeover for s in r.stops))} |")
-    sys.stdout.flush()
+
+
+def print_stop_table(stops: Sequence[PeerResult]) -> None:
+    print(f"\nSIGSTOP of the leader's process group past the lease, timings {fmt_timings(FAST)}:")
+    print("\n| peer, worker | runs | runs with two workers acting at once (act log) | acts begun by the "
+          "stopped leader once the new one acted, total (most in a run) | longest acting overlap | "
+          "stopped leader still acting after SIGCONT, longest | runs with ledger overlaps | "
+          "stale writes accepted | writes refused by the fence | SIGSTOP to new leader ready, median |")
+    print("|---|---|---|---|---|---|---|---|---|---|")
+    for r in stops:
+        runs = r.stops
+        unchecked = sum(1 for s in runs if not s.acts_checked)
+        print(f"| {r.label} | {len(runs)} | {sum(1 for s in runs if s.acting_overlaps)}"
+              + (f" ({unchecked} not judged: no acts)" if unchecked else "") + " | "
+              f"{sum(s.late_acts for s in runs)} ({max(s.late_acts for s in runs)}) | "
+              f"{ms(max(s.overlap_seconds for s in runs))} | {ms(max(s.acted_after_wake for s in runs))} | "
+              f"{sum(1 for s in runs if s.ledger_overlaps)} | {sum(s.stale_accepted for s in runs)} | "
+              f"{sum(s.refused for s in runs)} | {ms(statistics.median(s.takeover for s in runs))} |")
+    for r in stops:
+        for run in r.stops:
+            if run.dump:
+                print(f"  {r.key}: group {run.group}: act log and ledger rows in {run.dump}")
 
 
 def plot(results: Sequence[PeerResult], folder: Path, prefix: str = "clientgo") -> list[Path]:
@@ -374,6 +471,22 @@ def plot(results: Sequence[PeerResult], folder: Path, prefix: str = "clientgo") 
     return written
 
 
+STOP_PEERS = ("ours-unfenced", "clientgo-unfenced", "ours-fenced", "clientgo-fenced")
+
+
+def stop_peer(key: str, binary: Path, dsn: str, workdir: Path, plane: ControlPlane) -> tuple[PeerResult, Bench]:
+    """A peer of the SIGSTOP scenario: ours or client-go, with an unfenced or a fenced worker
+    that logs its acts (the same act protocol for both)."""
+    fenced = key.endswith("-fenced")
+    if key.startswith("ours"):
+        label = f"ours (sidecar, lease, exec gate), {'fenced' if fenced else 'unfenced'} worker"
+        return (PeerResult(key, label, SIDECAR_AGENT, FAST),
+                GatedBench("lease", dsn, workdir, plane, timings=FAST, fenced=fenced))
+    label = f"client-go, {'fenced (token: term start)' if fenced else 'unfenced'} worker"
+    return (PeerResult(key, label, USER_AGENT, FAST),
+            ClientGoBench("lease", dsn, workdir, plane, binary=binary, timings=FAST, ledger_dsn=dsn, fenced=fenced))
+
+
 def measure(args: argparse.Namespace, binary: Path, dsn: str, workdir: Path, plane: ControlPlane) -> None:
     started = time.monotonic()
     rng = random.Random(args.seed)
@@ -418,18 +531,12 @@ def measure(args: argparse.Namespace, binary: Path, dsn: str, workdir: Path, pla
     for result in results:
         print_peer(result)
     stops = []
-    for result, bench in (
-        (PeerResult("ours-fenced", "ours (sidecar, lease, exec gate + fenced worker)", SIDECAR_AGENT, FAST),
-         GatedBench("lease", dsn, workdir, plane, timings=FAST)),
-        (PeerResult("clientgo-unfenced", "client-go + unfenced worker", USER_AGENT, FAST),
-         ClientGoBench("lease", dsn, workdir, plane, binary=binary, timings=FAST, ledger_dsn=dsn)),
-    ):
-        if args.sigstop_runs <= 0:
-            break
-        progress(f"{result.key}: SIGSTOP x{args.sigstop_runs}")
+    for key in args.sigstop_peers if args.sigstop_runs > 0 else []:
+        result, bench = stop_peer(key, binary, dsn, workdir, plane)
+        progress(f"{key}: SIGSTOP x{args.sigstop_runs}")
         result.stops = [sigstop_run(bench, dsn, FAST) for _ in range(args.sigstop_runs)]
         for run in result.stops:
-            print(f"  {result.key}: {run}")
+            print(f"  {key}: {run}")
         stops.append(result)
     progress(f"done; machine: {os.cpu_count()} CPUs, Linux {os.uname().release}; logs in {workdir}")
     print_tables(results, stops, args.rest_seconds)
@@ -449,9 +556,12 @@ def main() -> int:
                              "so the re-opened watches are counted)")
     parser.add_argument("--partition-runs", type=int, default=5,
                         help="partitions per peer, needs root and ip netns (default 5; 0 skips them)")
-    parser.add_argument("--sigstop-runs", type=int, default=5, help="SIGSTOP runs per peer (default 5)")
-    parser.add_argument("--peers", nargs="+", choices=["ours", "clientgo-defaults", "clientgo-ours"],
-                        default=["ours", "clientgo-defaults", "clientgo-ours"])
+    parser.add_argument("--sigstop-runs", type=int, default=10, help="SIGSTOP runs per peer (default 10)")
+    parser.add_argument("--sigstop-peers", nargs="*", choices=STOP_PEERS, default=list(STOP_PEERS),
+                        help="peers of the SIGSTOP scenario (default: all four)")
+    parser.add_argument("--peers", nargs="*", choices=["ours", "clientgo-defaults", "clientgo-ours"],
+                        default=["ours", "clientgo-defaults", "clientgo-ours"],
+                        help="peers of the failover figures (none: only the SIGSTOP scenario)")
     parser.add_argument("--seed", type=int, default=1, help="seed of the random signal phases (default 1)")
     parser.add_argument("--plots", type=Path, default=PLOTS, help=f"folder for the PNGs (default {PLOTS})")
     parser.add_argument("--json", type=Path, help="also write the raw figures here")

@@ -5,6 +5,7 @@ Checks that the comparison tooling measures what it claims: one leader, the /rea
 
 from __future__ import annotations
 
+import asyncio
 import json
 import random
 import signal
@@ -18,6 +19,7 @@ from benchmarks.clientgo.elector import USER_AGENT, BuildError, ClientGoProcess,
 from benchmarks.clientgo.unfenced_worker import term_of
 from benchmarks.compare_partition import PodPeer, partition_runs
 
+from singleton_testbed.ledger import check_ledger, read_acts
 from singleton_testbed.netns import netns_supported
 from tests.conftest import Cluster
 from tests.kubehelpers import get_json
@@ -128,3 +130,35 @@ def test_partition_failover_is_measured_for_both_peers(cluster: Cluster, clientg
     assert lease_duration - retry_period - 0.5 < ours.failover < lease_duration + 1.0, ours
     assert ours.margin > (lease_duration - renew_deadline) / 2, ours
     assert lease_duration - retry_period - 0.5 < clientgo.failover < lease_duration + 2.2 * retry_period + 1.0
+
+
+@pytest.mark.postgres
+@pytest.mark.parametrize("fenced", [False, True], ids=["unfenced", "fenced"])
+def test_the_clientgo_worker_logs_its_acts_as_ours_does(cluster: Cluster, namespace: str, clientgo_binary: Path,
+                                                        tmp_path: Path, *, pg_dsn: str, fenced: bool) -> None:
+    """``benchmarks/compare_clientgo.py`` judges both peers' workers by one act log: the client-go
+    worker logs every write as an act of the elector's term (its start, epoch ms), through
+    ``singleton_testbed.actlog`` as ``tests/data/ledger_worker.py`` does, fenced or not."""
+    lease = "cg-" + uuid.uuid4().hex[:8]
+    members = [ClientGoProcess(f"w{i}", {}, tmp_path / f"w{i}.log", binary=clientgo_binary,
+                               kubeconfig=cluster.kubeconfig, namespace=namespace, lease=lease,
+                               identity=f"w{i}-{uuid.uuid4().hex[:6]}", timings=FAST, ledger_dsn=pg_dsn,
+                               fence=fenced).start() for i in range(2)]
+    try:
+        wait_serving(list[SidecarProcess](members), 10)
+        leader = one_clientgo_leader(members, timeout=15)
+        term = term_of(leader.leader_doc())
+        assert term is not None
+
+        def acts() -> int:
+            return len(asyncio.run(read_acts(pg_dsn, lease)) or [])  # None: no worker made the table yet
+
+        wait_for(lambda: acts() >= 10, 20, "the leader's worker to act", interval=0.2)
+    finally:
+        for member in members:
+            member.stop()
+    judged = asyncio.run(check_ledger(pg_dsn, lease))
+    assert judged.acts_checked and judged.safe, judged.summary()
+    assert [(a.token, a.identity) for a in judged.acting.actors] == [(term, leader.identity)]
+    assert {token for token, *_ in judged.terms} == {term}
+    assert "fenced out" not in leader.log()

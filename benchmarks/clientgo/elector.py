@@ -43,9 +43,9 @@ def go_duration(seconds: float) -> str:
 
 @dataclass
 class ClientGoProcess(SidecarProcess):
-    """One ``clientgo-elector``; with ``ledger_dsn`` also an unfenced ledger worker in the
-    same process group, so a signal to the group (SIGSTOP, SIGCONT, SIGKILL) reaches both,
-    as it would reach the containers of one pod."""
+    """One ``clientgo-elector``; with ``ledger_dsn`` also a ledger worker (``unfenced_worker.py``,
+    fenced with ``fence``) in the same process group, so a signal to the group (SIGSTOP,
+    SIGCONT, SIGKILL) reaches both, as it would reach the containers of one pod."""
 
     binary: Path = Path()
     kubeconfig: Path = Path()
@@ -54,6 +54,8 @@ class ClientGoProcess(SidecarProcess):
     identity: str = ""
     timings: tuple[float, float, float] = CLIENTGO_DEFAULTS
     ledger_dsn: str | None = None
+    fence: bool = False
+    """The worker fences its writes with the term's start (``unfenced_worker.py --fence``)."""
     group_name: str = ""
     worker: subprocess.Popen[bytes] | None = field(default=None, repr=False)
 
@@ -70,7 +72,8 @@ class ClientGoProcess(SidecarProcess):
                                           stdin=subprocess.DEVNULL, process_group=0)
             if self.ledger_dsn is not None:
                 worker_argv = [sys.executable, str(UNFENCED_WORKER), "--url", self.url,
-                               "--group", self.group_name or self.lease, "--identity", self.identity or self.name]
+                               "--group", self.group_name or self.lease, "--identity", self.identity or self.name,
+                               *(["--fence"] if self.fence else [])]
                 self.worker = subprocess.Popen(worker_argv, env={**env, "LEDGER_DSN": self.ledger_dsn},
                                                stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
                                                process_group=self.popen.pid)
