@@ -6,7 +6,7 @@ VENV ?= .venv
 BIN := $(VENV)/bin
 PACKAGES := sidecar testbed operator
 
-.PHONY: test lint unit venv testbed testbed-up testbed-down clean
+.PHONY: test lint unit venv testbed testbed-up testbed-down testbed-node-test clean
 
 $(BIN)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -16,7 +16,7 @@ $(BIN)/.installed: pyproject.toml
 
 venv: $(BIN)/.installed
 
-testbed: ## build (once) the control plane binaries from Go modules
+testbed: ## build (once) the control plane binaries, kubelet, kube-proxy and pause from Go modules
 	bash testbed/build.sh
 
 lint: venv
@@ -31,11 +31,14 @@ test: venv testbed lint
 unit: venv ## fast tests that need no server
 	$(BIN)/pytest -ra -m "not k8s and not postgres" $(PYTEST_ARGS)
 
-testbed-up: venv testbed ## start PostgreSQL + control plane in the background
+testbed-up: venv testbed ## start PostgreSQL + control plane (+ a real node when root) in the background
 	$(BIN)/singleton-testbed up
 
 testbed-down: venv
 	$(BIN)/singleton-testbed down
+
+testbed-node-test: venv testbed ## root: the real node's tests (containerd + kubelet + kube-proxy), docs/testbed.md
+	$(BIN)/pytest -ra tests/test_node.py $(PYTEST_ARGS)
 
 .PHONY: demo demo-down
 demo: venv ## root: test bed + stand-in kubelet + operator + 3 pollers; a live view of scripted handovers

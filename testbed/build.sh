@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Builds the test bed's binaries (etcd, kube-apiserver, kube-controller-manager,
-# kube-scheduler, kubectl, helm) from Go modules with the machine's Go
+# kube-scheduler, kubectl, helm, and for the real node kubelet, kube-proxy and
+# the sandbox's pause) from Go modules with the machine's Go
 # toolchain, into a cache folder outside the repository keyed by versions.
 # Only missing binaries are built. Prints the folder on its last line.
 #
@@ -40,5 +41,9 @@ build kube-apiserver kubernetes k8s.io/kubernetes/cmd/kube-apiserver "$k8s_ld"
 build kubectl kubernetes k8s.io/kubernetes/cmd/kubectl "$k8s_ld"
 build kube-controller-manager kubernetes k8s.io/kubernetes/cmd/kube-controller-manager "$k8s_ld"
 build kube-scheduler kubernetes k8s.io/kubernetes/cmd/kube-scheduler "$k8s_ld"
+build kubelet kubernetes k8s.io/kubernetes/cmd/kubelet "$k8s_ld"
+build kube-proxy kubernetes k8s.io/kubernetes/cmd/kube-proxy "$k8s_ld"
+# Static (CGO_ENABLED=0 above), so it runs alone in the sandbox image's rootfs.
+build pause pause singleton.dev/testbed/pause "-s -w"
 build helm helm helm.sh/helm/v3/cmd/helm "-s -w -X helm.sh/helm/v3/internal/version.version=${HELM_VERSION}"
 echo "$dest"

@@ -14,13 +14,18 @@ import re
 import secrets
 import subprocess
 from collections.abc import AsyncIterator, Iterator
+from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import pytest
 
 from singleton_testbed.binaries import add_to_path, find_all
 from singleton_testbed.controlplane import ControlPlane, wait_established
 from singleton_testbed.postgres import PostgresInfo, PostgresServer
+
+if TYPE_CHECKING:
+    from singleton_testbed.node import Node
 
 
 @pytest.fixture(scope="session")
@@ -159,3 +164,56 @@ def singleton_crd(cluster: Cluster) -> Path:
     )
     wait_established(cluster.kubectl, "crd/singletonservices.singleton.dev")
     return CRD_PATH
+
+
+# --- the real node -------------------------------------------------------------------------
+
+
+@dataclass
+class RealNode:
+    """A real node (containerd + kubelet + kube-proxy) and the control plane it joined."""
+
+    cluster: Cluster
+    node: Node
+    image: str
+    """A busybox image imported into the node (``imagePullPolicy: Never``)."""
+    archive: Path
+    """That image's archive, to import again after the node restarts."""
+
+
+@pytest.fixture(scope="session")
+def real_node(testbed_binaries: dict[str, Path], tmp_path_factory: pytest.TempPathFactory) -> Iterator[RealNode]:
+    """A real node on a control plane of its own: the node's pods reach the API server through
+    the ``kubernetes`` Service, so the control plane must advertise the node IP; and pods the
+    other tests schedule must not land on it. Skipped when this machine cannot run one."""
+    from singleton_testbed.node import Node, NodeBusyError, cleanup_stale, unavailable_reason
+    from singleton_testbed.node_config import NodeLayout
+    from singleton_testbed.oci import busybox_image, write_archive
+
+    if use_existing_cluster():
+        pytest.skip("the real node joins the test bed's own control plane, not USE_EXISTING_CLUSTER's")
+    if reason := unavailable_reason(testbed_binaries):
+        pytest.skip(reason)
+    try:
+        image = busybox_image()
+    except FileNotFoundError as error:
+        pytest.skip(str(error))
+    archive = write_archive(image, tmp_path_factory.mktemp("images") / "busybox.tar")
+    layout = NodeLayout()
+    control_plane = ControlPlane(testbed_binaries, advertise_address=layout.node_ip)
+    node: Node | None = None
+    try:
+        info = control_plane.start()
+        control_plane.start_controllers()
+        node = Node(control_plane, testbed_binaries, layout=layout)
+        try:
+            node.start()
+        except NodeBusyError as error:
+            pytest.skip(str(error))
+        node.import_image(archive)
+        yield RealNode(Cluster(info.kubeconfig, control_plane), node, image.name, archive)
+    finally:
+        if node is not None:
+            node.stop()
+            cleanup_stale()  # what a failed test's killed node left, if any (no-op when none)
+        control_plane.stop()

@@ -13,7 +13,9 @@ import subprocess
 import sys
 from pathlib import Path
 
-NAMES = ("etcd", "kube-apiserver", "kube-controller-manager", "kube-scheduler", "kubectl", "helm")
+NAMES = ("etcd", "kube-apiserver", "kube-controller-manager", "kube-scheduler", "kubectl", "helm",
+         "kubelet", "kube-proxy", "pause")
+"""The last three run the real node (``node``); ``pause`` is its sandbox image's process."""
 BUILD_SCRIPT = Path(__file__).resolve().parent.parent / "build.sh"
 
 

@@ -1,8 +1,11 @@
 """``singleton-testbed``: start and stop the test bed for humans.
 
 ``up`` starts PostgreSQL and the control plane (with controller-manager and scheduler)
-in a background process and prints the variables to export; ``down`` stops it and
-removes its folders; ``status`` tells whether it runs. ``kubelet --node NAME --state-dir DIR``
+in a background process and prints the variables to export; when run as root on a machine
+with containerd, runc and the CNI plugins it also starts a real node (``singleton_testbed.node``:
+containerd + kubelet + kube-proxy, Node ``singleton-node``; ``--no-node`` skips it) and prints
+how to import images into it. ``down`` stops it and removes its folders, and removes what a
+killed real node left behind; ``status`` tells whether it runs. ``kubelet --node NAME --state-dir DIR``
 runs a stand-in kubelet in the foreground (root only) so pods of that node run as local
 processes; ``--kubeconfig`` defaults to the running test bed's (see
 ``singleton_testbed.kubelet`` for all options).
@@ -20,22 +23,29 @@ import threading
 import time
 from pathlib import Path
 
+from singleton_testbed import node as node_mod
 from singleton_testbed.binaries import find_all
 from singleton_testbed.controlplane import ControlPlane
+from singleton_testbed.node_config import NodeLayout
 from singleton_testbed.postgres import PostgresServer
 
 STATE_DIR = Path(os.environ.get("SINGLETON_TESTBED_STATE", str(Path.home() / ".cache" / "singleton" / "run")))
 STATE_FILE = STATE_DIR / "testbed.json"
 
 
-def _serve() -> int:
+def _serve(with_node: bool) -> int:
     """Run in the background: start everything, write the state file, wait for SIGTERM."""
     stop = threading.Event()
     signal.signal(signal.SIGTERM, lambda *_: stop.set())
     signal.signal(signal.SIGINT, lambda *_: stop.set())
     binaries = find_all()
+    no_node = "--no-node given" if not with_node else node_mod.unavailable_reason(binaries)
+    layout = NodeLayout()
     postgres = PostgresServer()
-    control_plane = ControlPlane(binaries)
+    # A real node's pods reach the API server through the `kubernetes` Service, whose endpoint
+    # is the advertised address: the node IP then, 127.0.0.1 (as before) without a node.
+    control_plane = ControlPlane(binaries, advertise_address=None if no_node else layout.node_ip)
+    node: node_mod.Node | None = None
     try:
         pg = postgres.start()
         k8s = control_plane.start()
@@ -47,11 +57,20 @@ def _serve() -> int:
             "SINGLETON_TEST_ADMIN_DSN": pg.admin_dsn,
             "PATH_PREFIX": str(binaries["kubectl"].parent),
         }
+        if no_node is None:
+            node = node_mod.Node(control_plane, binaries, layout=layout)
+            node.start()
+            state |= {"NODE": layout.name, "NODE_IP": layout.node_ip, "NODE_WORK": str(node.paths.work),
+                      "CONTAINERD_ADDRESS": str(node.paths.socket)}
+        else:
+            state["NODE_SKIPPED"] = no_node
         tmp = STATE_FILE.with_suffix(".tmp")
         tmp.write_text(json.dumps(state, indent=2))
         tmp.replace(STATE_FILE)
         stop.wait()
     finally:
+        if node is not None:
+            node.stop()
         control_plane.stop()
         postgres.cleanup()
         STATE_FILE.unlink(missing_ok=True)
@@ -76,9 +95,15 @@ def _print_exports(state: dict[str, str]) -> None:
     print(f"export SINGLETON_TEST_DSN={state['SINGLETON_TEST_DSN']}")
     print(f"export SINGLETON_TEST_ADMIN_DSN={state['SINGLETON_TEST_ADMIN_DSN']}")
     print(f"export PATH={state['PATH_PREFIX']}:$PATH")
+    if "NODE" in state:
+        print(f"# real node {state['NODE']} (InternalIP {state['NODE_IP']}, files in {state['NODE_WORK']}); "
+              "import an image archive into it with:\n"
+              f"#   ctr --address {state['CONTAINERD_ADDRESS']} --namespace k8s.io images import ARCHIVE.tar")
+    elif "NODE_SKIPPED" in state:
+        print(f"# no real node: {state['NODE_SKIPPED']}")
 
 
-def _up() -> int:
+def _up(with_node: bool) -> int:
     if state := _read_state():
         print("# the test bed is already running", file=sys.stderr)
         _print_exports(state)
@@ -88,10 +113,10 @@ def _up() -> int:
     find_all()  # build in the foreground so its progress is visible
     with open(log_path, "ab") as log_file:
         proc = subprocess.Popen(
-            [sys.executable, "-m", "singleton_testbed.cli", "serve"],
+            [sys.executable, "-m", "singleton_testbed.cli", "serve", *([] if with_node else ["--no-node"])],
             stdout=log_file, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True,
         )
-    deadline = time.monotonic() + 120
+    deadline = time.monotonic() + 240  # a real node adds up to two minutes
     while time.monotonic() < deadline:
         if proc.poll() is not None:
             print(f"the test bed failed to start; see {log_path}", file=sys.stderr)
@@ -102,13 +127,21 @@ def _up() -> int:
             return 0
         time.sleep(0.2)
     proc.terminate()
-    print(f"the test bed did not become ready in 120 s; see {log_path}", file=sys.stderr)
+    print(f"the test bed did not become ready in 240 s; see {log_path}", file=sys.stderr)
     return 1
+
+
+def _cleanup_stale_node() -> None:
+    """Remove what a killed real node left (its state file says what); a no-op when a live
+    node holds its lock, or when not root (no node could have run)."""
+    if os.geteuid() == 0 and node_mod.cleanup_stale():
+        print("removed what a killed real node left behind", file=sys.stderr)
 
 
 def _down() -> int:
     state = _read_state()
     if state is None:
+        _cleanup_stale_node()
         print("the test bed is not running", file=sys.stderr)
         return 0
     pid = int(state["pid"])
@@ -118,6 +151,7 @@ def _down() -> int:
         try:
             os.kill(pid, 0)
         except ProcessLookupError:
+            _cleanup_stale_node()
             print("the test bed is stopped", file=sys.stderr)
             return 0
         time.sleep(0.2)
@@ -155,8 +189,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("command", choices=["up", "down", "status", "serve", "kubelet"],
                         help="up: start in the background; down: stop; status: print exports; "
                              "serve: run in the foreground; kubelet: run a stand-in kubelet (root)")
+    parser.add_argument("--no-node", action="store_true", help="up/serve: do not start the real node")
     args = parser.parse_args(argv)
-    commands = {"up": _up, "down": _down, "status": _status, "serve": _serve}
+    if args.command == "up":
+        return _up(not args.no_node)
+    if args.command == "serve":
+        return _serve(not args.no_node)
+    commands = {"down": _down, "status": _status}
     return commands[args.command]()
 
 

@@ -11,6 +11,10 @@ the pod network's API address (10.213.0.2 by default, see ``netns``): the certif
 names the bridge's addresses, and when running as root (the stand-in needs root) the API
 server binds every address instead of loopback only (``serve_pods``). It still requires TLS
 and a token.
+
+The real node (``singleton_testbed.node``) needs ``advertise_address`` set to its node IP (the
+``kubernetes`` Service's endpoint, reached by pods through kube-proxy); the API server always
+presents a client certificate (``system:masters``) to kubelets, for ``kubectl logs``/``exec``.
 """
 
 from __future__ import annotations
@@ -63,6 +67,13 @@ def make_pki(folder: Path, extra_ips: Sequence[str] = ()) -> None:
     )
     _openssl("x509", "-req", "-in", "apiserver.csr", "-CA", "ca.crt", "-CAkey", "ca.key", "-CAcreateserial",
              "-out", "apiserver.crt", "-days", "2", "-extfile", "san.ext", cwd=folder)
+    # The API server's client certificate towards kubelets (logs, exec, port-forward): a real
+    # kubelet (``node``) accepts it through its client CA; the stand-in serves no kubelet API.
+    _openssl("req", "-newkey", "rsa:2048", "-nodes", "-keyout", "kubelet-client.key", "-out", "kubelet-client.csr",
+             "-subj", "/O=system:masters/CN=kube-apiserver-kubelet-client", cwd=folder)
+    (folder / "client.ext").write_text("extendedKeyUsage=clientAuth\n")
+    _openssl("x509", "-req", "-in", "kubelet-client.csr", "-CA", "ca.crt", "-CAkey", "ca.key", "-CAcreateserial",
+             "-out", "kubelet-client.crt", "-days", "2", "-extfile", "client.ext", cwd=folder)
     _openssl("genrsa", "-out", "sa.key", "2048", cwd=folder)
     _openssl("rsa", "-in", "sa.key", "-pubout", "-out", "sa.pub", cwd=folder)
 
@@ -82,12 +93,18 @@ def write_kubeconfig(path: Path, *, server: str, ca_file: Path, token: str, user
 
 class ControlPlane:
     def __init__(self, binaries: dict[str, Path], workdir: Path | None = None, *,
-                 serve_pods: bool | None = None, pod_addresses: Sequence[str] = DEFAULT_NETWORK.host_addresses) -> None:
+                 serve_pods: bool | None = None, pod_addresses: Sequence[str] = DEFAULT_NETWORK.host_addresses,
+                 advertise_address: str | None = None) -> None:
         """``serve_pods``: bind the API server on all addresses so pods can reach it (default: when
-        root); ``pod_addresses``: the addresses pods use, named in the serving certificate."""
+        root); ``pod_addresses``: the addresses pods use, named in the serving certificate;
+        ``advertise_address``: the endpoint of the ``kubernetes`` Service (default 127.0.0.1, which
+        only the stand-in's pods can do without); a real node (``node``) needs its node IP here,
+        so that kube-proxy sends pods' ClusterIP traffic somewhere they can reach. Setting it
+        implies ``serve_pods`` and names the address in the serving certificate."""
         self.binaries = binaries
-        self.serve_pods = os.geteuid() == 0 if serve_pods is None else serve_pods
-        self.pod_addresses = tuple(pod_addresses)
+        self.advertise_address = advertise_address
+        self.serve_pods = (os.geteuid() == 0 if serve_pods is None else serve_pods) or advertise_address is not None
+        self.pod_addresses = tuple(pod_addresses) + ((advertise_address,) if advertise_address else ())
         self._own_workdir = workdir is None
         self.workdir = workdir or Path(tempfile.mkdtemp(prefix="singleton-k8s-"))
         self.pki = self.workdir / "pki"
@@ -145,7 +162,11 @@ class ControlPlane:
                 f"--etcd-servers=http://127.0.0.1:{self.etcd_port}",
                 f"--bind-address={'0.0.0.0' if self.serve_pods else '127.0.0.1'}",  # pods: see the module docstring
                 f"--secure-port={self.api_port}",
-                "--advertise-address=127.0.0.1",
+                f"--advertise-address={self.advertise_address or '127.0.0.1'}",
+                f"--kubelet-client-certificate={pki / 'kubelet-client.crt'}",
+                f"--kubelet-client-key={pki / 'kubelet-client.key'}",
+                # A real node's Hostname address does not resolve; its InternalIP does.
+                "--kubelet-preferred-address-types=InternalIP,Hostname,InternalDNS,ExternalDNS,ExternalIP",
                 f"--cert-dir={self.workdir / 'certs'}",
                 f"--tls-cert-file={pki / 'apiserver.crt'}", f"--tls-private-key-file={pki / 'apiserver.key'}",
                 f"--client-ca-file={pki / 'ca.crt'}",

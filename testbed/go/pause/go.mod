@@ -1,0 +1,3 @@
+module singleton.dev/testbed/pause
+
+go 1.24

@@ -1,0 +1,367 @@
+"""A real Kubernetes node for the test bed: containerd + runc + CNI bridge, kubelet and
+kube-proxy (iptables mode), joined to a started ``ControlPlane``.
+
+The stand-in kubelet (``singleton_testbed.kubelet``) runs pods as local processes; this node
+runs them as real containers, so images, securityContext, probes, native sidecars,
+``kubectl logs``/``exec`` and Services behave as in production. It needs root, the machine's
+containerd 1.6, runc and CNI plugins, and the test bed's own kubelet, kube-proxy and pause
+binaries (``testbed/build.sh``). Nothing is pulled from a registry: the sandbox image and
+test images are built locally (``oci``) and imported with ``import_image``.
+
+Layout (``NodeLayout``): node ``singleton-node``, InternalIP 10.216.0.1 and pod gateway
+10.216.1.1/24 both on bridge ``sgl-cni0``, pods in 10.216.1.0/24, cgroups under
+``/singleton-node``; every file, socket, mount and network namespace under one work folder.
+The control plane must advertise the node IP (``ControlPlane(advertise_address=...)``),
+since the ``kubernetes`` Service's endpoint is what pods reach through kube-proxy.
+
+Only one real node may run per machine: kube-proxy's iptables chains are machine-global.
+``start`` takes ``/run/singleton-node/lock`` (held for the node's life, released by the
+kernel if the process dies) and records what it creates in ``/run/singleton-node/state.json``
+first, so a later ``start`` or ``cleanup_stale`` removes what a killed run left behind.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import hashlib
+import json
+import logging
+import os
+import shutil
+import subprocess
+import tempfile
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import IO, Any
+
+from singleton_testbed import node_host as host
+from singleton_testbed.controlplane import ControlPlane
+from singleton_testbed.node_config import (
+    PAUSE_IMAGE,
+    NodeLayout,
+    NodePaths,
+    issue_cert,
+    write_cert_kubeconfig,
+    write_cni_config,
+    write_containerd_config,
+    write_kube_proxy_config,
+    write_kubelet_config,
+)
+from singleton_testbed.oci import ImageFile, ImageSpec, write_archive
+from singleton_testbed.procs import Process, free_port, wait_until
+
+log = logging.getLogger(__name__)
+
+RUN_DIR = Path("/run/singleton-node")
+"""The lock and the state file: tmpfs, so a reboot (which removes everything else) forgets them."""
+HOST_FOLDERS = (Path("/var/lib/kubelet"), Path("/run/containerd"), Path("/etc/cni"), Path("/var/lib/cni"),
+                Path("/var/log/containers"))
+"""Fixed paths used whatever the configuration: kubelet's device-plugin socket, the shims'
+sockets (``/run/containerd/s``), go-cni's lock in ``/etc/cni/net.d``, libcni's result cache,
+kubelet's ``/var/log/containers`` links."""
+CONTAINERD = Path("/usr/bin/containerd")
+CTR = Path("/usr/bin/ctr")
+RUNC = Path("/usr/sbin/runc")
+CNI_BIN = Path("/usr/lib/cni")
+
+
+class NodeError(Exception):
+    """The node cannot start here, or did not become Ready."""
+
+
+class NodeBusyError(NodeError):
+    """Another real node runs on this machine."""
+
+
+def unavailable_reason(binaries: dict[str, Path]) -> str | None:
+    """Why a real node cannot run on this machine, or None when it can."""
+    if os.geteuid() != 0:
+        return "the real node needs root (containerd, network and cgroups)"
+    for path in (CONTAINERD, CTR, RUNC, CNI_BIN / "bridge", CNI_BIN / "host-local", CNI_BIN / "loopback"):
+        if not path.exists():
+            return f"{path} is missing (apt-get install containerd runc containernetworking-plugins)"
+    for tool in ("iptables", "ip6tables", "ip", "openssl"):
+        if shutil.which(tool) is None:
+            return f"{tool} is missing"
+    for name in ("kubelet", "kube-proxy", "pause"):
+        if name not in binaries or not binaries[name].exists():
+            return f"the test bed's {name} binary is missing (run testbed/build.sh)"
+    if not host.CGROUP_FS.exists():
+        return "no cgroup file system at /sys/fs/cgroup"
+    return None
+
+
+class Node:
+    def __init__(self, control_plane: ControlPlane, binaries: dict[str, Path], *,
+                 layout: NodeLayout | None = None, workdir: Path | None = None) -> None:
+        self.control_plane = control_plane
+        self.binaries = binaries
+        self.layout = layout or NodeLayout()
+        self.paths = NodePaths(workdir or Path(tempfile.mkdtemp(prefix="singleton-node-")))
+        self.containerd: Process | None = None
+        self.kubelet: Process | None = None
+        self.kube_proxy: Process | None = None
+        self.kubelet_port = 0
+        self._lock: IO[str] | None = None
+
+    # --- start -------------------------------------------------------------------------------
+
+    def start(self, timeout: float = 120) -> None:
+        try:
+            if reason := unavailable_reason(self.binaries):
+                raise NodeError(reason)
+            if self.control_plane.advertise_address != self.layout.node_ip:
+                raise NodeError(f"the control plane must advertise the node IP {self.layout.node_ip} "
+                                f"(ControlPlane(advertise_address=...)), not {self.control_plane.advertise_address}")
+            self._take_lock()
+        except NodeError:
+            with contextlib.suppress(OSError):
+                self.paths.work.rmdir()  # the empty folder __init__ made; nothing else is ours yet
+            raise
+        try:
+            cleanup_stale(locked=True)
+            self.paths.work.mkdir(parents=True, exist_ok=True)  # again after a stop()
+            self._write_state()
+            host.make_bridge(self.layout.bridge, self.layout.bridge_addresses)
+            host.make_cgroup_root(self.layout.cgroup_root)
+            self._start_containerd()
+            self.import_image(self._pause_archive())
+            write_cni_config(self.paths, self.layout)
+            self._authorize()
+            self._start_kubelet()
+            self._start_kube_proxy()
+            self._wait_ready(timeout)
+        except BaseException:
+            self.stop()
+            raise
+
+    def _take_lock(self) -> None:
+        RUN_DIR.mkdir(parents=True, exist_ok=True)
+        lock = open(RUN_DIR / "lock", "a+")  # noqa: SIM115 - held open for the node's life
+        try:
+            fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            lock.close()
+            owner = _read_state().get("pid", "?")
+            raise NodeBusyError(
+                f"another real node runs on this machine (pid {owner}, lock {RUN_DIR / 'lock'}): kube-proxy's "
+                "iptables rules are machine-global, so only one may run; stop it first") from None
+        self._lock = lock
+
+    def _write_state(self) -> None:
+        state = {
+            "pid": os.getpid(), "work": str(self.paths.work), "name": self.layout.name,
+            "bridge": self.layout.bridge, "cgroup_root": self.layout.cgroup_root,
+            "cni_network": self.layout.cni_network,
+            "sysctls": host.read_sysctls(),
+            "kube_proxy": str(self.binaries["kube-proxy"]),
+            "socket": str(self.paths.socket),
+            # Host folders kubelet, containerd and libcni make at fixed places: removed on clean-up
+            # only if they did not exist before this node started.
+            "created": [str(p) for p in HOST_FOLDERS if not p.exists()],
+        }
+        tmp = RUN_DIR / "state.tmp"
+        tmp.write_text(json.dumps(state, indent=2))
+        tmp.replace(RUN_DIR / "state.json")
+
+    def _pause_archive(self) -> Path:
+        spec = ImageSpec(name=PAUSE_IMAGE, files={"pause": ImageFile(source=self.binaries["pause"])},
+                         entrypoint=("/pause",), user="65535:65535")
+        return write_archive(spec, self.paths.images / "pause.tar")
+
+    def _start_containerd(self) -> None:
+        config = write_containerd_config(self.paths, self.layout)
+        self.containerd = Process("containerd", [str(CONTAINERD), "--config", str(config)],
+                                  log_path=self.paths.work / "containerd.log")
+        self.containerd.start()
+        wait_until(lambda: self._ctr("version", check=False).returncode == 0, timeout=30,
+                   what="containerd", proc=self.containerd)
+
+    def _ctr(self, *args: str, check: bool = True, timeout: float = 120) -> subprocess.CompletedProcess[str]:
+        return host.run(str(CTR), "--address", str(self.paths.socket), "--namespace", "k8s.io", *args,
+                        check=check, timeout=timeout)
+
+    def import_image(self, archive: Path) -> None:
+        """Import an OCI/Docker image archive into the node's containerd (the CRI's namespace);
+        pods then use it by its full name with ``imagePullPolicy: Never`` or ``IfNotPresent``."""
+        result = host.run("nice", "-n", "19", "ionice", "-c3", str(CTR), "--address", str(self.paths.socket),
+                          "--namespace", "k8s.io", "images", "import", "--no-unpack", str(archive),
+                          check=False, timeout=300)
+        if result.returncode != 0:
+            raise NodeError(f"ctr images import {archive} failed: {result.stderr.strip()}")
+
+    def _authorize(self) -> None:
+        """Client certificates for kubelet and kube-proxy, and the RBAC a kubelet needs.
+
+        The test bed's API server authorizes with RBAC only (no Node authorizer), so the node's
+        user ``system:node:<name>`` gets the built-in ``system:node`` role by a binding; kube-proxy
+        uses the user ``system:kube-proxy``, which the built-in ``system:node-proxier`` binding
+        already covers."""
+        pki, ca_dir = self.paths.pki, self.control_plane.pki
+        name, ip = self.layout.name, self.layout.node_ip
+        node_cert = issue_cert(pki, ca_dir, "kubelet-client", f"/O=system:nodes/CN=system:node:{name}")
+        self.serving = issue_cert(pki, ca_dir, "kubelet-serving", f"/CN={name}", f"IP:{ip},DNS:{name}")
+        proxy_cert = issue_cert(pki, ca_dir, "kube-proxy", "/CN=system:kube-proxy")
+        server, ca_file = self.control_plane.info.server, self.control_plane.info.ca_file
+        write_cert_kubeconfig(self.paths.work / "kubelet.kubeconfig", server=server, ca_file=ca_file,
+                              cert=node_cert[0], key=node_cert[1], user=f"system:node:{name}")
+        write_cert_kubeconfig(self.paths.work / "kube-proxy.kubeconfig", server=server, ca_file=ca_file,
+                              cert=proxy_cert[0], key=proxy_cert[1], user="system:kube-proxy")
+        binding = {
+            "apiVersion": "rbac.authorization.k8s.io/v1", "kind": "ClusterRoleBinding",
+            "metadata": {"name": f"singleton-testbed:node:{name}"},
+            "roleRef": {"apiGroup": "rbac.authorization.k8s.io", "kind": "ClusterRole", "name": "system:node"},
+            "subjects": [{"apiGroup": "rbac.authorization.k8s.io", "kind": "User", "name": f"system:node:{name}"}],
+        }
+        self.control_plane.kubectl("apply", "-f", "-", input_text=json.dumps(binding))
+
+    def _start_kubelet(self) -> None:
+        self.kubelet_port = free_port()
+        config = write_kubelet_config(self.paths, self.layout, ca_file=self.control_plane.info.ca_file,
+                                      port=self.kubelet_port, serving=self.serving)
+        self.kubelet = Process(
+            "kubelet",
+            [
+                str(self.binaries["kubelet"]), f"--config={config}",
+                f"--kubeconfig={self.paths.work / 'kubelet.kubeconfig'}",
+                f"--root-dir={self.paths.kubelet_root}", f"--cert-dir={self.paths.pki}",
+                f"--hostname-override={self.layout.name}", f"--node-ip={self.layout.node_ip}",
+                f"--pod-infra-container-image={PAUSE_IMAGE}", "--v=1",
+            ],
+            log_path=self.paths.work / "kubelet.log",
+        )
+        self.kubelet.start()
+
+    def _start_kube_proxy(self) -> None:
+        config = write_kube_proxy_config(self.paths, self.layout, kubeconfig=self.paths.work / "kube-proxy.kubeconfig",
+                                         healthz_port=free_port(), metrics_port=free_port())
+        self.kube_proxy = Process("kube-proxy", [str(self.binaries["kube-proxy"]), f"--config={config}", "--v=1"],
+                                  log_path=self.paths.work / "kube-proxy.log")
+        self.kube_proxy.start()
+
+    def node_object(self) -> dict[str, Any] | None:
+        result = self.control_plane.kubectl("get", "node", self.layout.name, "-o", "json", check=False)
+        if result.returncode != 0:
+            return None
+        node: dict[str, Any] = json.loads(result.stdout)
+        return node
+
+    def ready(self) -> bool:
+        node = self.node_object()
+        conditions = (node or {}).get("status", {}).get("conditions", [])
+        return any(c.get("type") == "Ready" and c.get("status") == "True" for c in conditions)
+
+    def _wait_ready(self, timeout: float) -> None:
+        deadline = time.monotonic() + timeout
+        for proc in (self.kubelet, self.kube_proxy):
+            assert proc is not None
+        checks: list[tuple[str, Callable[[], bool], Process | None]] = [
+            ("the Node to be Ready", self.ready, self.kubelet),
+            ("kube-proxy's iptables rules", lambda: "iptables/nat" in host.kube_chains()
+             and "KUBE-SERVICES" in host.kube_chains()["iptables/nat"], self.kube_proxy),
+        ]
+        for what, check, proc in checks:
+            wait_until(check, timeout=max(1.0, deadline - time.monotonic()), what=what, proc=proc)
+        # The test bed runs no node lifecycle controller, which is what lifts the taint a new
+        # kubelet registers with once it reports Ready; lift it here so pods get scheduled.
+        node = self.node_object() or {}
+        if any(t.get("key") == "node.kubernetes.io/not-ready" for t in node.get("spec", {}).get("taints", [])):
+            self.control_plane.kubectl("taint", "node", self.layout.name, "node.kubernetes.io/not-ready-",
+                                       check=False)
+
+    # --- stop --------------------------------------------------------------------------------
+
+    def stop(self) -> None:
+        """Stop everything and leave nothing behind (processes, mounts, links, iptables chains,
+        cgroups, sysctls, files); the Node object and its RBAC binding are deleted too."""
+        if self.control_plane.apiserver is not None and self.control_plane.apiserver.running():
+            binding = f"singleton-testbed:node:{self.layout.name}"
+            for args in (("node", self.layout.name), ("clusterrolebinding", binding)):
+                with contextlib.suppress(subprocess.SubprocessError):
+                    self.control_plane.kubectl("delete", *args, "--ignore-not-found", "--wait=false", check=False)
+        for proc in (self.kubelet, self.kube_proxy):
+            if proc is not None:
+                proc.stop()
+        self.kubelet = self.kube_proxy = None
+        if self._lock is None:
+            return  # never got the lock: nothing of ours exists
+        # Containers die first (by cgroup), then containerd and its shims, so nothing restarts them.
+        host.remove_cgroups(self.layout.cgroup_root)
+        if self.containerd is not None:
+            self.containerd.stop()
+            self.containerd = None
+        cleanup_stale(locked=True)
+        self._lock.close()
+        self._lock = None
+
+
+def _read_state() -> dict[str, Any]:
+    try:
+        state: dict[str, Any] = json.loads((RUN_DIR / "state.json").read_text())
+    except (OSError, json.JSONDecodeError):
+        return {}
+    return state
+
+
+def cleanup_stale(*, locked: bool = False) -> bool:
+    """Remove what the node recorded in the state file (a killed run's leftovers, or the
+    current node's on ``stop``). Without ``locked`` it takes the lock first and does nothing
+    (returns False) if a live node holds it. Returns True when there was something to do."""
+    lock: IO[str] | None = None
+    if not locked:
+        if not RUN_DIR.exists():
+            return False
+        lock = open(RUN_DIR / "lock", "a+")  # noqa: SIM115 - closed below
+        try:
+            fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            lock.close()
+            return False
+    try:
+        state = _read_state()
+        if not state:
+            return False
+        work = Path(state["work"])
+        log.info("cleaning up the real node recorded in %s (work folder %s)", RUN_DIR / "state.json", work)
+        # kubelet, kube-proxy, containerd (they die with their parent, but a parent may linger),
+        # then every shim and container: shims name our socket, containers live in our cgroups.
+        host.kill_and_wait(host.pids_mentioning(str(work)))
+        host.remove_cgroups(state["cgroup_root"])
+        host.kill_and_wait(host.pids_mentioning(str(work)))
+        host.unmount_under([work])
+        host.delete_bridge(state["bridge"])
+        kube_proxy = Path(state.get("kube_proxy", ""))
+        if kube_proxy.is_file():
+            host.run(str(kube_proxy), "--cleanup", check=False)
+        host.remove_kube_chains()
+        host.restore_sysctls(state.get("sysctls", {}))
+        _remove_host_files(work, state)
+        shutil.rmtree(work, ignore_errors=True)
+        (RUN_DIR / "state.json").unlink(missing_ok=True)
+        return True
+    finally:
+        if lock is not None:
+            lock.close()
+
+
+def _remove_host_files(work: Path, state: dict[str, Any]) -> None:
+    """Files kubelet, the shims and the CNI library write outside our folder: found by our
+    container IDs and names, or whole folders that did not exist before the node started."""
+    ids = [p.name for p in (NodePaths(work).containerd_state / "io.containerd.runtime.v2.task" / "k8s.io").glob("*")]
+    for container in ids:
+        # containerd 1.6 names a shim's socket by the hash of <address>/<namespace>/<id>.
+        digest = hashlib.sha256(f"{state['socket']}/k8s.io/{container}".encode()).hexdigest()
+        Path("/run/containerd/s", digest).unlink(missing_ok=True)
+        Path("/var/lib/cni/results", f"cni-loopback-{container}-lo").unlink(missing_ok=True)
+    for entry in Path("/var/lib/cni/results").glob(f"{state['cni_network']}-*"):
+        entry.unlink(missing_ok=True)
+    links = Path("/var/log/containers")
+    if links.is_dir():
+        for link in links.iterdir():
+            with contextlib.suppress(OSError):
+                if link.is_symlink() and os.readlink(link).startswith(str(work) + "/"):
+                    link.unlink()
+    for folder in state.get("created", []):
+        shutil.rmtree(folder, ignore_errors=True)

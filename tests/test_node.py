@@ -1,0 +1,269 @@
+"""The real node (``singleton_testbed.node``): containerd + runc + CNI, kubelet and kube-proxy
+from the test bed's Go build, on a control plane of its own (the ``real_node`` fixture).
+
+Every component is real; the tests need root and the machine's containerd (skipped otherwise).
+The last test stops the node, checks that nothing is left, and starts it again.
+"""
+
+from __future__ import annotations
+
+import ipaddress
+import json
+import secrets
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from singleton_testbed import node_host as host
+from singleton_testbed.node import CTR, RUN_DIR, cleanup_stale
+from singleton_testbed.node_config import NodeLayout
+from tests.conftest import RealNode
+
+pytestmark = [pytest.mark.k8s, pytest.mark.controlplane, pytest.mark.timeout(300)]
+
+
+def _wait(check: Callable[[], bool], *, timeout: float, what: str) -> None:
+    deadline = time.monotonic() + timeout
+    while not check():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out after {timeout:.0f} s waiting for {what}")
+        time.sleep(0.2)
+
+
+def _pod_manifest(name: str, image: str) -> dict[str, Any]:
+    """A native sidecar (an init container with ``restartPolicy: Always``) and a main
+    container, both as uid 10001 on a read-only root file system, with an exec readiness probe."""
+    security = {"readOnlyRootFilesystem": True, "allowPrivilegeEscalation": False, "runAsUser": 10001,
+                "runAsNonRoot": True, "capabilities": {"drop": ["ALL"]}}
+
+    def container(role: str) -> dict[str, Any]:
+        return {
+            "name": role, "image": image, "imagePullPolicy": "Never", "securityContext": security,
+            # sh as PID 1 ignores SIGTERM: trap it so the pod stops within its grace period.
+            "command": ["sh", "-c", f"trap 'exit 0' TERM; echo {role}-started; while true; do sleep 1; done"],
+            "readinessProbe": {"exec": {"command": ["cat", "/var/run/secrets/kubernetes.io/serviceaccount/namespace"]},
+                               "periodSeconds": 1},
+        }
+
+    return {
+        "apiVersion": "v1", "kind": "Pod", "metadata": {"name": name},
+        "spec": {
+            "terminationGracePeriodSeconds": 5,
+            "initContainers": [{**container("side"), "restartPolicy": "Always"}],
+            "containers": [container("main")],
+        },
+    }
+
+
+def _create_pod(real_node: RealNode, namespace: str, name: str) -> dict[str, Any]:
+    real_node.cluster.apply(json.dumps(_pod_manifest(name, real_node.image)), namespace=namespace)
+    real_node.cluster.kubectl("wait", "--for=condition=Ready", f"pod/{name}", "-n", namespace, "--timeout=90s")
+    result = real_node.cluster.kubectl("get", "pod", name, "-n", namespace, "-o", "json")
+    pod: dict[str, Any] = json.loads(result.stdout)
+    return pod
+
+
+@pytest.fixture(scope="module")
+def node_namespace(real_node: RealNode) -> Iterator[str]:
+    name = "node-" + secrets.token_hex(3)
+    real_node.cluster.kubectl("create", "namespace", name)
+    # The test bed's controller-manager makes the namespace's default service account; pods
+    # are refused until it exists.
+    _wait(lambda: real_node.cluster.kubectl("get", "sa", "default", "-n", name, check=False).returncode == 0,
+          timeout=30, what="the default service account")
+    yield name
+    real_node.cluster.kubectl("delete", "namespace", name, "--wait=false", check=False)
+
+
+@pytest.fixture(scope="module")
+def pod(real_node: RealNode, node_namespace: str) -> dict[str, Any]:
+    return _create_pod(real_node, node_namespace, "sidecar-pod")
+
+
+def _exec(real_node: RealNode, namespace: str, *command: str, container: str = "main") -> Any:
+    return real_node.cluster.kubectl("exec", "sidecar-pod", "-n", namespace, "-c", container, "--", *command,
+                                     check=False)
+
+
+def test_node_is_ready_with_a_non_loopback_internal_ip(real_node: RealNode) -> None:
+    node = json.loads(real_node.cluster.kubectl("get", "node", real_node.node.layout.name, "-o", "json").stdout)
+    ready = [c["status"] for c in node["status"]["conditions"] if c["type"] == "Ready"]
+    assert ready == ["True"]
+    internal = [a["address"] for a in node["status"]["addresses"] if a["type"] == "InternalIP"]
+    assert internal == [real_node.node.layout.node_ip]
+    assert not ipaddress.ip_address(internal[0]).is_loopback
+    assert node["status"]["nodeInfo"]["containerRuntimeVersion"].startswith("containerd://")
+    assert node["status"]["daemonEndpoints"]["kubeletEndpoint"]["Port"] == real_node.node.kubelet_port
+
+
+def test_pod_with_native_sidecar_becomes_ready_with_a_pod_ip(real_node: RealNode, pod: dict[str, Any],
+                                                              node_namespace: str) -> None:
+    assert pod["spec"]["nodeName"] == real_node.node.layout.name
+    statuses = pod["status"]["containerStatuses"] + pod["status"]["initContainerStatuses"]
+    assert sorted((s["name"], s["ready"], "running" in s["state"]) for s in statuses) == [
+        ("main", True, True), ("side", True, True)]
+    assert ipaddress.ip_address(pod["status"]["podIP"]) in ipaddress.ip_network(real_node.node.layout.pod_cidr)
+    # Real containers: the image's user and file system rules hold inside them.
+    for container in ("main", "side"):
+        uid = _exec(real_node, node_namespace, "id", "-u", container=container)
+        assert (uid.returncode, uid.stdout.strip()) == (0, "10001")
+    write = _exec(real_node, node_namespace, "touch", "/written")
+    assert write.returncode != 0
+    assert "Read-only file system" in write.stderr
+
+
+def test_pod_reaches_the_kubernetes_service_cluster_ip(real_node: RealNode, pod: dict[str, Any],
+                                                        node_namespace: str) -> None:
+    service = json.loads(real_node.cluster.kubectl("get", "service", "kubernetes", "-o", "json").stdout)
+    cluster_ip = service["spec"]["clusterIP"]
+    connect = _exec(real_node, node_namespace, "sh", "-c", f"nc -w 5 {cluster_ip} 443 </dev/null")
+    assert connect.returncode == 0, connect.stderr
+    # The same probe fails where kube-proxy has no rule, so the success above is kube-proxy's.
+    unused = str(ipaddress.ip_address(cluster_ip) + 200)
+    missing = _exec(real_node, node_namespace, "sh", "-c", f"nc -w 2 {unused} 443 </dev/null")
+    assert missing.returncode != 0
+
+
+def test_kubectl_logs_and_exec_reach_the_kubelet(real_node: RealNode, pod: dict[str, Any],
+                                                  node_namespace: str) -> None:
+    for container in ("main", "side"):
+        logs = real_node.cluster.kubectl("logs", "sidecar-pod", "-n", node_namespace, "-c", container)
+        assert logs.stdout.splitlines() == [f"{container}-started"]
+    marker = secrets.token_hex(4)
+    echo = _exec(real_node, node_namespace, "echo", marker)
+    assert (echo.returncode, echo.stdout) == (0, f"{marker}\n")
+
+
+def _container_ids(pod: dict[str, Any]) -> list[str]:
+    statuses = pod["status"]["containerStatuses"] + pod["status"]["initContainerStatuses"]
+    return [s["containerID"].removeprefix("containerd://") for s in statuses]
+
+
+def _running_tasks(real_node: RealNode) -> set[str]:
+    result = host.run(str(CTR), "--address", str(real_node.node.paths.socket), "--namespace", "k8s.io",
+                      "tasks", "ls", "-q")
+    return set(result.stdout.split())
+
+
+def _pod_cgroups(real_node: RealNode, uid: str) -> list[Path]:
+    return [p for p in host.cgroup_tree(real_node.node.layout.cgroup_root) if p.name == f"pod{uid}"]
+
+
+def test_deleting_the_pod_stops_its_containers(real_node: RealNode, node_namespace: str) -> None:
+    doomed = _create_pod(real_node, node_namespace, "doomed")
+    ids = _container_ids(doomed)
+    assert len(ids) == 2
+    assert set(ids) <= _running_tasks(real_node)
+    assert _pod_cgroups(real_node, doomed["metadata"]["uid"])
+    real_node.cluster.kubectl("delete", "pod", "doomed", "-n", node_namespace, "--timeout=60s")
+    _wait(lambda: not set(ids) & _running_tasks(real_node), timeout=30, what="the containers' tasks to end")
+    _wait(lambda: not _pod_cgroups(real_node, doomed["metadata"]["uid"]), timeout=30, what="the pod's cgroups")
+
+
+def _live(pids: set[int]) -> set[int]:
+    return {pid for pid in pids if Path(f"/proc/{pid}").exists() and not host._zombie(pid)}
+
+
+@dataclass(frozen=True)
+class Leftovers:
+    """What a running node has on the host, taken before it stops or is killed."""
+
+    work: Path
+    processes: set[int]
+    containers: set[int]
+    veths: list[str]
+    state: dict[str, Any]
+
+
+def _snapshot(layout: NodeLayout) -> Leftovers:
+    """Everything the checks of ``_assert_nothing_left`` look for exists now, so each can fail."""
+    state = json.loads((RUN_DIR / "state.json").read_text())
+    work = Path(state["work"])
+    processes = set(host.pids_mentioning(str(work)))
+    shims = {pid for pid in processes if Path(f"/proc/{pid}/exe").resolve().name == "containerd-shim-runc-v2"}
+    containers = host.cgroup_pids(layout.cgroup_root)
+    veths = host.bridge_ports(layout.bridge)
+    assert shims and containers and veths
+    assert any("/netns/" in point for point in host.mounts_under([work]))
+    assert "KUBE-SERVICES" in host.kube_chains().get("iptables/nat", [])
+    assert host.cgroup_dirs(layout.cgroup_root)
+    return Leftovers(work, processes, containers, veths, state)
+
+
+def _assert_nothing_left(layout: NodeLayout, before: Leftovers) -> None:
+    _wait(lambda: not _live(before.processes | before.containers), timeout=10, what="the node's processes to end")
+    assert _live(before.processes | before.containers) == set()
+    assert host.pids_mentioning(str(before.work)) == []
+    assert host.mounts_under([before.work]) == []
+    assert sorted(p.name for p in Path("/run/netns").glob("cni-*")) == []
+    assert not host.link_exists(layout.bridge)
+    assert [veth for veth in before.veths if host.link_exists(veth)] == []
+    assert host.kube_chains() == {}
+    assert host.cgroup_dirs(layout.cgroup_root) == []
+    assert host.read_sysctls() == before.state["sysctls"]
+    assert not before.work.exists()
+    assert not (RUN_DIR / "state.json").exists()
+    assert [folder for folder in before.state["created"] if Path(folder).exists()] == []
+
+
+def test_stop_leaves_nothing_behind_and_the_node_starts_again(real_node: RealNode, pod: dict[str, Any]) -> None:
+    node = real_node.node
+    before = _snapshot(node.layout)
+    node.stop()
+    _assert_nothing_left(node.layout, before)
+    # The session's other users (and this module's teardown) find the node running again.
+    node.start()
+    assert node.ready()
+    node.import_image(real_node.archive)  # a fresh containerd: images are imported again
+
+
+_KILLED_NODE = """
+import json, sys
+from pathlib import Path
+from singleton_testbed.controlplane import ControlPlane
+from singleton_testbed.node import Node
+binaries = {name: Path(path) for name, path in json.loads(sys.argv[1]).items()}
+# The running control plane, described (not started) so the node can join it.
+control_plane = ControlPlane(binaries, workdir=Path(sys.argv[2]), advertise_address=sys.argv[3])
+control_plane.api_port = int(sys.argv[4])
+node = Node(control_plane, binaries)
+node.start()
+node.import_image(Path(sys.argv[5]))
+print("ready", flush=True)
+sys.stdin.read()
+"""
+
+
+def test_a_killed_run_is_cleaned_up_from_its_state_file(real_node: RealNode, node_namespace: str) -> None:
+    """A process that runs a node is killed with SIGKILL (as pytest may be): its kubelet,
+    kube-proxy and containerd die with it, but shims, containers, mounts, the bridge, the
+    iptables chains and the cgroups stay; ``cleanup_stale`` (what ``start`` and
+    ``singleton-testbed down`` call) removes them from the state file."""
+    node, control_plane = real_node.node, real_node.node.control_plane
+    node.stop()
+    binaries = json.dumps({name: str(path) for name, path in node.binaries.items()})
+    child = subprocess.Popen(
+        [sys.executable, "-c", _KILLED_NODE, binaries, str(control_plane.workdir), node.layout.node_ip,
+         str(control_plane.api_port), str(real_node.archive)],
+        stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    try:
+        assert child.stdout is not None
+        assert child.stdout.readline().strip() == "ready"
+        _create_pod(real_node, node_namespace, "orphan")
+        before = _snapshot(node.layout)
+    finally:
+        child.kill()
+        child.wait()
+    assert host.pids_mentioning(str(before.work))  # the shims outlive their parent
+    assert cleanup_stale() is True
+    _assert_nothing_left(node.layout, before)
+    real_node.cluster.kubectl("delete", "pod", "orphan", "-n", node_namespace, "--force", "--grace-period=0")
+    node.start()
+    assert node.ready()
+    node.import_image(real_node.archive)  # a fresh containerd: images are imported again
