@@ -9,9 +9,13 @@ acting. Anything before the segment's first fault is ``warm-up``.
 
 The verdict rule (``classify``): an acting overlap is **in flight through a freeze**, reported apart
 and not a failure, only when all of these hold: it began during a whole-pod ``sigstop``, its earlier
-actor is the term that fault froze, and that actor began no act after its successor began acting
-(``late_acts == 0``): the frozen app finished, on waking, an act it had begun in its term, which no
-gate can stop. Every other acting overlap is a failure: any in another fault, any with a late act.
+actor is the term that fault froze, and every act that actor began after its successor began acting
+had been decided in its term (``late_acts == late_decided``: its worker's deadline check passed
+before the successor's first act, and the freeze landed between that check and the act). The
+frozen app finished, on waking, an act it had begun, or had decided on, in its term, which no gate
+and no check can stop: only a fence refuses it. Every other acting overlap is a failure: any in
+another fault, any with a late act that was not so decided (an app that woke and acted without
+looking, or looked after its term had ended).
 The fenced ledger must show no overlap, regression or stale write in the fenced segments (in the
 unfenced ones an act finished late is written too: their ledger is reported, and judged by the act
 log alone). Terms must begin acting in token order (a term that begins acting after a newer one is
@@ -47,7 +51,7 @@ def classify(overlap: ActingOverlap, fault: FaultRecord | None) -> bool:
     """True when the overlap is an act in flight through a freeze (not a gate failure): see the
     module docstring."""
     return (fault is not None and fault.kind == FROZEN and overlap.earlier == fault.old_token
-            and overlap.late_acts == 0)
+            and overlap.late_acts == overlap.late_decided)
 
 
 @dataclass
@@ -67,6 +71,8 @@ class Stats:
     inflight: int = 0
     """Acting overlaps in flight through a freeze (not counted as failures)."""
     inflight_longest: float = 0.0
+    inflight_decided: int = 0
+    """Of ``inflight``, those with acts begun after the successor's first but decided before it."""
     unfenced_ledger: int = 0
     """Unfenced segments: ledger overlaps and stale writes (judged by the act log, not counted)."""
     idle: list[float] = field(default_factory=list)
@@ -92,7 +98,8 @@ class Stats:
             self.outages.append(fault.outage)
 
     def merge(self, other: Stats) -> None:
-        for name in ("count", "overlaps", "regressions", "stale", "acting", "inflight", "unfenced_ledger", "changed",
+        for name in ("count", "overlaps", "regressions", "stale", "acting", "inflight", "inflight_decided",
+                     "unfenced_ledger", "changed",
                      "unrecovered", "long_gaps", "lost"):
             setattr(self, name, getattr(self, name) + getattr(other, name))
         for name in ("idle", "failovers", "outages"):
@@ -206,6 +213,7 @@ class _Attribution:
             for entry in self.entries(fault):
                 if inflight:
                     entry.inflight += 1
+                    entry.inflight_decided += overlap.late_decided > 0
                     entry.inflight_longest = max(entry.inflight_longest, overlap.seconds)
                 else:
                     entry.acting += 1
@@ -274,7 +282,8 @@ def _total(rows: list[Stats]) -> Stats:
 
 
 def _acting_cells(entry: Stats) -> list[str]:
-    inflight = f"{entry.inflight} ({_duration(entry.inflight_longest)})" if entry.inflight else "0"
+    decided = f"; {entry.inflight_decided} decided before, begun after" if entry.inflight_decided else ""
+    inflight = f"{entry.inflight} ({_duration(entry.inflight_longest)}{decided})" if entry.inflight else "0"
     return [str(entry.acting), inflight]
 
 
@@ -352,6 +361,11 @@ class CampaignResult:
         return self._sum("inflight")
 
     @property
+    def total_inflight_decided(self) -> int:
+        """Of those, the ones whose late acts were decided before the freeze (see ``classify``)."""
+        return self._sum("inflight_decided")
+
+    @property
     def total_overlaps(self) -> int:
         """Fenced ledger overlaps (fenced segments)."""
         return self._sum("overlaps")
@@ -420,7 +434,8 @@ class CampaignResult:
         per = ", ".join(f"{b.backend} {len(b.faults)}" for b in self.backends)
         figures = (f"{self.total_faults} faults ({per}) in {self.seconds:.0f} s, seed {self.seed}: "
                    f"{self.total_acting_failures} acting overlaps ({self.total_inflight} acts in flight through a "
-                   f"freeze, not counted), {self.total_overlaps} fenced overlaps, {self.total_regressions} "
+                   f"freeze, {self.total_inflight_decided} of them decided before it and begun after, not counted), "
+                   f"{self.total_overlaps} fenced overlaps, {self.total_regressions} "
                    f"regressions, {self.total_stale} stale writes accepted, {len(self.unrecovered)} unrecovered")
         if self.verdict_ok:
             return f"VERDICT: PASS: {figures}"

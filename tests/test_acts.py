@@ -48,13 +48,17 @@ class A:
     identity: str = ""
     max_ms: int = 50
     pid: int = 100
+    decided: int | None = None
+    """When the worker's deadline check before the act passed (ms after T0; None: no check)."""
 
 
 def rows(acts: list[A]) -> list[dict[str, object]]:
     return [{"id": index, "token": a.token, "identity": a.identity or f"id-{a.token}", "pid": a.pid,
              "began_at": T0 + timedelta(milliseconds=a.began),
              "ended_at": None if a.ended is None else T0 + timedelta(milliseconds=a.ended),
-             "max_seconds": a.max_ms / 1000} for index, a in enumerate(acts, start=1)]
+             "max_seconds": a.max_ms / 1000,
+             "decided_at": None if a.decided is None else T0 + timedelta(milliseconds=a.decided)}
+            for index, a in enumerate(acts, start=1)]
 
 
 @dataclass(frozen=True)
@@ -105,6 +109,22 @@ def test_judge_acts(name: str) -> None:
     assert [g.seconds for g in report.idle_gaps] == [pytest.approx(s) for s in case.handovers if s > 0]
     assert report.safe == (not case.overlaps)
     assert len(report.open_acts) == sum(a.ended is None for a in case.acts)
+
+
+def test_late_acts_decided_before_the_successor_are_told_apart() -> None:
+    """A late act whose deadline check passed before the successor began (a stall between check
+    and act) counts in ``late_decided``; one checked after it, or never checked, does not."""
+    cases = {
+        "checked in its term, stalled, acted late": ([A(5, 0, 2, decided=0), A(5, 150, 152, decided=20)], 1),
+        "checked after the successor began": ([A(5, 0, 2, decided=0), A(5, 150, 152, decided=120)], 0),
+        "never checked": ([A(5, 0, 2), A(5, 150, 152)], 0),
+    }
+    for name, (earlier, decided) in cases.items():
+        report = judge_acts(rows([*earlier, A(7, 100, 102, decided=99), A(7, 200, 202, decided=199)]))
+        assert [(o.earlier, o.later, o.late_acts, o.late_decided) for o in report.overlaps] == [
+            (5, 7, 1, decided)], name
+        assert not report.safe, name
+        assert ("(1 decided before it)" in str(report.overlaps[0])) == bool(decided), name
 
 
 def test_children_are_one_actor_with_their_pids() -> None:
@@ -257,6 +277,37 @@ async def test_two_fenced_workers_at_once_leave_a_clean_ledger_and_an_acting_ove
     assert not report.safe and "1 acting overlaps" in report.summary()
     refused = await fetch(pg_dsn, "SELECT token FROM acts WHERE group_name = $1 AND outcome = 'refused'", group)
     assert [r["token"] for r in refused] == [5], "the older token's last act was refused, and logged"
+
+
+@pytest.mark.postgres
+@pytest.mark.parametrize("check", ["on", "off"])
+async def test_an_act_stalled_after_its_deadline_check_is_logged_as_decided_in_its_term(
+    start: Start, pg_dsn: str, group: str, tmp_path: Path, check: str
+) -> None:
+    """The worker checks its term's deadline (``SINGLETON_DEADLINE_FILE``), then stalls before
+    its third act (``LEDGER_PAUSE_AFTER_CHECK``); meanwhile its term ends and a newer token acts.
+    It acts once, late (the fence refuses it): the act log says that act was decided before the
+    newer token began. Without the check the same late act is not decided: the campaign counts
+    it as a failure."""
+    deadline = tmp_path / "deadline"
+    deadline.write_text(f"{time.monotonic() + 600:.6f}\n")
+    old = start(5, SINGLETON_DEADLINE_FILE=str(deadline), LEDGER_PAUSE_AFTER_CHECK="1.5", LEDGER_DEADLINE_CHECK=check)
+    await wait_acts(pg_dsn, group, "token 5's first item", acted(5, 2))
+    deadline.write_text("0\n")  # the term is over: no act may begin from now on
+    new = start(7)
+    await wait_acts(pg_dsn, group, "token 7 to act", acted(7, 1))
+    assert await wait_exit(old) == 3, old.log()
+    assert "fenced out" in old.log()
+    os.kill(new.popen.pid, signal.SIGTERM)
+    assert await wait_exit(new) == 0, new.log()
+
+    report = await check_ledger(pg_dsn, group)
+    assert report.ledger_safe, report.summary()
+    assert [(o.earlier, o.later, o.late_acts, o.late_decided) for o in report.acting_overlaps] == [
+        (5, 7, 1, 1 if check == "on" else 0)], report.summary()
+    decided = await fetch(pg_dsn, "SELECT token, decided_at IS NOT NULL AS decided FROM acts "
+                                  "WHERE group_name = $1 ORDER BY id", group)
+    assert {(r["token"], r["decided"]) for r in decided} == {(5, check == "on"), (7, False)}
 
 
 @pytest.mark.postgres

@@ -272,7 +272,8 @@ async def test_a_writer_escaped_into_its_own_session_is_stopped_by_the_keeper(
 
 def test_the_verdict_rule_on_acts_in_flight_through_a_freeze() -> None:
     """``campaign_report``: an acting overlap is an act in flight through a freeze only during a
-    whole-pod ``sigstop``, from the frozen term, with no act begun after its successor began;
+    whole-pod ``sigstop``, from the frozen term, with no act begun after its successor began but
+    those decided (deadline check passed) before it;
     anything else is a gate failure. Idle gaps go to the fault (and path) that ended the term.
     An unfenced segment's ledger findings are reported, not counted."""
     from datetime import UTC, datetime, timedelta
@@ -286,9 +287,10 @@ def test_the_verdict_rule_on_acts_in_flight_through_a_freeze() -> None:
     t = datetime(2026, 1, 1, tzinfo=UTC)
     base = t.timestamp()
 
-    def act(i: int, token: int, began: int, ended: int) -> dict[str, object]:
+    def act(i: int, token: int, began: int, ended: int, decided: int | None = None) -> dict[str, object]:
         return {"id": i, "identity": f"id-{token}", "token": token, "pid": token, "max_seconds": 0.05,
-                "began_at": t + timedelta(milliseconds=began), "ended_at": t + timedelta(milliseconds=ended)}
+                "began_at": t + timedelta(milliseconds=began), "ended_at": t + timedelta(milliseconds=ended),
+                "decided_at": None if decided is None else t + timedelta(milliseconds=decided)}
 
     def row(i: int, token: int, phase: str, ms: int) -> dict[str, object]:
         return {"id": i, "identity": f"id-{token}", "token": token, "item": 1, "phase": phase,
@@ -302,11 +304,16 @@ def test_the_verdict_rule_on_acts_in_flight_through_a_freeze() -> None:
     inflight = [act(1, 5, 0, 10), act(2, 5, 990, 3050), act(3, 7, 3000, 3010), act(4, 7, 3100, 3110)]
     # The same, but token 5 then begins another act at 3060: a late act, a failure.
     late = [*inflight, act(5, 5, 3060, 3070)]
+    # Token 5's deadline check passed at 999 ms, the freeze came before its act, which began at
+    # 3060 on waking: decided in its term, in flight. Checked at 3055 instead: a failure.
+    decided = [*inflight, act(5, 5, 3060, 3070, decided=999)]
+    checked_late = [*inflight, act(5, 5, 3060, 3070, decided=3055)]
     # Token 7 steps down at 5000; token 9 begins at 5600 while 7's last act ends at 5650: a failure
     # in a step-down, whatever its late acts.
     step = [act(1, 7, 0, 10), act(2, 7, 5590, 5650), act(3, 9, 5600, 5610)]
     freeze = fault("sigstop", 5, 7, 1000, "pod frozen whole")
-    cases = [(inflight, [freeze], 1, 0), (late, [freeze], 0, 1),
+    cases = [(inflight, [freeze], 1, 0), (late, [freeze], 0, 1), (decided, [freeze], 1, 0),
+             (checked_late, [freeze], 0, 1),
              (step, [fault("step-down", 7, 9, 5000, "step-down (POST /step-down)")], 0, 1),
              # an overlap during a freeze whose earlier actor is not the frozen term
              (inflight, [fault("sigstop", 3, 7, 1000, "pod frozen whole")], 0, 1)]

@@ -7,6 +7,9 @@ database, an e-mail or an HTTP call, which no fence can refuse):
 
 1. ``begin``: commit a row saying the worker is acting (``began_at``), on a connection of its
    own (autocommit), before the fence is asked. If that insert fails the worker does not act.
+   A worker that checks its term's deadline before acting passes the moment that check passed
+   (``decided_at``), which tells a deposed app that acted without looking from one that looked
+   in its term and was then stalled (a whole-pod freeze) before it could act.
 2. the act itself;
 3. ``end``: fill in ``ended_at`` and the outcome (``written``, ``refused``, ``failed``), best
    effort: an end never logged (the worker was killed or lost its connection mid-act) is closed
@@ -73,14 +76,15 @@ class ActLog:
     async def connect(cls, dsn: str, group: str, identity: str, token: int, max_seconds: float) -> ActLog:
         return cls(await asyncpg.connect(dsn), group, identity, token, max_seconds)
 
-    async def begin(self, item: int, phase: str, *, token: int | None = None) -> int:
-        """Log that an act begins; raises if the row could not be committed (then do not act)."""
+    async def begin(self, item: int, phase: str, *, token: int | None = None, decided: float | None = None) -> int:
+        """Log that an act begins (``decided``: when the deadline check before it passed, if the
+        worker made one); raises if the row could not be committed (then do not act)."""
         began = time.time()  # before the insert: the logged interval covers the act whatever the insert takes
         act_id = await self.conn.fetchval(
-            "INSERT INTO acts (group_name, identity, token, pid, item, phase, began_at, max_seconds) "
-            "VALUES ($1,$2,$3,$4,$5,$6,$7,$8) RETURNING id",
+            "INSERT INTO acts (group_name, identity, token, pid, item, phase, began_at, max_seconds, decided_at) "
+            "VALUES ($1,$2,$3,$4,$5,$6,$7,$8,$9) RETURNING id",
             self.group, self.identity, self.token if token is None else token, os.getpid(), item, phase,
-            wall(began), self.max_seconds)
+            wall(began), self.max_seconds, None if decided is None else wall(decided))
         return int(act_id)
 
     async def end(self, act_id: int, ended: float, outcome: str) -> None:

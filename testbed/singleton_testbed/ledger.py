@@ -53,7 +53,11 @@ which says that declaration is too short for a killed act's end to be trusted.
   and two identities) whose acting intervals intersect: the later one began acting before the
   earlier one's last act ended. ``seconds`` is the length of the intersection; ``simultaneous``
   the part of it during which both were inside an act; ``late_acts`` how many acts the earlier
-  one began once the later one was acting. Any overlap makes the report unsafe.
+  one began once the later one was acting, and ``late_decided`` how many of those it had
+  decided on before the later one began (``decided_at``: the moment its worker's check of its
+  term's deadline passed, logged with the act; a stall between that check and the act, such as
+  a whole-pod freeze, delays the act past its term, which no check can prevent: only a fence
+  refuses it). Any overlap makes the report unsafe.
 - ``handovers`` / ``idle_gaps``: the time without an actor between consecutive terms (last act
   end of one to first act begin of the next; ``idle_gaps`` keeps the positive ones), with
   ``max_idle_gap``, ``idle_gap_p50`` and ``idle_gap_p99``.
@@ -80,8 +84,9 @@ ACTS_DDL = """
 CREATE TABLE IF NOT EXISTS acts (
     id bigserial PRIMARY KEY, group_name text NOT NULL, identity text NOT NULL, token bigint NOT NULL,
     pid integer NOT NULL, item bigint, phase text, began_at timestamptz NOT NULL, ended_at timestamptz,
-    max_seconds double precision NOT NULL, outcome text
-)
+    max_seconds double precision NOT NULL, outcome text, decided_at timestamptz
+);
+ALTER TABLE acts ADD COLUMN IF NOT EXISTS decided_at timestamptz
 """
 """The act log, unfenced: here beside its judge so the worker that writes it and the tests that
 tamper with it create the same table."""
@@ -95,6 +100,8 @@ class Row(Protocol):
     """A row by column name: an ``asyncpg.Record`` or, in the unit tests, a dict."""
 
     def __getitem__(self, key: str, /) -> Any: ...
+
+    def get(self, key: str, /) -> Any: ...
 
 
 @dataclass(frozen=True)
@@ -167,11 +174,14 @@ class Act:
     began: datetime
     ended: datetime | None
     max_seconds: float
+    decided: datetime | None = None
+    """When the worker's check of its term's deadline passed before this act (None: it checked
+    nothing)."""
 
     @classmethod
     def of(cls, row: Row) -> Act:
         return cls(int(row["id"]), int(row["token"]), str(row["identity"]), int(row["pid"]), row["began_at"],
-                   row["ended_at"], float(row["max_seconds"]))
+                   row["ended_at"], float(row["max_seconds"]), row.get("decided_at"))
 
     @property
     def open(self) -> bool:
@@ -248,6 +258,9 @@ class ActingOverlap:
     """Seconds of it during which both were inside an act at the same moment."""
     late_acts: int
     """Acts the earlier actor began once the later one was acting."""
+    late_decided: int = 0
+    """Of ``late_acts``, those it had decided on (its deadline check passed) before the later
+    one began acting: delayed between check and act, not begun by a deposed app that looked."""
 
     @property
     def seconds(self) -> float:
@@ -256,7 +269,8 @@ class ActingOverlap:
     def __str__(self) -> str:
         return (f"token {self.earlier} ({self.earlier_identity}) and token {self.later} ({self.later_identity}) "
                 f"acted at once for {self.seconds:.3f}s from {self.start}: token {self.earlier} began "
-                f"{self.late_acts} act{'' if self.late_acts == 1 else 's'} after token {self.later} began acting, "
+                f"{self.late_acts} act{'' if self.late_acts == 1 else 's'} after token {self.later} began acting"
+                + (f" ({self.late_decided} decided before it)" if self.late_decided else "") + ", "
                 f"{self.simultaneous:.3f}s inside acts at the same moment")
 
 
@@ -338,10 +352,12 @@ def judge_acts(rows: Iterable[Row]) -> ActingReport:
     for index, earlier in enumerate(actors):
         for later in actors[index + 1:]:
             if later.first < earlier.last or later.first == earlier.first:
-                late = sum(1 for a in by_actor[(earlier.token, earlier.identity)] if a.began >= later.first)
+                late = [a for a in by_actor[(earlier.token, earlier.identity)] if a.began >= later.first]
+                decided = sum(1 for a in late if a.decided is not None and a.decided < later.first)
                 report.overlaps.append(ActingOverlap(
                     earlier.token, earlier.identity, later.token, later.identity, later.first,
-                    min(earlier.last, later.last), _inside_both(earlier.intervals, later.intervals), late))
+                    min(earlier.last, later.last), _inside_both(earlier.intervals, later.intervals), len(late),
+                    decided))
     reach: Actor | None = None  # the actor that has acted until the latest so far
     for actor in actors:
         if reach is not None:
@@ -417,7 +433,8 @@ async def _fetch_acts(conn: asyncpg.Connection, group: str) -> list[asyncpg.Reco
     """The group's acts, or None when the database has no acts table."""
     try:
         return await conn.fetch(
-            "SELECT id, identity, token, pid, began_at, ended_at, max_seconds FROM acts WHERE group_name = $1 "
+            "SELECT id, identity, token, pid, began_at, ended_at, max_seconds, decided_at FROM acts "
+            "WHERE group_name = $1 "
             "ORDER BY id", group)
     except asyncpg.UndefinedTableError:
         return None

@@ -46,6 +46,9 @@ Options (environment; the defaults are the safe behaviour the tests rely on):
   boot-time clock in centiseconds, as ``/proc/uptime`` shows it). With the deadline check on,
   the worker then begins an act only while that flag exists, names its token, and its deadline
   has not passed: the file-gated twin of ``SINGLETON_DEADLINE_FILE``.
+- ``LEDGER_PAUSE_AFTER_CHECK=S``: stall S seconds between the deadline check before the third
+  act (item 2's start) and that act, as a whole-pod freeze landing there would: the act then
+  comes late, decided in its term (``decided_at`` in the act log says when the check passed).
 - ``LEDGER_ESCAPE=S``: the writer escapes the gate (deliberately unsafe): the gated process
   starts a writer in a session of its own that ignores SIGTERM, so neither the gate's SIGTERM
   and SIGKILL nor a signal to the pod's process group reaches it; it writes for S seconds and
@@ -64,6 +67,8 @@ import asyncpg
 from singleton_sidecar.fencing import StaleToken, fence
 from singleton_testbed.actlog import FAILED, REFUSED, WRITTEN, ActLog, create_tables
 
+PAUSED_ACT = 3
+"""``LEDGER_PAUSE_AFTER_CHECK`` stalls this act (item 2's start): the worker has acted before it."""
 CHILD_ITEMS = 1_000_000_000
 """Child ``n`` numbers its items from ``n * CHILD_ITEMS``: the ledger keys items by (token, item)."""
 
@@ -171,6 +176,8 @@ async def main() -> int:
     check = os.environ.get("LEDGER_DEADLINE_CHECK", "on") != "off"
     deadline_file = os.environ.get("SINGLETON_DEADLINE_FILE") if check else None
     gate_dir = os.environ.get("LEDGER_GATE_DIR") if check else None
+    pause_after_check = float(os.environ.get("LEDGER_PAUSE_AFTER_CHECK", "0"))
+    acts_done = 0
     while not stop.is_set():
         item += 1
         for phase in ("start", "done"):
@@ -180,8 +187,12 @@ async def main() -> int:
                 await acts.close()
                 await conn.close()
                 return 0
+            decided = time.time() if deadline_file is not None or gate_dir is not None else None
+            acts_done += 1
+            if acts_done == PAUSED_ACT and pause_after_check:
+                await asyncio.sleep(pause_after_check)  # a stall between the check and the act
             try:
-                act = await acts.begin(item, phase)
+                act = await acts.begin(item, phase, decided=decided)
             except (asyncpg.PostgresError, asyncpg.InterfaceError, OSError) as exc:
                 print(f"act log refused the act, not acting: {exc!r}", file=sys.stderr, flush=True)
                 return 4
