@@ -1,10 +1,13 @@
 # syntax=docker/dockerfile:1
 #
 # One image, two entry points: the console scripts `singleton-operator` and
-# `singleton-sidecar` (on PATH from the venv /opt/singleton). There is no ENTRYPOINT or CMD:
-# the chart sets the operator's `command` and the operator sets the injected sidecar's.
+# `singleton-sidecar` (on PATH from the venv /opt/singleton). There is no ENTRYPOINT, and no
+# CMD of its own (the base's, `python3`, is inherited): the chart sets the operator's
+# `command` and the operator sets the injected sidecar's.
 #
-#   make docker-build        # docker build -t ghcr.io/singleton-dev/singleton:0.1.0 .
+#   make docker-build        # docker build -t ghcr.io/singleton-dev/singleton:0.1.0 . (needs a Docker engine)
+#   make image               # without an engine or a registry: buildah, on a local stand-in
+#                            # for the base (singleton_testbed.images), to an OCI archive
 #
 # Base images are pinned by tag. Pin them by digest as well for releases
 # (python:3.11-slim-bookworm@sha256:...): the digest could not be resolved where this file
@@ -33,13 +36,15 @@ RUN /opt/singleton/bin/pip install --only-binary=:all: --no-deps --requirement r
 COPY pyproject.toml README.md ./
 COPY sidecar/ sidecar/
 COPY operator/ operator/
-COPY testbed/ testbed/
 # A regular (non-editable) install; then prove the set is complete, compile the bytecode
 # once (the runtime filesystem is read-only) and drop pip and setuptools from the venv.
+# All of it, forced (-f), as unchecked hashes: the timestamp-based bytecode pip wrote for the
+# dependencies records whole seconds of the sources' times, which a layer may round up
+# (buildah does), leaving it stale, so Python would compile at every start.
 RUN /opt/singleton/bin/pip install --no-deps --no-compile . \
  && /opt/singleton/bin/pip check \
  && /opt/singleton/bin/pip uninstall --yes pip setuptools \
- && /opt/singleton/bin/python -m compileall -q --invalidation-mode unchecked-hash /opt/singleton/lib \
+ && /opt/singleton/bin/python -m compileall -f -q --invalidation-mode unchecked-hash /opt/singleton/lib \
  && /opt/singleton/bin/python -c "import singleton_sidecar, singleton_operator" \
  && test -x /opt/singleton/bin/singleton-operator \
  && test -x /opt/singleton/bin/singleton-sidecar

@@ -81,7 +81,7 @@ DIRECTIVE = re.compile(r"^\s*<!--\s*doc-test:(?P<body>.*?)-->\s*$")
 MARKER = re.compile(r"#.*\bnot run by tests:\s*(?P<reason>.*?)\s*$")
 HEREDOC = re.compile(r"<<-?\s*'?\"?(?P<word>[A-Za-z_]\w*)'?\"?")
 MUST_BE_MARKED = re.compile(r"^(?:\w+=\S*\s+)*(?:docker\b|kind\b|pip3? install\b|"
-                            r"make\s+(?:test|unit|lint|demo|demo-down|docker-build|check-static)\b)")
+                            r"make\s+(?:test|unit|lint|demo|demo-down|docker-build|image|check-static)\b)")
 SETUPS = ("plain", "postgres", "chart", "group")
 VARIABLES = {"group": ("leader", "standby")}
 GROUP_NS, GROUP, RELEASE_NS = "feeds", "feed-poller", "singleton-system"

@@ -8,7 +8,9 @@ how to import images into it. ``down`` stops it and removes its folders, and rem
 killed real node left behind; ``status`` tells whether it runs. ``kubelet --node NAME --state-dir DIR``
 runs a stand-in kubelet in the foreground (root only) so pods of that node run as local
 processes; ``--kubeconfig`` defaults to the running test bed's (see
-``singleton_testbed.kubelet`` for all options).
+``singleton_testbed.kubelet`` for all options). ``image`` builds the project's image with
+buildah (no Docker engine, no registry) and prints the OCI archive's path, its reference and
+its size (``singleton_testbed.images``; ``make image``).
 """
 
 from __future__ import annotations
@@ -182,6 +184,10 @@ def _kubelet(argv: list[str]) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["image"]:
+        from singleton_testbed import images  # only this command needs it
+
+        return images.main(argv[1:])
     if argv[:1] == ["kubelet"]:
         return _kubelet(argv[1:])
     parser = argparse.ArgumentParser(prog="singleton-testbed", description=__doc__,
