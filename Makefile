@@ -6,7 +6,7 @@ VENV ?= .venv
 BIN := $(VENV)/bin
 PACKAGES := sidecar testbed operator
 
-.PHONY: test lint unit venv testbed testbed-up testbed-down testbed-node-test clean
+.PHONY: test lint unit venv testbed testbed-up testbed-down testbed-node-test e2e-existing clean
 
 # The test bed (testbed/pyproject.toml) is a distribution of its own, for development only.
 $(BIN)/.installed: pyproject.toml testbed/pyproject.toml
@@ -41,8 +41,14 @@ testbed-down: venv
 testbed-node-test: venv testbed ## root: the real node's tests (containerd + kubelet + kube-proxy), docs/testbed.md
 	$(BIN)/pytest -ra tests/test_node.py $(PYTEST_ARGS)
 
+# USE_EXISTING_CLUSTER's path, proven on the test bed's own real node through its kubeconfig
+# alone: `singleton-testbed up` (control plane + real node + the project's image), the e2e
+# suite, `singleton-testbed down` (testbed/e2e-existing.sh; docs/testbed.md).
+e2e-existing: venv testbed ## root: the e2e suite with USE_EXISTING_CLUSTER=true against `singleton-testbed up`
+	BIN=$(BIN) bash testbed/e2e-existing.sh $(PYTEST_ARGS)
+
 .PHONY: demo demo-down
-demo: venv ## root: test bed + stand-in kubelet + operator + 3 pollers; a live view of scripted handovers
+demo: venv ## root: test bed + real node + the image (built, cached) + operator + 3 pollers; a live view of scripted handovers
 	$(BIN)/python -m demo run $(DEMO_ARGS)
 
 demo-down: venv ## stop everything `make demo` started and remove its files

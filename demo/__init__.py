@@ -1,10 +1,11 @@
 """``make demo``: singleton on an embedded cluster, in about two minutes.
 
-The test bed's control plane and PostgreSQL (``singleton-testbed up``), a kubelet stand-in
-that runs pods as local processes, the operator with the Helm chart's RBAC, and a
-SingletonService of three sample pollers (``demo/feed-poller.yaml``); then a live view while
-the leader's sidecar is killed, the leader pod deleted and a spec change rolled out, and a
-summary of the handovers judged from the fenced ledger the pollers wrote.
+The test bed's control plane and PostgreSQL, a real node (containerd + runc + CNI bridge,
+kubelet and kube-proxy) running the project's image (built with buildah, cached), the
+operator with the Helm chart's RBAC, and a SingletonService of three sample pollers
+(``demo/feed-poller.yaml``); then a live view while the leader's sidecar container is
+killed, the leader pod deleted and a spec change rolled out, and a summary of the handovers
+judged from the fenced ledger the pollers wrote.
 
     python -m demo run [--no-live]      # make demo
     python -m demo env                  # the exports for exploring the running cluster

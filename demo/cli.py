@@ -9,6 +9,7 @@ import os
 import sys
 import time
 from collections.abc import Callable, Iterator
+from pathlib import Path
 
 import asyncpg
 from rich.console import Console
@@ -16,7 +17,7 @@ from rich.live import Live
 from rich.text import Text
 
 from demo import cluster
-from demo.cluster import GROUP, NAMESPACE, DemoError, State
+from demo.cluster import GROUP, NAMESPACE, DemoError, NodeBusy, State
 from demo.observe import Event, Observer
 from demo.render import Verdict, live_view, summary
 from demo.scenario import Scenario
@@ -56,19 +57,30 @@ def _tail(path: os.PathLike[str] | str, lines: int = 15) -> str:
         return ""
 
 
+def _logs(state: State) -> list[Path]:
+    """The logs worth a look when the start failed: ours, then the node's (while it exists)."""
+    paths = [state.folder / "operator.log", state.folder / "bed.log"]
+    if state.node_work is not None:
+        paths += [state.node_work / "kubelet.log", state.node_work / "containerd.log"]
+    return paths
+
+
 def bring_up(state: State, out: Output) -> None:
-    with out.working("checking the control plane binaries (testbed/build.sh builds what is missing)") as update:
+    image = cluster.ImageBuild(state, out.say)  # in the background from now on (minutes when cold)
+    with out.working("checking the test bed's binaries (testbed/build.sh builds what is missing)") as update:
         cluster.build_binaries(out.say, update)
-    with out.working("starting PostgreSQL, etcd, kube-apiserver, kube-controller-manager and kube-scheduler "
-                     "(singleton-testbed up)"):
-        cluster.start_testbed(state)
+    with out.working("starting PostgreSQL, etcd, kube-apiserver, kube-controller-manager, kube-scheduler and the "
+                     "real node (containerd, kubelet, kube-proxy)") as update:
+        cluster.start_bed(state)
+        bed = cluster.BedWatcher(state, out.say)
+        image.finish(update, bed)  # the bed comes up meanwhile, and imports the image once built
+        cluster.wait_bed(state, bed)
+    node, imported = state.data["node"], state.data["image"]
     out.say(f"test bed up: KUBECONFIG={state.data['kubeconfig']}")
+    out.say(f"node {node['name']} is Ready (containerd + runc, pods in {node['pod_cidr']}); {imported['reference']} "
+            f"imported in {imported['import_seconds']:.0f} s; pods reach the API server and PostgreSQL at {node['ip']}")
     cluster.prepare_cluster(state, out.say)
-    with out.working("starting the kubelet stand-in (pods run as local processes, images are ignored)"):
-        cluster.start_kubelet(state)
-    out.say(f"node {state.data['kubelet']['node']} is Ready; pods reach the API server at 10.213.0.2 and "
-            "PostgreSQL at 10.213.0.3")
-    with out.working("starting the operator with the chart's RBAC (singleton-operator run)"):
+    with out.working("starting the operator with the chart's RBAC (singleton-operator run, on this host)"):
         cluster.start_operator(state)
     out.say(f"operator leads (log: {state.folder / 'operator.log'})")
     cluster.apply_group(state, out.say)
@@ -124,6 +136,9 @@ def run(args: argparse.Namespace) -> int:
         cluster.down(folder, out.say)
     elif folder.exists():
         cluster.down(folder, lambda _text: None)  # leftovers of an earlier run
+    if (owner := cluster.node_owner()) is not None:  # checked again by the node itself (its lock)
+        out.say(str(NodeBusy(owner)), "bold red")
+        return 4
     state = State(folder)
     state.set(runner={"pid": os.getpid(), "start": cluster.start_time(os.getpid()) or ""}, namespace=NAMESPACE,
               group=GROUP)
@@ -134,11 +149,15 @@ def run(args: argparse.Namespace) -> int:
     except KeyboardInterrupt:
         out.say("interrupted; what runs keeps running", "yellow")
         verdict = None
+    except NodeBusy as exc:
+        out.say(str(exc), "bold red")
+        cluster.down(folder, lambda _text: None)  # nothing of ours is worth a look
+        return 4
     except (DemoError, TimeoutError, OSError, asyncpg.PostgresError) as exc:
         out.say(f"the demo failed: {exc}", "bold red")
-        for name in ("operator.log", "kubelet.log", "testbed/testbed.log"):
-            if tail := _tail(folder / name):
-                out.say(f"--- last lines of {folder / name}:\n{tail}")
+        for path in _logs(state):
+            if tail := _tail(path):
+                out.say(f"--- last lines of {path}:\n{tail}")
         out.say("what started keeps running for a look; `make demo-down` stops it and removes its files")
         return 1
     finally:
@@ -151,7 +170,8 @@ The cluster keeps running. To explore it:
   kubectl get pods -n {NAMESPACE} -L singleton.dev/role
   kubectl describe sgl {GROUP} -n {NAMESPACE}
   psql "{state.data.get('dsn', '')}" -c 'SELECT token, count(*) FROM ledger GROUP BY token ORDER BY token'
-Logs: {folder}/{{operator,kubelet}}.log, pods' logs under {state.kubelet_dir}/pods/
+Logs: {folder}/{{operator,bed}}.log, the node's in {state.node_work}/{{kubelet,containerd}}.log, and
+  kubectl logs -n {NAMESPACE} <pod> -c poller      # or -c singleton-sidecar
 Stop everything: make demo-down""")
     if verdict is not None and not verdict.safe:
         out.say("the ledger shows an overlap or a stale write: that is a bug; please report it", "bold red")

@@ -3,12 +3,13 @@
 Everything the demo starts outlives the ``make demo`` process (so the user can explore
 the cluster afterwards) and is stopped by ``make demo-down``:
 
-- the test bed (``singleton-testbed up`` with ``SINGLETON_TESTBED_STATE`` in our state
-  folder): PostgreSQL, etcd, kube-apiserver, kube-controller-manager, kube-scheduler;
-- a kubelet stand-in (``python -m singleton_testbed.kubelet``) for node ``singleton-demo``:
-  pods run as local processes in network namespaces (root only);
-- the operator (``singleton-operator run``) with the Helm chart's ServiceAccount, RBAC and
-  admission policy, through a token of that ServiceAccount.
+- the test bed on a real node (``python -m demo.bed serve``, see ``demo.bed``): PostgreSQL,
+  etcd, kube-apiserver (advertising the node IP), kube-controller-manager, kube-scheduler and
+  the real node ``singleton-node`` (containerd + runc + CNI bridge, kubelet, kube-proxy), into
+  which the project's image, built with buildah and cached by content, is imported: the
+  sidecars and the pollers run as containers of that image;
+- the operator (``singleton-operator run``) as a host process, with the Helm chart's
+  ServiceAccount, RBAC and admission policy, through a token of that ServiceAccount.
 
 Each is started in a session of its own, with its pid and start time recorded in
 ``demo.json`` as soon as it runs, so ``down`` stops exactly these processes (a recycled pid
@@ -19,7 +20,6 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import hashlib
 import json
 import os
 import shutil
@@ -37,9 +37,11 @@ from urllib.parse import urlsplit
 
 import yaml
 
+from demo.bed import BED_FILE, IMAGE_FILE
+from singleton_testbed import node as node_mod
 from singleton_testbed.controlplane import wait_established
-from singleton_testbed.netns import DEFAULT_NETWORK, HostNetwork, netns_supported
-from singleton_testbed.postgres import PostgresInfo, find_pg_bin
+from singleton_testbed.images import missing_tools
+from singleton_testbed.postgres import find_pg_bin
 from singleton_testbed.procs import free_port
 
 REPO = Path(__file__).resolve().parent.parent
@@ -57,6 +59,7 @@ OPERATOR_ACCOUNT = "singleton-operator"  # the chart's "<fullname>-operator" for
 KUBE_VERSION = "1.34.4"  # the test bed's; its helm assumes v1.20 unless told
 TOKEN_HOURS = 48  # the test bed's certificates are valid for 2 days
 COLD_BUILD = "about 6 min on 2 cores, once; later starts take seconds"
+COLD_IMAGE = "about 2 min, once per change of the sources; cached by content"
 
 Say = Callable[[str], None]
 
@@ -67,14 +70,6 @@ class DemoError(Exception):
 
 def state_dir() -> Path:
     return Path(os.environ.get("SINGLETON_DEMO_STATE", str(DEFAULT_STATE))).expanduser().resolve()
-
-
-def node_name(folder: Path) -> str:
-    """``singleton-demo``, or with a suffix for another state folder (tests), so two demos
-    on one host never claim the same node in the shared pod network."""
-    if folder == DEFAULT_STATE.expanduser().resolve():
-        return "singleton-demo"
-    return "singleton-demo-" + hashlib.sha256(str(folder).encode()).hexdigest()[:6]
 
 
 def start_time(pid: int) -> str | None:
@@ -155,15 +150,13 @@ class State:
         return Proc(int(entry["pid"]), str(entry.get("start", "")))
 
     @property
-    def testbed_state(self) -> Path:
-        return self.folder / "testbed"
-
-    @property
-    def kubelet_dir(self) -> Path:
-        return self.folder / "kubelet"
+    def node_work(self) -> Path | None:
+        work = (self.data.get("node") or {}).get("work")
+        return Path(work) if work else None
 
     def running(self) -> list[str]:
-        """Names of the recorded processes that still run."""
+        """Names of the recorded processes that still run ("kubelet": a stand-in kubelet
+        recorded by an older demo, still stopped by ``down``)."""
         return [key for key in ("runner", "testbed", "kubelet", "operator")
                 if (proc := self.proc(key)) is not None and proc.alive()]
 
@@ -178,10 +171,15 @@ class State:
 
 
 def check_prerequisites() -> None:
-    """Root and `ip netns` (the stand-in), PostgreSQL server binaries, openssl: say which is missing."""
+    """What the real node, the image build and the test bed need: say everything that is missing
+    before minutes of building, not after."""
     problems = []
-    if reason := netns_supported():
-        problems.append(f"pods run in network namespaces: {reason}")
+    # The node's own binaries (kubelet, kube-proxy, pause) are built with the control plane:
+    # stand-ins that exist let this check the machine alone; they are checked again once built.
+    if reason := node_mod.unavailable_reason({name: Path("/") for name in ("kubelet", "kube-proxy", "pause")}):
+        problems.append(f"the real node: {reason}")
+    if missing := missing_tools():
+        problems.append(f"the image is built with {' and '.join(missing)}: apt-get install {' '.join(missing)}")
     try:
         find_pg_bin()
     except FileNotFoundError as exc:
@@ -192,9 +190,31 @@ def check_prerequisites() -> None:
         raise DemoError("make demo cannot run here:\n  - " + "\n  - ".join(problems))
 
 
+def node_owner() -> int | None:
+    """The pid of the live process that runs this machine's real node, if any (read from the
+    node's state file, without touching its lock: there is one real node per machine)."""
+    with contextlib.suppress(OSError, ValueError, KeyError, TypeError):
+        pid = int(json.loads((node_mod.RUN_DIR / "state.json").read_text())["pid"])
+        if start_time(pid) is not None:
+            return pid
+    return None
+
+
+class NodeBusy(DemoError):
+    """Another real node runs on this machine (``make testbed-up``, the tests or another demo)."""
+
+    def __init__(self, owner: int | None) -> None:
+        who = f"pid {owner}" if owner is not None else f"see {node_mod.RUN_DIR / 'state.json'}"
+        super().__init__(
+            f"another real node runs on this machine ({who}); only one can (kube-proxy's iptables rules are "
+            "machine-global). Stop it (`make testbed-down` if it is the test bed's, or wait for the tests to "
+            "finish), then run `make demo` again.")
+
+
 def _provided_binaries() -> bool:
-    """Whether every control plane binary comes from the environment (no build needed)."""
-    names = ("etcd", "kube-apiserver", "kube-controller-manager", "kube-scheduler", "kubectl", "helm")
+    """Whether every test bed binary comes from the environment (no build needed)."""
+    names = ("etcd", "kube-apiserver", "kube-controller-manager", "kube-scheduler", "kubectl", "helm",
+             "kubelet", "kube-proxy", "pause")
     assets = os.environ.get("KUBEBUILDER_ASSETS")
     return all(os.environ.get("SINGLETON_TESTBED_" + n.upper().replace("-", "_"))
                or (assets and (Path(assets) / n).exists()) for n in names)
@@ -204,7 +224,7 @@ def build_binaries(say: Say, heartbeat: Callable[[str], None], *, every: float =
     """Run ``testbed/build.sh`` (it builds only what is missing), relaying its progress and
     saying every ``every`` seconds what it is still doing, so a cold build never looks stuck."""
     if _provided_binaries():
-        say("control plane binaries: taken from the environment (KUBEBUILDER_ASSETS / SINGLETON_TESTBED_*)")
+        say("test bed binaries: taken from the environment (KUBEBUILDER_ASSETS / SINGLETON_TESTBED_*)")
         return
     proc = subprocess.Popen(["bash", str(BUILD_SCRIPT)], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                             text=True, stdin=subprocess.DEVNULL)
@@ -221,7 +241,8 @@ def build_binaries(say: Say, heartbeat: Callable[[str], None], *, every: float =
             if line.startswith("[testbed-build] building "):
                 name = line.split()[2]
                 if not current:
-                    say(f"building the control plane from Go modules ({COLD_BUILD})")
+                    say(f"building the control plane and the node's kubelet and kube-proxy from Go modules "
+                        f"({COLD_BUILD})")
                 current[:] = [name]
                 say(f"  building {name} ...")
             elif line.startswith("[testbed-build] built "):
@@ -249,14 +270,14 @@ def build_binaries(say: Say, heartbeat: Callable[[str], None], *, every: float =
     if current:
         say(f"control plane built in {int(time.monotonic() - started)} s into {folder}")
     else:
-        say(f"control plane binaries: cached in {folder}")
+        say(f"control plane and node binaries: cached in {folder}")
 
 
 # --- the pieces ------------------------------------------------------------------------------
 
 
 def _env(state: State) -> dict[str, str]:
-    env = {**os.environ, "SINGLETON_TESTBED_STATE": str(state.testbed_state)}
+    env = dict(os.environ)
     if "kubeconfig" in state.data:
         env["KUBECONFIG"] = state.data["kubeconfig"]
         env["PATH"] = os.pathsep.join([state.data["path_prefix"], str(Path(sys.executable).parent), env["PATH"]])
@@ -273,29 +294,134 @@ def kubectl(state: State, *args: str, input_text: str | None = None, check: bool
     return result
 
 
-def start_testbed(state: State) -> None:
-    """``singleton-testbed up`` in our own state folder: its own servers on free ports."""
-    state.testbed_state.mkdir(parents=True, exist_ok=True)
-    result = subprocess.run([sys.executable, "-m", "singleton_testbed.cli", "up"], env=_env(state),
-                            capture_output=True, text=True, stdin=subprocess.DEVNULL, check=False, timeout=300)
-    with open(state.folder / "demo.log", "a") as log:
-        log.write(result.stdout + result.stderr)
-    testbed_file = state.testbed_state / "testbed.json"
-    try:
-        info = json.loads(testbed_file.read_text())
-    except (OSError, ValueError):
-        raise DemoError(f"the test bed did not start:\n{result.stderr.strip()}\n"
-                        f"see {state.testbed_state / 'testbed.log'}") from None
-    state.set(testbed={"pid": int(info["pid"]), "start": start_time(int(info["pid"])) or ""},
-              kubeconfig=info["KUBECONFIG"], dsn=info["SINGLETON_TEST_DSN"],
-              admin_dsn=info["SINGLETON_TEST_ADMIN_DSN"], path_prefix=info["PATH_PREFIX"])
+# --- the test bed on a real node, and the image ----------------------------------------------
 
 
-def pod_dsn(host_dsn: str) -> str:
-    """The DSN pods use: the same server at the pod network's PostgreSQL address."""
-    url = urlsplit(host_dsn)
-    info = PostgresInfo(host=DEFAULT_NETWORK.postgres_ip, port=url.port or 5432, superuser="postgres")
-    return info.dsn
+def start_bed(state: State) -> None:
+    """Start ``python -m demo.bed serve`` (see ``demo.bed``) in the background; it reports in
+    ``bed.json``. It starts at once, so that it comes up while the image builds."""
+    (state.folder / BED_FILE).unlink(missing_ok=True)
+    (state.folder / IMAGE_FILE).unlink(missing_ok=True)
+    proc = _spawn([sys.executable, "-m", "demo.bed", "serve", str(state.folder)], state.folder / "bed.log",
+                  _env(state))
+    state.set(testbed={"pid": proc.pid, "start": proc.start})
+
+
+class BedWatcher:
+    """Follows ``bed.json``: says each new phase, fails when the bed failed or exited."""
+
+    def __init__(self, state: State, say: Say) -> None:
+        self.state = state
+        self.say = say
+        self.phase = ""
+        self.doc: dict[str, Any] = {}
+
+    def poll(self) -> dict[str, Any]:
+        with contextlib.suppress(OSError, ValueError):
+            self.doc = json.loads((self.state.folder / BED_FILE).read_text())
+        # Recorded as soon as they exist, so that `down` finds them even if the bed is killed.
+        for key in ("node", "workdirs"):
+            if key in self.doc and key not in self.state.data:
+                self.state.set(**{key: self.doc[key]})
+        phase = str(self.doc.get("phase") or "")
+        if phase and phase != self.phase and phase not in ("ready", "stopped"):
+            self.say(f"  test bed: {phase}")
+        self.phase = phase
+        proc = self.state.proc("testbed")
+        if self.doc.get("error") or (proc is not None and not proc.alive()):
+            if self.doc.get("busy"):
+                raise NodeBusy(node_owner())
+            error = self.doc.get("error") or "it exited"
+            raise DemoError(f"the test bed did not start: {error}\nsee {self.state.folder / 'bed.log'}")
+        return self.doc
+
+
+class ImageBuild:
+    """The project's image, built with buildah (``singleton_testbed.images``: cached by content,
+    so this takes a second unless the sources changed) by a subprocess whose progress is
+    relayed. Started first thing: a cold build (mmdebstrap's and pip's downloads, dpkg) then
+    overlaps the Go build, which keeps both cores busy only part of the time."""
+
+    def __init__(self, state: State, say: Say) -> None:
+        self.state = state
+        self.say = say
+        self.started = time.monotonic()
+        self.building: list[str] = []
+        self.tail: list[str] = []
+        # Its progress goes to a file, not a pipe: if we stop early (a failed Go build, ^C of the
+        # live view aside), the build finishes on its own and fills the cache, never cut short
+        # by a broken pipe halfway through a buildah step.
+        self.log = state.folder / "image.log"
+        with open(self.log, "ab") as log:
+            self.proc = subprocess.Popen([sys.executable, "-m", "demo.bed", "image"], stdout=subprocess.PIPE,
+                                         stderr=log, text=True, stdin=subprocess.DEVNULL, env=_env(state), cwd=REPO)
+        self.reader = threading.Thread(target=self._relay, daemon=True)
+        self.reader.start()
+
+    def _lines(self) -> Iterator[str]:
+        """The log's lines as they come, until the build has ended and all are read."""
+        partial = ""
+        with open(self.log, errors="replace") as log:
+            while True:
+                done = self.proc.poll() is not None
+                partial += log.readline()
+                if partial.endswith("\n") or (done and partial):
+                    yield partial
+                    partial = ""
+                elif done:
+                    return
+                else:
+                    time.sleep(0.2)  # at the end of what was written so far (maybe mid-line)
+
+    def _relay(self) -> None:
+        for raw in self._lines():
+            line = raw.rstrip()
+            self.tail[:] = [*self.tail[-19:], line]
+            if line.startswith("[image] "):
+                if not self.building:
+                    self.say(f"building the project's image with buildah ({COLD_IMAGE})")
+                self.building[:] = [line.removeprefix("[image] ")]
+                self.say("  " + self.building[0])
+
+    def finish(self, heartbeat: Say, bed: BedWatcher, *, every: float = 15.0) -> None:
+        """Wait for the build (following the bed meanwhile) and hand the archive to the bed
+        (``image.json``), which imports it into the node."""
+        last_beat = time.monotonic()
+        while self.proc.poll() is None:
+            time.sleep(0.2)
+            bed.poll()
+            now = time.monotonic()
+            if self.building and now - last_beat >= every:
+                last_beat = now
+                elapsed = int(now - self.started)
+                heartbeat(f"  ... still building the image: {elapsed // 60}m{elapsed % 60:02d}s so far")
+        self.reader.join(5)
+        assert self.proc.stdout is not None
+        output = self.proc.stdout.read().strip().splitlines()
+        if self.proc.returncode != 0 or not output:
+            raise DemoError("the image build failed:\n" + "\n".join(self.tail) + f"\n(all of it: {self.log})")
+        image = json.loads(output[-1])
+        seconds = time.monotonic() - self.started
+        self.say(f"image {image['reference']}: " + (f"built in {seconds:.0f} s" if self.building else "cached")
+                 + f" ({Path(image['archive']).name})")
+        tmp = self.state.folder / (IMAGE_FILE + ".tmp")
+        tmp.write_text(json.dumps(image))
+        tmp.replace(self.state.folder / IMAGE_FILE)
+
+
+def wait_bed(state: State, bed: BedWatcher, timeout: float = 300) -> None:
+    """Until the bed says ``ready`` (the node Ready, the image imported); then remember what
+    it started: the kubeconfig, the DSNs, the node, the image."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        doc = bed.poll()
+        if doc.get("ready"):
+            state.set(kubeconfig=doc["kubeconfig"], dsn=doc["dsn"], admin_dsn=doc["admin_dsn"],
+                      pod_dsn=doc["pod_dsn"], path_prefix=doc["path_prefix"], node=doc["node"],
+                      image=doc["image"], workdirs=doc.get("workdirs", []))
+            return
+        time.sleep(0.2)
+    raise DemoError(f"the test bed did not come up in {timeout:g} s; see {state.folder / 'bed.log'}")
 
 
 def _chart_objects(state: State) -> list[dict[str, Any]]:
@@ -324,7 +450,7 @@ def prepare_cluster(state: State, say: Say) -> None:
         "   # the operator's ServiceAccount, RBAC and the sidecars' admission policy")
     objects = _chart_objects(state)
     kubectl(state, "apply", "-f", "-", input_text=json.dumps({"apiVersion": "v1", "kind": "List", "items": objects}))
-    dsn = pod_dsn(state.data["dsn"])
+    dsn = state.data["pod_dsn"]  # PostgreSQL at the node IP, which pods reach over the CNI bridge
     say(f"$ kubectl -n {NAMESPACE} create secret generic {SECRET} --from-literal=dsn="
         + dsn.replace(urlsplit(dsn).password or "", "***"))
     kubectl(state, "-n", NAMESPACE, "create", "secret", "generic", SECRET, f"--from-literal=dsn={dsn}")
@@ -334,51 +460,8 @@ def _spawn(argv: list[str], log_path: Path, env: dict[str, str]) -> Proc:
     """A process in a session of its own that outlives us (no parent-death signal)."""
     with open(log_path, "ab") as log:
         popen = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env,
-                                 start_new_session=True)
+                                 start_new_session=True, cwd=REPO)  # `-m demo...` resolves from the repository
     return Proc.of(popen.pid)
-
-
-def start_kubelet(state: State, timeout: float = 60) -> None:
-    node = node_name(state.folder)
-    folder = state.kubelet_dir
-    folder.mkdir(parents=True, exist_ok=True)
-    control = folder / "control.json"
-    control.unlink(missing_ok=True)
-    proc = _spawn([sys.executable, "-m", "singleton_testbed.kubelet", "--kubeconfig", state.data["kubeconfig"],
-                   "--node", node, "--state-dir", str(folder), "--log-format", "text"],
-                  state.folder / "kubelet.log", _env(state))
-    state.set(kubelet={"pid": proc.pid, "start": proc.start, "node": node})
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if not proc.alive():
-            raise DemoError(f"the kubelet stand-in exited; see {state.folder / 'kubelet.log'}")
-        with contextlib.suppress(OSError, ValueError):
-            doc = json.loads(control.read_text())
-            if doc.get("pid") == proc.pid:
-                state.set(kubelet={"pid": proc.pid, "start": proc.start, "node": node, "url": doc["url"],
-                                   "subnet": _claimed_subnet(node)})
-                return
-        time.sleep(0.1)
-    raise DemoError(f"the kubelet stand-in did not start in {timeout:g} s; see {state.folder / 'kubelet.log'}")
-
-
-def _claims_dir() -> Path:
-    return DEFAULT_NETWORK.state_root / DEFAULT_NETWORK.prefix / "claims"
-
-
-def _claimed_subnet(node: str) -> int | None:
-    """The /24 of the shared pod network our stand-in claimed (its namespaces are named after it)."""
-    with contextlib.suppress(OSError):
-        for path in _claims_dir().iterdir():
-            with contextlib.suppress(OSError, ValueError):
-                if path.name.isdigit() and json.loads(path.read_text()).get("node") == node:
-                    return int(path.name)
-    return None
-
-
-def netns_prefix(subnet: int) -> str:
-    """Names of the namespaces (and host veths) of the pods in that /24: ``sgltb-N-``."""
-    return f"{DEFAULT_NETWORK.prefix}-{subnet}-"
 
 
 def operator_kubeconfig(state: State) -> Path:
@@ -396,11 +479,20 @@ def operator_kubeconfig(state: State) -> Path:
 
 
 def start_operator(state: State, timeout: float = 60) -> None:
+    """The operator as a host process, not in the cluster. Why: the demo is about the group's
+    handovers, which happen between the sidecars in the node's containers (from the image),
+    and the operator only writes objects and status; on the host it is ready in a second (no
+    pod to schedule, pull or probe), its log is a file beside the demo's others, and the
+    faults on the node can never hit it. It still acts as it would in the cluster: through the
+    API server, with a token of the chart's ServiceAccount (so with the chart's RBAC only), and
+    it injects the very image the pods run (``--sidecar-image``). Its in-cluster install from
+    the same image is the chart's (README, "Install with Helm")."""
     kubeconfig = operator_kubeconfig(state)
     port = free_port()
     argv = [sys.executable, "-m", "singleton_operator.cli", "run", "--kubeconfig", str(kubeconfig),
             "--lease-namespace", RELEASE_NAMESPACE, "--namespace", NAMESPACE, "--identity", "singleton-demo",
-            "--health-listen", f"127.0.0.1:{port}", "--log-format", "text"]
+            "--health-listen", f"127.0.0.1:{port}", "--log-format", "text",
+            "--sidecar-image", state.data["image"]["reference"]]
     proc = _spawn(argv, state.folder / "operator.log", _env(state))
     state.set(operator={"pid": proc.pid, "start": proc.start, "health": f"http://127.0.0.1:{port}"})
     deadline = time.monotonic() + timeout
@@ -423,10 +515,27 @@ def apply_group(state: State, say: Say) -> None:
 # --- down ------------------------------------------------------------------------------------
 
 
-def _leftover_sandboxes(subnet: int) -> Iterator[str]:
-    prefix = netns_prefix(subnet)
-    names = os.listdir("/run/netns") if os.path.isdir("/run/netns") else []
-    yield from (name for name in names if name.startswith(prefix))
+def _stop_bed(state: State, say: Say) -> None:
+    """SIGTERM the bed: it stops the node (``Node.stop`` leaves nothing behind), the control
+    plane and PostgreSQL. If it was killed or does not stop, remove what it left: the node's
+    leftovers (only when the node's state file names our node's folder: another node's are
+    not ours to touch) and the servers' folders."""
+    bed = state.proc("testbed")
+    if bed is not None and bed.alive():
+        say(f"stopping the test bed (pid {bed.pid}): the real node and its pods, the control plane, PostgreSQL")
+        if not bed.stop(150):
+            say("  it did not stop in time; killed it")
+    work = state.node_work
+    if work is not None and work.exists():
+        with contextlib.suppress(OSError, ValueError):
+            recorded = json.loads((node_mod.RUN_DIR / "state.json").read_text()).get("work")
+            if recorded == str(work) and node_mod.cleanup_stale():
+                say(f"removed what the killed node left behind ({work})")
+        if work.exists() and not any(work.iterdir()):
+            work.rmdir()  # made by Node() before the node failed to start (e.g. busy)
+    for folder in state.data.get("workdirs") or []:
+        if Path(folder).exists():
+            shutil.rmtree(folder, ignore_errors=True)
 
 
 def down(folder: Path, say: Say) -> int:
@@ -443,23 +552,11 @@ def down(folder: Path, say: Say) -> int:
     if operator is not None and operator.alive():
         say(f"stopping the operator (pid {operator.pid})")
         operator.stop(30, group=True)
-    kubelet = state.proc("kubelet")
+    kubelet = state.proc("kubelet")  # the stand-in an older demo ran; it removes its own namespaces
     if kubelet is not None and kubelet.alive():
-        say(f"stopping the kubelet stand-in (pid {kubelet.pid}): its pods, its node, its network namespaces")
-        if not kubelet.stop(40):
-            say("  it did not stop in time; killed it")
-    subnet = (state.data.get("kubelet") or {}).get("subnet")
-    if isinstance(subnet, int) and (leftovers := list(_leftover_sandboxes(subnet))):
-        say(f"removing {len(leftovers)} leftover network namespaces")
-        network = HostNetwork(DEFAULT_NETWORK, node_name(folder), subnet_index=subnet)
-        network.teardown()
-    testbed = state.proc("testbed")
-    if testbed is not None and testbed.alive():
-        say(f"stopping the test bed (pid {testbed.pid}): control plane and PostgreSQL")
-        subprocess.run([sys.executable, "-m", "singleton_testbed.cli", "down"], env=_env(state),
-                       capture_output=True, text=True, check=False, timeout=90)
-        if testbed.alive():
-            testbed.stop(30)
+        say(f"stopping the kubelet stand-in of an older demo (pid {kubelet.pid})")
+        kubelet.stop(40)
+    _stop_bed(state, say)
     shutil.rmtree(folder, ignore_errors=True)
     say("the demo is stopped and its files are removed")
     return 0

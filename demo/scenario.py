@@ -6,12 +6,13 @@ from __future__ import annotations
 import asyncio
 import json
 import shlex
+import signal
 import time
-import urllib.request
 from collections.abc import Awaitable, Callable
 
 from demo.cluster import GROUP, NAMESPACE, State, kubectl
 from demo.observe import Observer, PodRow, Snapshot, Step
+from singleton_testbed import node_pods
 
 REPLICAS = 3
 SIDECAR = "singleton-sidecar"
@@ -84,19 +85,13 @@ class Scenario:
         observer.event(f"settled: {settled.name} leads, {REPLICAS - 1} standbys ready", "green")
 
     async def _kill_sidecar(self, leader: PodRow) -> None:
-        url = self.state.data["kubelet"]["url"]
-        self._say_command(f"kill -KILL <pid of container {SIDECAR} in pod {leader.name}>   "
-                          "# through the kubelet stand-in; the pod stays, the kubelet restarts the sidecar")
-        body = json.dumps({"namespace": NAMESPACE, "name": leader.name, "container": SIDECAR,
-                           "signal": "SIGKILL"}).encode()
-        request = urllib.request.Request(url + "/signal", data=body, method="POST",
-                                         headers={"Content-Type": "application/json"})
-
-        def send() -> None:
-            with urllib.request.urlopen(request, timeout=10) as response:
-                response.read()
-
-        await asyncio.to_thread(send)
+        self._say_command(f"kill -KILL <processes of container {SIDECAR} in pod {leader.name}>   "
+                          "# found in its cgroup on the node; the pod stays, the kubelet restarts the sidecar")
+        doc = await asyncio.to_thread(kubectl, self.state, "-n", NAMESPACE, "get", "pod", leader.name, "-o", "json")
+        pod = json.loads(doc.stdout)
+        pids = await asyncio.to_thread(node_pods.signal_container, pod, SIDECAR, signal.SIGKILL)
+        self.observer.event(f"SIGKILL sent to {len(pids)} process(es) of {SIDECAR} (host pids "
+                            f"{', '.join(map(str, pids))})", "dim")
 
     async def _delete_pod(self, leader: PodRow) -> None:
         await self._kubectl("-n", NAMESPACE, "delete", "pod", leader.name, "--wait=false")

@@ -1,9 +1,13 @@
-"""Session fixtures: the real PostgreSQL server and the real Kubernetes control plane.
+"""Session fixtures: the real PostgreSQL server, the real Kubernetes control plane, and the
+session's real node with the project's images.
 
 PostgreSQL: ``SINGLETON_TEST_DSN`` (and ``SINGLETON_TEST_ADMIN_DSN``) point the tests at a
 server of your own; otherwise one is started from local binaries for the session.
 Kubernetes: ``USE_EXISTING_CLUSTER=true`` with ``KUBECONFIG`` runs against that cluster;
 otherwise etcd and kube-apiserver are started from the test bed's cached binaries.
+Real node: when this machine can run one (root, containerd: ``node.unavailable_reason``), the
+control plane advertises the node IP and the first test that asks for ``real_node`` starts the
+node; it then serves the whole session (one per machine). See docs/testbed.md.
 """
 
 from __future__ import annotations
@@ -13,8 +17,10 @@ import os
 import re
 import secrets
 import subprocess
+import sys
+import time
 from collections.abc import AsyncIterator, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -121,12 +127,28 @@ def testbed_binaries() -> dict[str, Path]:
 
 
 @pytest.fixture(scope="session")
-def cluster(testbed_binaries: dict[str, Path]) -> Iterator[Cluster]:
+def real_node_reason(testbed_binaries: dict[str, Path]) -> str | None:
+    """Why this session has no real node, or None when it can start one."""
+    from singleton_testbed.node import unavailable_reason
+
+    if use_existing_cluster():
+        return "the real node joins the test bed's own control plane, not USE_EXISTING_CLUSTER's"
+    return unavailable_reason(testbed_binaries)
+
+
+@pytest.fixture(scope="session")
+def cluster(testbed_binaries: dict[str, Path], real_node_reason: str | None) -> Iterator[Cluster]:
     if use_existing_cluster():
         kubeconfig = Path(os.environ.get("KUBECONFIG", str(Path.home() / ".kube" / "config")))
         yield Cluster(kubeconfig, None)
         return
-    control_plane = ControlPlane(testbed_binaries)
+    # The real node's pods reach the API server through the `kubernetes` Service, whose endpoint
+    # is the advertised address: the node IP when a node may join (started on first use), so
+    # that the control plane need not restart for it; the stand-in's pods never use it.
+    from singleton_testbed.node_config import NodeLayout
+
+    advertise = NodeLayout().node_ip if real_node_reason is None else None
+    control_plane = ControlPlane(testbed_binaries, advertise_address=advertise)
     try:
         info = control_plane.start()
         yield Cluster(info.kubeconfig, control_plane)
@@ -168,52 +190,116 @@ def singleton_crd(cluster: Cluster) -> Path:
 
 # --- the real node -------------------------------------------------------------------------
 
+REAL_NODE_TAINT = {"key": "singleton.dev/real-node", "value": "session", "effect": "NoSchedule"}
+"""The session's real node carries it, so that the pods other tests leave to the scheduler (and
+which expect a stand-in, or no kubelet at all) never land on it."""
+REAL_NODE_TOLERATION = {"key": REAL_NODE_TAINT["key"], "operator": "Exists", "effect": "NoSchedule"}
+"""What a pod meant for the real node carries (with a nodeSelector on its hostname)."""
+NODE_BUSY_WAIT = float(os.environ.get("SINGLETON_NODE_WAIT", "300"))
+"""How long the session waits for another process's real node to go (``NodeBusyError``)."""
+
 
 @dataclass
 class RealNode:
-    """A real node (containerd + kubelet + kube-proxy) and the control plane it joined."""
+    """The session's real node (containerd + kubelet + kube-proxy) and the control plane it joined."""
 
     cluster: Cluster
     node: Node
     image: str
     """A busybox image imported into the node (``imagePullPolicy: Never``)."""
     archive: Path
-    """That image's archive, to import again after the node restarts."""
+    """That image's archive."""
+    archives: list[Path] = field(default_factory=list)
+    """Every archive imported so far, imported again by ``restart``."""
+
+    @property
+    def name(self) -> str:
+        return self.node.layout.name
+
+    def import_image(self, archive: Path) -> None:
+        self.node.import_image(archive)
+        if archive not in self.archives:
+            self.archives.append(archive)
+
+    def restart(self) -> None:
+        """Start the node again after ``node.stop()`` (a test that stops it), with every image
+        the session imported: a fresh containerd has none."""
+        self.node.start()
+        for archive in self.archives:
+            self.node.import_image(archive)
+
+    def pod_placement(self) -> dict[str, object]:
+        """What a pod spec needs to run on this node: its hostname and the taint's toleration."""
+        return {"nodeSelector": {"kubernetes.io/hostname": self.name}, "tolerations": [REAL_NODE_TOLERATION]}
+
+
+def _start_node(node: Node) -> None:
+    from singleton_testbed.node import NodeBusyError
+
+    deadline = time.monotonic() + NODE_BUSY_WAIT
+    waited = False
+    while True:
+        try:
+            node.start()
+            return
+        except NodeBusyError as error:
+            if time.monotonic() > deadline:
+                pytest.skip(f"{error} (waited {NODE_BUSY_WAIT:.0f} s; SINGLETON_NODE_WAIT)")
+            if not waited:
+                print(f"[real node] waiting up to {NODE_BUSY_WAIT:.0f} s: {error}", file=sys.stderr)
+                waited = True
+            time.sleep(5)
 
 
 @pytest.fixture(scope="session")
-def real_node(testbed_binaries: dict[str, Path], tmp_path_factory: pytest.TempPathFactory) -> Iterator[RealNode]:
-    """A real node on a control plane of its own: the node's pods reach the API server through
-    the ``kubernetes`` Service, so the control plane must advertise the node IP; and pods the
-    other tests schedule must not land on it. Skipped when this machine cannot run one."""
-    from singleton_testbed.node import Node, NodeBusyError, cleanup_stale, unavailable_reason
-    from singleton_testbed.node_config import NodeLayout
+def real_node(controllers: Cluster, testbed_binaries: dict[str, Path], real_node_reason: str | None,
+              tmp_path_factory: pytest.TempPathFactory) -> Iterator[RealNode]:
+    """The session's one real node, joined to the session's control plane (which advertises the
+    node IP), tainted with ``REAL_NODE_TAINT``. Started on first use, stopped at the end of the
+    session. Skipped when this machine cannot run one, or another process's node holds the
+    machine's node lock for longer than ``SINGLETON_NODE_WAIT`` seconds."""
+    from singleton_testbed.node import Node, cleanup_stale
     from singleton_testbed.oci import busybox_image, write_archive
 
-    if use_existing_cluster():
-        pytest.skip("the real node joins the test bed's own control plane, not USE_EXISTING_CLUSTER's")
-    if reason := unavailable_reason(testbed_binaries):
-        pytest.skip(reason)
+    if real_node_reason is not None:
+        pytest.skip(real_node_reason)
+    assert controllers.control_plane is not None
     try:
         image = busybox_image()
     except FileNotFoundError as error:
         pytest.skip(str(error))
     archive = write_archive(image, tmp_path_factory.mktemp("images") / "busybox.tar")
-    layout = NodeLayout()
-    control_plane = ControlPlane(testbed_binaries, advertise_address=layout.node_ip)
-    node: Node | None = None
+    node = Node(controllers.control_plane, testbed_binaries, taints=[REAL_NODE_TAINT])
+    _start_node(node)
     try:
-        info = control_plane.start()
-        control_plane.start_controllers()
-        node = Node(control_plane, testbed_binaries, layout=layout)
-        try:
-            node.start()
-        except NodeBusyError as error:
-            pytest.skip(str(error))
-        node.import_image(archive)
-        yield RealNode(Cluster(info.kubeconfig, control_plane), node, image.name, archive)
+        real = RealNode(controllers, node, image.name, archive)
+        real.import_image(archive)
+        yield real
     finally:
-        if node is not None:
-            node.stop()
-            cleanup_stale()  # what a failed test's killed node left, if any (no-op when none)
-        control_plane.stop()
+        node.stop()
+        cleanup_stale()  # what a failed test's killed node left, if any (no-op when none)
+
+
+@pytest.fixture(scope="session")
+def project_image(real_node: RealNode) -> str:
+    """The project's image (the Dockerfile, built with buildah, cached by content), imported
+    into the session's node; its reference, for ``imagePullPolicy: Never`` or ``IfNotPresent``."""
+    from singleton_testbed import images
+
+    if missing := images.missing_tools():
+        pytest.skip(f"building the image needs {' and '.join(missing)}")
+    archive, reference = images.build_project_image()
+    real_node.import_image(archive)
+    return reference
+
+
+@pytest.fixture(scope="session")
+def test_apps_image(real_node: RealNode, project_image: str) -> str:
+    """The test-only image (``singleton_testbed.apps_image``): the project's image plus
+    ``tests/data`` and the test bed's package at /opt/singleton-tests (on PYTHONPATH); imported
+    into the session's node."""
+    from singleton_testbed.apps_image import build_test_apps_image
+
+    archive, reference = build_test_apps_image()
+    real_node.import_image(archive)
+    return reference

@@ -1,9 +1,12 @@
 """``make demo`` end to end, in its plain (non-interactive) mode, then ``make demo-down``.
 
 The demo starts a test bed of its own (its servers on free ports, its state in a folder of
-this test's, its kubelet stand-in under a node name derived from that folder), so it never
-touches the session's servers. It must print a summary with at least three handovers and no
-overlap, and ``demo down`` must leave no process, network namespace or folder behind.
+this test's) and this machine's real node (containerd + kubelet + kube-proxy), into which it
+imports the project's image (built with buildah, cached by content: minutes when cold). It
+must print a summary with at least three handovers and no overlap, and ``demo down`` must
+leave no process, folder or node behind. Only one real node runs per machine: while another
+holds it (the tests' ``real_node``, ``make testbed-up``) the demo says so and stops, and the
+test tries again for up to ``SINGLETON_NODE_WAIT`` seconds, then skips.
 """
 
 from __future__ import annotations
@@ -13,14 +16,20 @@ import os
 import re
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
 
-from singleton_testbed.netns import DEFAULT_NETWORK, netns_supported
+from singleton_testbed.images import missing_tools
+from singleton_testbed.node import RUN_DIR, unavailable_reason
 
 REPO = Path(__file__).resolve().parent.parent
-_SKIP = netns_supported()
+# The node's own binaries are built by the demo (testbed/build.sh): check the machine alone.
+_SKIP = unavailable_reason({name: Path("/") for name in ("kubelet", "kube-proxy", "pause")}) or (
+    f"the image needs {' and '.join(missing)}" if (missing := missing_tools()) else None)
+NODE_BUSY = 4  # python -m demo run: another real node runs on this machine
+NODE_BUSY_WAIT = float(os.environ.get("SINGLETON_NODE_WAIT", "300"))  # as long as the session's real_node waits
 SUMMARY = re.compile(r"^SUMMARY (.*)$", re.MULTILINE)
 
 
@@ -59,17 +68,28 @@ def _demo(state: Path, *args: str, timeout: float) -> subprocess.CompletedProces
 @pytest.mark.k8s
 @pytest.mark.controlplane
 @pytest.mark.postgres
-@pytest.mark.timeout(360)
-@pytest.mark.skipif(_SKIP is not None, reason=f"make demo needs root and `ip netns`: {_SKIP}")
+@pytest.mark.image
+@pytest.mark.timeout(1100)
+@pytest.mark.skipif(_SKIP is not None, reason=f"make demo needs a real node and the image tools: {_SKIP}")
 def test_demo_runs_end_to_end_and_demo_down_leaves_nothing(tmp_path: Path) -> None:
     state = tmp_path / "demo-state"
     recorded: dict[str, dict[str, object] | str] = {}
+    deadline = time.monotonic() + NODE_BUSY_WAIT
     try:
-        result = _demo(state, "run", "--no-live", "--pause", "0.5", timeout=180)
-        recorded = json.loads((state / "demo.json").read_text())
+        while True:
+            # Warm: about 100 s; a cold image build adds about 2 min.
+            result = _demo(state, "run", "--no-live", "--pause", "0.5", timeout=480)
+            if result.returncode != NODE_BUSY or time.monotonic() > deadline:
+                break
+            time.sleep(5)  # another process's node (the e2e tests, make testbed-up): wait for it to go
+        if result.returncode != NODE_BUSY:
+            recorded = json.loads((state / "demo.json").read_text())
     finally:
-        down = _demo(state, "down", timeout=150)
+        down = _demo(state, "down", timeout=200)
     output = result.stdout + result.stderr
+    if result.returncode == NODE_BUSY:
+        pytest.skip(f"another real node ran on this machine for {NODE_BUSY_WAIT:.0f} s (SINGLETON_NODE_WAIT): "
+                    f"{output.strip().splitlines()[-1]}")
     assert result.returncode == 0, output
     match = SUMMARY.search(result.stdout)
     assert match, output
@@ -83,24 +103,25 @@ def test_demo_runs_end_to_end_and_demo_down_leaves_nothing(tmp_path: Path) -> No
 
     # demo down: nothing left.
     assert down.returncode == 0, down.stdout + down.stderr
-    for key in ("testbed", "kubelet", "operator"):
+    for key in ("testbed", "operator"):
         entry = recorded[key]
         assert isinstance(entry, dict)
         assert not _alive(entry), f"{key} (pid {entry['pid']}) still runs after demo down"
     assert not state.exists()
     kubeconfig = Path(str(recorded["kubeconfig"]))
     assert not kubeconfig.parent.exists(), "the test bed's folder was not removed"
-    assert not _processes_mentioning(str(state), str(kubeconfig)), "processes of the demo are left"
-    kubelet = recorded["kubelet"]
-    assert isinstance(kubelet, dict)
-    subnet = kubelet["subnet"]
-    assert isinstance(subnet, int)
-    netns = os.listdir("/run/netns") if os.path.isdir("/run/netns") else []
-    prefix = f"{DEFAULT_NETWORK.prefix}-{subnet}-"
-    assert not [name for name in netns if name.startswith(prefix)], netns
-    claim = DEFAULT_NETWORK.state_root / DEFAULT_NETWORK.prefix / "claims" / str(subnet)
-    if claim.exists():  # another stand-in may have claimed the /24 since, never ours
-        assert json.loads(claim.read_text()).get("node") != kubelet["node"]
+    workdirs = recorded["workdirs"]
+    assert isinstance(workdirs, list) and len(workdirs) == 2
+    assert not [folder for folder in workdirs if Path(folder).exists()], workdirs
+    node = recorded["node"]
+    assert isinstance(node, dict)
+    work = str(node["work"])
+    assert not Path(work).exists(), "the node's folder was not removed"
+    assert not _processes_mentioning(str(state), str(kubeconfig.parent), work), "processes of the demo are left"
+    # Our node is gone: its state file is removed (or names another node started since).
+    node_state = RUN_DIR / "state.json"
+    if node_state.exists():
+        assert json.loads(node_state.read_text()).get("work") != work
 
 
 def test_demo_down_without_a_demo_says_so(tmp_path: Path) -> None:

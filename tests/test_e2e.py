@@ -1,9 +1,14 @@
-"""End to end on the test bed: the operator, the controllers, the kubelet stand-in running
-real pods (sidecar + the sample poller writing a fenced ledger), and PostgreSQL.
+"""End to end on the test bed: the operator, the controllers, the session's real node running
+the pods as containers of the project's image (the injected sidecar + the sample poller
+writing a fenced ledger), and PostgreSQL.
 
 One group lives through the whole module, as a user's would: it comes up with one leader,
-loses its leader pod, loses a sidecar process, rolls out a spec change, and is deleted.
-The ledger, written by every acting leader, must show no overlap and no lost item."""
+loses its leader pod, loses its leader's sidecar container (SIGKILL of the container's
+processes, found in its cgroup by ``node_pods``), rolls out a spec change, and is deleted.
+The ledger, written by every acting leader, must show no overlap and no lost item.
+
+``USE_EXISTING_CLUSTER=true`` runs the same suite against the cluster of ``KUBECONFIG``:
+see ``ledger_database`` for ``SINGLETON_E2E_POD_DSN`` and the README."""
 
 from __future__ import annotations
 
@@ -15,6 +20,7 @@ import json
 import os
 import secrets
 import shutil
+import signal
 import subprocess
 import tempfile
 import time
@@ -27,29 +33,30 @@ import pytest
 import yaml
 
 from singleton_sidecar import contract
-from singleton_testbed.kubelet_control import StandInKubelet
+from singleton_testbed import node_pods
 from singleton_testbed.ledger import check_ledger
-from singleton_testbed.netns import PodNetworkConfig, netns_supported
+from singleton_testbed.node_config import NodeLayout
 from singleton_testbed.postgres import PostgresInfo
 from singleton_testbed.procs import free_port
-from tests.conftest import Cluster, use_existing_cluster
+from tests.conftest import REAL_NODE_TOLERATION, Cluster, RealNode, use_existing_cluster
 from tests.kubehelpers import bound_token, get_json, token_kubeconfig
 from tests.operators import OperatorProcess
 from tests.sidecars import wait_for
 from tests.test_rbac import helm_template
 
-# On the test bed pods run on the stand-in kubelet (root and network namespaces needed); on a
-# real cluster (USE_EXISTING_CLUSTER=true) they run on its nodes, from the image
-# SINGLETON_E2E_IMAGE (built and loaded beforehand: see the README's kind recipe).
+# On the test bed pods run on the session's real node (``real_node``: root and containerd
+# needed, skipped otherwise), from the project's image built and imported for the session; on
+# an existing cluster (USE_EXISTING_CLUSTER=true) they run on its nodes, from the image
+# SINGLETON_E2E_IMAGE (built and loaded beforehand: see the README).
 REAL_CLUSTER = use_existing_cluster()
-_SKIP = None if REAL_CLUSTER else netns_supported()
-pytestmark = [pytest.mark.k8s, pytest.mark.controlplane, pytest.mark.skipif(_SKIP is not None, reason=str(_SKIP))]
+pytestmark = [pytest.mark.k8s, pytest.mark.controlplane]
 IMAGE = os.environ.get("SINGLETON_E2E_IMAGE", "ghcr.io/singleton-dev/singleton:0.1.0")
 # The operator checks a postgres backend's DSN from where it runs (here: this machine), which
-# cannot resolve a cluster's Service names; on a real cluster the group elects through a Lease.
+# cannot resolve a cluster's Service names; on an existing cluster the group elects through a Lease.
 BACKEND = "lease" if REAL_CLUSTER else "postgres"
+POD_DSN_ENV = "SINGLETON_E2E_POD_DSN"
+LEDGER_DSN_ENV = "SINGLETON_E2E_LEDGER_DSN"
 
-NET = PodNetworkConfig()
 GROUP = "e2e-" + secrets.token_hex(3)
 FAST = {"leaseDuration": "2s", "renewDeadline": "1500ms", "retryPeriod": "500ms"}
 
@@ -58,10 +65,15 @@ FAST = {"leaseDuration": "2s", "renewDeadline": "1500ms", "retryPeriod": "500ms"
 class Bed:
     cluster: Cluster
     namespace: str
-    kubelet: StandInKubelet | None
+    image: str
+    """The project's image: the pollers' and the injected sidecars'."""
+    placement: dict[str, object]
+    """What the pod template adds to run on the intended node (``RealNode.pod_placement``)."""
     operator: OperatorProcess
     ledger_dsn: str
     """Where this test process reads the ledger."""
+    sidecar_kills: int = 0
+    """Leader sidecars SIGKILLed (each ends a term)."""
 
     def kubectl(self, *args: str, check: bool = True) -> Any:
         return self.cluster.kubectl(*args, "-n", self.namespace, check=check)
@@ -103,7 +115,7 @@ def settled(bed: Bed, replicas: int) -> dict[str, Any] | None:
     return leader
 
 
-def group_manifest(extra_env: dict[str, str] | None = None) -> str:
+def group_manifest(bed: Bed, extra_env: dict[str, str] | None = None) -> str:
     env = [{"name": "LEDGER_DSN", "valueFrom": {"secretKeyRef": {"name": "ledger-db", "key": "dsn"}}},
            *({"name": k, "value": v} for k, v in (extra_env or {}).items())]
     body = {"apiVersion": "singleton.dev/v1alpha1", "kind": "SingletonService", "metadata": {"name": GROUP},
@@ -111,8 +123,8 @@ def group_manifest(extra_env: dict[str, str] | None = None) -> str:
                      **({"postgres": {"secretRef": {"name": "ledger-db"}}} if BACKEND == "postgres" else {}),
                      "timings": FAST, "drain": {"timeout": "5s"}, "terminationGracePeriodSeconds": 10,
                      "service": {"ports": [{"port": 80, "targetPort": 9090}]},
-                     "template": {"spec": {"containers": [
-                         {"name": "poller", "image": IMAGE,
+                     "template": {"spec": {**bed.placement, "containers": [
+                         {"name": "poller", "image": bed.image,
                           "command": ["singleton-sample-poller"], "env": env}]}}}}
     return json.dumps(body)
 
@@ -142,11 +154,20 @@ spec: {selector: {app: ledger-pg}, ports: [{port: 5432}]}
 
 @contextlib.contextmanager
 def ledger_database(cluster: Cluster, namespace: str, pg_info: PostgresInfo | None) -> Iterator[tuple[str, str]]:
-    """(DSN for the pods, DSN for this process)."""
+    """(DSN for the pods, DSN for this process).
+
+    Test bed: the session's PostgreSQL, which admits the real node's pods (and the node IP) at
+    the node IP. Existing cluster: ``SINGLETON_E2E_POD_DSN`` when set, a database reachable
+    from the cluster's pods (and from this machine, or give ``SINGLETON_E2E_LEDGER_DSN`` for
+    the same database as this machine reaches it); otherwise a ``postgres:16-alpine`` pod,
+    read through a port-forward."""
     if not REAL_CLUSTER:
         if pg_info is None:
             pytest.skip("needs the session's own PostgreSQL (reachable from the pod network)")
-        yield dataclasses.replace(pg_info, host=NET.postgres_ip).dsn, pg_info.dsn
+        yield dataclasses.replace(pg_info, host=NodeLayout().node_ip).dsn, pg_info.dsn
+        return
+    if pod_dsn := os.environ.get(POD_DSN_ENV):
+        yield pod_dsn, os.environ.get(LEDGER_DSN_ENV, pod_dsn)
         return
     cluster.apply(POSTGRES_IN_CLUSTER, namespace=namespace)
     cluster.kubectl("rollout", "status", "deployment/ledger-pg", "-n", namespace, "--timeout=180s")
@@ -172,16 +193,20 @@ async def _reachable(dsn: str) -> bool:
 
 
 @pytest.fixture(scope="module")
-def bed(controllers: Cluster, singleton_crd: Path, pg_info: PostgresInfo | None,
+def bed(controllers: Cluster, singleton_crd: Path, pg_info: PostgresInfo | None, request: pytest.FixtureRequest,
         tmp_path_factory: pytest.TempPathFactory) -> Iterator[Bed]:
     cluster = controllers
+    if REAL_CLUSTER:
+        # Tolerating the test bed's taint costs nothing elsewhere, and lets the suite run on
+        # a test bed's node through its kubeconfig alone (make e2e-existing).
+        image, placement = IMAGE, {"tolerations": [REAL_NODE_TOLERATION]}
+    else:
+        real_node: RealNode = request.getfixturevalue("real_node")
+        image, placement = request.getfixturevalue("project_image"), real_node.pod_placement()
     namespace = "e2e-" + secrets.token_hex(3)
     cluster.kubectl("create", "namespace", namespace)
     cluster.kubectl("create", "serviceaccount", "default", "-n", namespace, check=False)
     workdir = tmp_path_factory.mktemp("e2e-operator")
-    kubelet = None if REAL_CLUSTER else StandInKubelet(
-        kubeconfig=cluster.kubeconfig, node="e2e-" + secrets.token_hex(3),
-        state_dir=tmp_path_factory.mktemp("e2e-kubelet"))
     # The operator runs with the chart's RBAC, and the chart's admission policy guards the pods.
     with tempfile.NamedTemporaryFile("w", suffix=".yaml") as values:
         yaml.safe_dump({"admissionPolicy": {"namespaceSelector": {"matchLabels": {
@@ -200,16 +225,12 @@ def bed(controllers: Cluster, singleton_crd: Path, pg_info: PostgresInfo | None,
             kubeconfig = token_kubeconfig(cluster, bound_token(cluster, namespace, account), namespace,
                                           workdir / "operator.kubeconfig")
             operator = OperatorProcess(kubeconfig, namespace, workdir / "operator.log",
-                                       extra_args=["--namespace", namespace, "--sidecar-image", IMAGE])
-            if kubelet is not None:
-                kubelet.start()
+                                       extra_args=["--namespace", namespace, "--sidecar-image", image])
             operator.start()
             try:
-                yield Bed(cluster, namespace, kubelet, operator, local_dsn)
+                yield Bed(cluster, namespace, image, placement, operator, local_dsn)
             finally:
                 operator.stop()
-                if kubelet is not None:
-                    kubelet.stop()
     finally:
         cluster.kubectl("delete", *[f"{o['kind'].lower()}/{o['metadata']['name']}" for o in objects
                                     if o["kind"].startswith(("Cluster", "ValidatingAdmission"))],
@@ -224,7 +245,7 @@ def bed(controllers: Cluster, singleton_crd: Path, pg_info: PostgresInfo | None,
 
 
 def test_1_three_replicas_one_leader_status_and_leader_endpoints(bed: Bed) -> None:
-    bed.cluster.apply(group_manifest(), namespace=bed.namespace)
+    bed.cluster.apply(group_manifest(bed), namespace=bed.namespace)
     leader = wait_for(lambda: settled(bed, 3), 90, "3 ready pods, one leader, status in agreement", 0.3)
     ip = leader["status"]["podIP"]
 
@@ -260,11 +281,16 @@ def test_2_deleting_the_leader_pod_hands_over(bed: Bed) -> None:
 
 
 def test_3_killing_the_leaders_sidecar_fails_over(bed: Bed) -> None:
-    if bed.kubelet is None:
-        pytest.skip("a container's main process cannot be SIGKILLed from outside on a real cluster")
     old = leader_name(bed)
     old_token = bed.status()["token"]
-    bed.kubelet.signal(bed.namespace, old, "singleton-sidecar", "SIGKILL")
+    pod = get_json(bed.cluster, "pod", old, "-n", bed.namespace)
+    if REAL_CLUSTER and not node_pods.on_this_machine(pod):
+        pytest.skip("the leader's containers are not on this machine: node_pods signals containers of "
+                    "the node running here only")
+    # Every process of the sidecar container (its PID 1 included), not the poller's.
+    killed = node_pods.signal_container(pod, "singleton-sidecar", signal.SIGKILL)
+    assert killed
+    bed.sidecar_kills += 1
     wait_for(lambda: (s := bed.status()).get("leader") not in (None, old) and s.get("token", 0) > old_token, 30,
              "another pod to lead", 0.1)
     # The killed sidecar is restarted by the kubelet and stands by.
@@ -281,7 +307,7 @@ def test_3_killing_the_leaders_sidecar_fails_over(bed: Bed) -> None:
 def test_4_a_spec_change_rolls_out_with_exactly_one_handover_to_a_new_pod(bed: Bed) -> None:
     before = {p["metadata"]["name"] for p in bed.pods()}
     transitions = bed.status()["transitions"]
-    bed.cluster.apply(group_manifest({"SAMPLE_ITEM_SECONDS": "0.03"}), namespace=bed.namespace)
+    bed.cluster.apply(group_manifest(bed, {"SAMPLE_ITEM_SECONDS": "0.03"}), namespace=bed.namespace)
     leaders_seen: list[str] = []
     history: list[str] = []
 
@@ -309,7 +335,8 @@ def test_4_a_spec_change_rolls_out_with_exactly_one_handover_to_a_new_pod(bed: B
 
 def test_5_the_ledger_shows_no_overlap_and_no_lost_item(bed: Bed) -> None:
     report = asyncio.run(check_ledger(bed.ledger_dsn, GROUP))
-    assert len(report.terms) >= (4 if bed.kubelet is not None else 3), report.terms
+    # One term to begin with, one per handover: deletion, sidecar kill (when it ran), rollout.
+    assert len(report.terms) >= 3 + bed.sidecar_kills, f"{report.terms}; {report.summary()}"
     assert not report.overlaps, report.overlaps
     assert not report.regressions, report.regressions
     # Every term but the last has ended, and none left an item started and not done: a deleted

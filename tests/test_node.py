@@ -1,15 +1,21 @@
 """The real node (``singleton_testbed.node``): containerd + runc + CNI, kubelet and kube-proxy
-from the test bed's Go build, on a control plane of its own (the ``real_node`` fixture).
+from the test bed's Go build, joined to the session's control plane (the session's
+``real_node`` fixture, shared with every suite that runs pods on it).
 
 Every component is real; the tests need root and the machine's containerd (skipped otherwise).
-The last test stops the node, checks that nothing is left, and starts it again.
+The last two tests stop the session's node (only one may run per machine), check that nothing
+is left after a stop and after a killed run, and start it again with every image the session
+had imported (``RealNode.restart``).
 """
 
 from __future__ import annotations
 
+import contextlib
 import ipaddress
 import json
+import os
 import secrets
+import signal
 import subprocess
 import sys
 import time
@@ -21,6 +27,7 @@ from typing import Any
 import pytest
 
 from singleton_testbed import node_host as host
+from singleton_testbed import node_pods
 from singleton_testbed.node import CTR, RUN_DIR, cleanup_stale
 from singleton_testbed.node_config import NodeLayout
 from tests.conftest import RealNode
@@ -36,7 +43,7 @@ def _wait(check: Callable[[], bool], *, timeout: float, what: str) -> None:
         time.sleep(0.2)
 
 
-def _pod_manifest(name: str, image: str) -> dict[str, Any]:
+def _pod_manifest(name: str, image: str, placement: dict[str, object]) -> dict[str, Any]:
     """A native sidecar (an init container with ``restartPolicy: Always``) and a main
     container, both as uid 10001 on a read-only root file system, with an exec readiness probe."""
     security = {"readOnlyRootFilesystem": True, "allowPrivilegeEscalation": False, "runAsUser": 10001,
@@ -54,7 +61,7 @@ def _pod_manifest(name: str, image: str) -> dict[str, Any]:
     return {
         "apiVersion": "v1", "kind": "Pod", "metadata": {"name": name},
         "spec": {
-            "terminationGracePeriodSeconds": 5,
+            "terminationGracePeriodSeconds": 5, **placement,
             "initContainers": [{**container("side"), "restartPolicy": "Always"}],
             "containers": [container("main")],
         },
@@ -62,7 +69,8 @@ def _pod_manifest(name: str, image: str) -> dict[str, Any]:
 
 
 def _create_pod(real_node: RealNode, namespace: str, name: str) -> dict[str, Any]:
-    real_node.cluster.apply(json.dumps(_pod_manifest(name, real_node.image)), namespace=namespace)
+    real_node.cluster.apply(json.dumps(_pod_manifest(name, real_node.image, real_node.pod_placement())),
+                            namespace=namespace)
     real_node.cluster.kubectl("wait", "--for=condition=Ready", f"pod/{name}", "-n", namespace, "--timeout=90s")
     result = real_node.cluster.kubectl("get", "pod", name, "-n", namespace, "-o", "json")
     pod: dict[str, Any] = json.loads(result.stdout)
@@ -155,6 +163,102 @@ def _pod_cgroups(real_node: RealNode, uid: str) -> list[Path]:
     return [p for p in host.cgroup_tree(real_node.node.layout.cgroup_root) if p.name == f"pod{uid}"]
 
 
+def _state(pid: int) -> str:
+    return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+
+
+def test_node_pods_finds_each_containers_processes_and_signals_one_alone(real_node: RealNode,
+                                                                         pod: dict[str, Any]) -> None:
+    side, main = node_pods.container_pids(pod, "side"), node_pods.container_pids(pod, "main")
+    assert side and main and not set(side) & set(main)
+    everything = set(node_pods.pod_pids(pod))
+    assert set(side) | set(main) < everything  # and the pause process
+    assert node_pods.sandbox_pid(pod) in everything - set(side) - set(main)
+    stopped = node_pods.signal_container(pod, "side", signal.SIGSTOP)
+    try:
+        assert set(stopped) >= set(side)
+        assert {_state(pid) for pid in stopped} == {"T"}
+        assert "T" not in {_state(pid) for pid in node_pods.container_pids(pod, "main")}
+    finally:
+        node_pods.signal_container(pod, "side", signal.SIGCONT)
+    assert "T" not in {_state(pid) for pid in node_pods.container_pids(pod, "side")}
+    assert node_pods.on_this_machine(pod)
+    stranger = {**pod, "metadata": {**pod["metadata"], "uid": "00000000-0000-0000-0000-000000000000"}}
+    assert not node_pods.on_this_machine(stranger)
+    with pytest.raises(node_pods.NotOnThisNode):
+        node_pods.container_pids(stranger, "main")
+
+
+def test_node_pods_freezes_and_thaws_the_whole_pod(real_node: RealNode, pod: dict[str, Any]) -> None:
+    # The main container's shell starts a `sleep 1` every second: frozen, it starts none. (Other
+    # new processes may appear: the exec readiness probes join the frozen cgroups, and wait.)
+    def seen() -> set[int]:
+        found = set()
+        for pid in node_pods.container_pids(pod, "main"):
+            with contextlib.suppress(OSError):
+                if Path(f"/proc/{pid}/cmdline").read_bytes().startswith(b"sleep\0"):
+                    found.add(pid)
+        return found
+
+    with node_pods.frozen_pod(pod):
+        assert node_pods.freezer_state(pod) == "FROZEN"
+        before = seen()
+        time.sleep(2.5)
+        assert seen() == before
+    assert node_pods.freezer_state(pod) == "THAWED"
+    _wait(lambda: bool(seen() - before), timeout=5, what="the thawed pod to run again")
+
+
+def _nc(real_node: RealNode, namespace: str, address: str, port: int, wait: int) -> tuple[int, float]:
+    started = time.monotonic()
+    result = _exec(real_node, namespace, "sh", "-c", f"nc -w {wait} {address} {port} </dev/null")
+    return result.returncode, time.monotonic() - started
+
+
+def test_node_pods_partitions_the_pod_inside_its_network_namespace(real_node: RealNode, pod: dict[str, Any],
+                                                                   node_namespace: str) -> None:
+    main = node_pods.container_pids(pod, "main")[0]
+    assert os.stat(node_pods.pod_netns(pod)).st_ino == os.stat(f"/proc/{main}/ns/net").st_ino
+    assert os.stat(node_pods.pod_netns(pod)).st_ino != os.stat("/proc/self/ns/net").st_ino
+    api = (real_node.node.layout.node_ip, real_node.node.control_plane.api_port)
+    assert _nc(real_node, node_namespace, *api, wait=5)[0] == 0
+    try:
+        node_pods.partition(pod, api[0], mode="reject")
+        node_pods.partition(pod, api[0], mode="reject")  # idempotent
+        code, took = _nc(real_node, node_namespace, *api, wait=5)
+        assert code != 0 and took < 4, (code, took)  # refused at once, not timed out
+        node_pods.heal(pod, api[0])
+        assert _nc(real_node, node_namespace, *api, wait=5)[0] == 0
+        node_pods.partition(pod, api[0], mode="drop")
+        code, took = _nc(real_node, node_namespace, *api, wait=2)
+        assert code != 0 and took >= 2, (code, took)  # silently lost: the connect times out
+    finally:
+        node_pods.heal(pod, api[0])
+    assert _nc(real_node, node_namespace, *api, wait=5)[0] == 0
+    rules = subprocess.run(node_pods.in_pod_netns(pod, "iptables-save"), capture_output=True, text=True, check=True)
+    assert node_pods.PARTITION_COMMENT not in rules.stdout
+
+
+def test_the_test_apps_image_runs_the_tests_workers(real_node: RealNode, test_apps_image: str,
+                                                  node_namespace: str) -> None:
+    """The test-only image has what ``tests/data/ledger_worker.py`` imports, from its own files,
+    as the image's non-root user on a read-only root."""
+    check = ("import asyncpg, singleton_sidecar.fencing, singleton_testbed.actlog, os; "
+             "print(singleton_testbed.actlog.__file__, os.path.isfile('/opt/singleton-tests/data/ledger_worker.py'), "
+             "os.path.isfile('/opt/singleton-tests/data/acting_app.py'), os.getuid())")
+    manifest = {
+        "apiVersion": "v1", "kind": "Pod", "metadata": {"name": "apps"},
+        "spec": {"restartPolicy": "Never", **real_node.pod_placement(), "containers": [{
+            "name": "apps", "image": test_apps_image, "imagePullPolicy": "Never", "command": ["python", "-c", check],
+            "securityContext": {"readOnlyRootFilesystem": True, "runAsNonRoot": True}}]},
+    }
+    real_node.cluster.apply(json.dumps(manifest), namespace=node_namespace)
+    real_node.cluster.kubectl("wait", "--for=jsonpath={.status.phase}=Succeeded", "pod/apps", "-n", node_namespace,
+                              "--timeout=90s")
+    logs = real_node.cluster.kubectl("logs", "apps", "-n", node_namespace)
+    assert logs.stdout.split() == ["/opt/singleton-tests/singleton_testbed/actlog.py", "True", "True", "10001"]
+
+
 def test_deleting_the_pod_stops_its_containers(real_node: RealNode, node_namespace: str) -> None:
     doomed = _create_pod(real_node, node_namespace, "doomed")
     ids = _container_ids(doomed)
@@ -217,10 +321,9 @@ def test_stop_leaves_nothing_behind_and_the_node_starts_again(real_node: RealNod
     before = _snapshot(node.layout)
     node.stop()
     _assert_nothing_left(node.layout, before)
-    # The session's other users (and this module's teardown) find the node running again.
-    node.start()
+    # The session's other users (and the session's teardown) find the node running again.
+    real_node.restart()
     assert node.ready()
-    node.import_image(real_node.archive)  # a fresh containerd: images are imported again
 
 
 _KILLED_NODE = """
@@ -244,7 +347,10 @@ def test_a_killed_run_is_cleaned_up_from_its_state_file(real_node: RealNode, nod
     """A process that runs a node is killed with SIGKILL (as pytest may be): its kubelet,
     kube-proxy and containerd die with it, but shims, containers, mounts, the bridge, the
     iptables chains and the cgroups stay; ``cleanup_stale`` (what ``start`` and
-    ``singleton-testbed down`` call) removes them from the state file."""
+    ``singleton-testbed down`` call) removes them from the state file.
+
+    Only one node may run per machine, so the session's node stops for the child's (which joins
+    the same control plane under the same name) and starts again afterwards."""
     node, control_plane = real_node.node, real_node.node.control_plane
     node.stop()
     binaries = json.dumps({name: str(path) for name, path in node.binaries.items()})
@@ -264,6 +370,5 @@ def test_a_killed_run_is_cleaned_up_from_its_state_file(real_node: RealNode, nod
     assert cleanup_stale() is True
     _assert_nothing_left(node.layout, before)
     real_node.cluster.kubectl("delete", "pod", "orphan", "-n", node_namespace, "--force", "--grace-period=0")
-    node.start()
+    real_node.restart()
     assert node.ready()
-    node.import_image(real_node.archive)  # a fresh containerd: images are imported again

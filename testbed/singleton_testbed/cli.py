@@ -3,8 +3,10 @@
 ``up`` starts PostgreSQL and the control plane (with controller-manager and scheduler)
 in a background process and prints the variables to export; when run as root on a machine
 with containerd, runc and the CNI plugins it also starts a real node (``singleton_testbed.node``:
-containerd + kubelet + kube-proxy, Node ``singleton-node``; ``--no-node`` skips it) and prints
-how to import images into it. ``down`` stops it and removes its folders, and removes what a
+containerd + kubelet + kube-proxy, Node ``singleton-node``; ``--no-node`` skips it), imports the
+project's image into it (built with buildah when not cached; ``--no-image`` skips it), prints
+how to import more images, and exports ``SINGLETON_E2E_POD_DSN``, the PostgreSQL DSN its pods
+use (``make e2e-existing``). ``down`` stops it and removes its folders, and removes what a
 killed real node left behind; ``status`` tells whether it runs. ``kubelet --node NAME --state-dir DIR``
 runs a stand-in kubelet in the foreground (root only) so pods of that node run as local
 processes; ``--kubeconfig`` defaults to the running test bed's (see
@@ -16,6 +18,7 @@ its size (``singleton_testbed.images``; ``make image``).
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import signal
@@ -35,7 +38,22 @@ STATE_DIR = Path(os.environ.get("SINGLETON_TESTBED_STATE", str(Path.home() / ".c
 STATE_FILE = STATE_DIR / "testbed.json"
 
 
-def _serve(with_node: bool) -> int:
+def _import_project_image(node: node_mod.Node) -> dict[str, str]:
+    """Build (or find in the cache) the project's image and import it into the node, so pods
+    can use ``ghcr.io/singleton-dev/singleton:<version>`` at once; why not, when it cannot."""
+    from singleton_testbed import images
+
+    if missing := images.missing_tools():
+        return {"IMAGE_SKIPPED": f"building the image needs {' and '.join(missing)}"}
+    try:
+        archive, reference = images.build_project_image()
+        node.import_image(archive)
+    except (images.ImageBuildError, node_mod.NodeError) as error:
+        return {"IMAGE_SKIPPED": str(error)}
+    return {"IMAGE": reference}
+
+
+def _serve(with_node: bool, with_image: bool = True) -> int:
     """Run in the background: start everything, write the state file, wait for SIGTERM."""
     stop = threading.Event()
     signal.signal(signal.SIGTERM, lambda *_: stop.set())
@@ -63,7 +81,10 @@ def _serve(with_node: bool) -> int:
             node = node_mod.Node(control_plane, binaries, layout=layout)
             node.start()
             state |= {"NODE": layout.name, "NODE_IP": layout.node_ip, "NODE_WORK": str(node.paths.work),
-                      "CONTAINERD_ADDRESS": str(node.paths.socket)}
+                      "CONTAINERD_ADDRESS": str(node.paths.socket),
+                      # The same database as seen from the node's pods (and from this machine).
+                      "SINGLETON_E2E_POD_DSN": dataclasses.replace(pg, host=layout.node_ip).dsn}
+            state |= _import_project_image(node) if with_image else {"IMAGE_SKIPPED": "--no-image given"}
         else:
             state["NODE_SKIPPED"] = no_node
         tmp = STATE_FILE.with_suffix(".tmp")
@@ -97,6 +118,12 @@ def _print_exports(state: dict[str, str]) -> None:
     print(f"export SINGLETON_TEST_DSN={state['SINGLETON_TEST_DSN']}")
     print(f"export SINGLETON_TEST_ADMIN_DSN={state['SINGLETON_TEST_ADMIN_DSN']}")
     print(f"export PATH={state['PATH_PREFIX']}:$PATH")
+    if "SINGLETON_E2E_POD_DSN" in state:
+        print(f"export SINGLETON_E2E_POD_DSN={state['SINGLETON_E2E_POD_DSN']}")
+    if "IMAGE" in state:
+        print(f"# image {state['IMAGE']} imported into the real node")
+    elif "IMAGE_SKIPPED" in state:
+        print(f"# the project's image is not imported: {state['IMAGE_SKIPPED']}")
     if "NODE" in state:
         print(f"# real node {state['NODE']} (InternalIP {state['NODE_IP']}, files in {state['NODE_WORK']}); "
               "import an image archive into it with:\n"
@@ -105,7 +132,7 @@ def _print_exports(state: dict[str, str]) -> None:
         print(f"# no real node: {state['NODE_SKIPPED']}")
 
 
-def _up(with_node: bool) -> int:
+def _up(with_node: bool, with_image: bool = True) -> int:
     if state := _read_state():
         print("# the test bed is already running", file=sys.stderr)
         _print_exports(state)
@@ -115,10 +142,13 @@ def _up(with_node: bool) -> int:
     find_all()  # build in the foreground so its progress is visible
     with open(log_path, "ab") as log_file:
         proc = subprocess.Popen(
-            [sys.executable, "-m", "singleton_testbed.cli", "serve", *([] if with_node else ["--no-node"])],
+            [sys.executable, "-m", "singleton_testbed.cli", "serve", *([] if with_node else ["--no-node"]),
+             *([] if with_image else ["--no-image"])],
             stdout=log_file, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True,
         )
-    deadline = time.monotonic() + 240  # a real node adds up to two minutes
+    # A real node adds up to two minutes, a cold build of the image it imports about two more.
+    wait = 600 if with_node else 240
+    deadline = time.monotonic() + wait
     while time.monotonic() < deadline:
         if proc.poll() is not None:
             print(f"the test bed failed to start; see {log_path}", file=sys.stderr)
@@ -129,7 +159,7 @@ def _up(with_node: bool) -> int:
             return 0
         time.sleep(0.2)
     proc.terminate()
-    print(f"the test bed did not become ready in 240 s; see {log_path}", file=sys.stderr)
+    print(f"the test bed did not become ready in {wait} s; see {log_path}", file=sys.stderr)
     return 1
 
 
@@ -196,11 +226,13 @@ def main(argv: list[str] | None = None) -> int:
                         help="up: start in the background; down: stop; status: print exports; "
                              "serve: run in the foreground; kubelet: run a stand-in kubelet (root)")
     parser.add_argument("--no-node", action="store_true", help="up/serve: do not start the real node")
+    parser.add_argument("--no-image", action="store_true",
+                        help="up/serve: do not build and import the project's image into the real node")
     args = parser.parse_args(argv)
     if args.command == "up":
-        return _up(not args.no_node)
+        return _up(not args.no_node, not args.no_image)
     if args.command == "serve":
-        return _serve(not args.no_node)
+        return _serve(not args.no_node, not args.no_image)
     commands = {"down": _down, "status": _status}
     return commands[args.command]()
 

@@ -32,7 +32,7 @@ import shutil
 import subprocess
 import tempfile
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import IO, Any
 
@@ -95,8 +95,12 @@ def unavailable_reason(binaries: dict[str, Path]) -> str | None:
 
 class Node:
     def __init__(self, control_plane: ControlPlane, binaries: dict[str, Path], *,
-                 layout: NodeLayout | None = None, workdir: Path | None = None) -> None:
+                 layout: NodeLayout | None = None, workdir: Path | None = None,
+                 taints: Sequence[Mapping[str, str]] = ()) -> None:
+        """``taints``: what the kubelet registers the Node with (``registerWithTaints``), e.g. to
+        keep pods that do not tolerate them off a node shared with other tests."""
         self.control_plane = control_plane
+        self.taints = [dict(taint) for taint in taints]
         self.binaries = binaries
         self.layout = layout or NodeLayout()
         self.paths = NodePaths(workdir or Path(tempfile.mkdtemp(prefix="singleton-node-")))
@@ -220,7 +224,7 @@ class Node:
     def _start_kubelet(self) -> None:
         self.kubelet_port = free_port()
         config = write_kubelet_config(self.paths, self.layout, ca_file=self.control_plane.info.ca_file,
-                                      port=self.kubelet_port, serving=self.serving)
+                                      port=self.kubelet_port, serving=self.serving, taints=self.taints)
         self.kubelet = Process(
             "kubelet",
             [

@@ -9,6 +9,7 @@ from __future__ import annotations
 import ipaddress
 import json
 import subprocess
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -205,7 +206,7 @@ def write_cni_config(paths: NodePaths, layout: NodeLayout) -> Path:
 
 
 def write_kubelet_config(paths: NodePaths, layout: NodeLayout, *, ca_file: Path, port: int,
-                         serving: tuple[Path, Path]) -> Path:
+                         serving: tuple[Path, Path], taints: Sequence[Mapping[str, str]] = ()) -> Path:
     config = {
         "apiVersion": "kubelet.config.k8s.io/v1beta1",
         "kind": "KubeletConfiguration",
@@ -238,6 +239,8 @@ def write_kubelet_config(paths: NodePaths, layout: NodeLayout, *, ca_file: Path,
         "shutdownGracePeriod": "0s",
         "nodeStatusUpdateFrequency": "5s",
     }
+    if taints:
+        config["registerWithTaints"] = [dict(taint) for taint in taints]
     path = paths.work / "kubelet-config.json"
     path.write_text(json.dumps(config, indent=2))
     return path

@@ -187,9 +187,23 @@ def cgroup_pids(root: str) -> set[int]:
     return pids
 
 
+def thaw_cgroups(root: str) -> None:
+    """Thaw every v1 freezer cgroup below ``root`` (a pod a test froze, ``node_pods``): a
+    frozen process does not die of SIGKILL until it is thawed."""
+    top = CGROUP_FS / "freezer" / root.strip("/")
+    if not top.is_dir():
+        return
+    for folder, _, _ in os.walk(top):
+        with contextlib.suppress(OSError):
+            state = Path(folder, "freezer.state")
+            if state.read_text().strip() != "THAWED":
+                state.write_text("THAWED")
+
+
 def remove_cgroups(root: str, timeout: float = 10) -> None:
     """Kill what still runs below ``root`` (containers of a killed run), then remove the tree."""
     deadline = time.monotonic() + timeout
+    thaw_cgroups(root)
     while (pids := cgroup_pids(root)) and time.monotonic() < deadline:
         kill_and_wait(pids, timeout=2)
     for folder in cgroup_tree(root):

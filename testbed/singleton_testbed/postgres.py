@@ -5,10 +5,12 @@ a non-superuser role (``singleton``) for the code under test. When run as root (
 the server runs as the ``postgres`` system user, since PostgreSQL refuses root.
 
 Pods of the stand-in kubelet reach the server at the pod network's ``postgres_ip``
-(10.213.0.3 by default): with ``serve_pods`` (the default when root) it listens on every IPv4
-address and ``pg_hba.conf`` admits the pod network with a password (``scram-sha-256``), so
-only the ``singleton`` role can log in from pods; other networks match no rule and are refused.
-For a pod's DSN: ``dataclasses.replace(server.info, host=PodNetworkConfig().postgres_ip).dsn``.
+(10.213.0.3 by default), pods of the real node (``node``) at the node IP (10.216.0.1): with
+``serve_pods`` (the default when root) it listens on every IPv4 address and ``pg_hba.conf``
+admits both pod networks and the node IP with a password (``scram-sha-256``), so only the
+``singleton`` role can log in from pods; other networks match no rule and are refused.
+For a pod's DSN: ``dataclasses.replace(server.info, host=PodNetworkConfig().postgres_ip).dsn``
+(stand-in) or ``host=NodeLayout().node_ip`` (real node; this machine can use that DSN too).
 """
 
 from __future__ import annotations
@@ -18,15 +20,21 @@ import pwd
 import shutil
 import subprocess
 import tempfile
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
 from singleton_testbed.netns import DEFAULT_NETWORK
+from singleton_testbed.node_config import NodeLayout
 from singleton_testbed.procs import Process, free_port, wait_until
 
 APP_ROLE = "singleton"
 APP_PASSWORD = "singleton-test-password"
 DATABASE = "singleton"
+POD_NETWORKS = (DEFAULT_NETWORK.cidr, NodeLayout().pod_cidr, f"{NodeLayout().node_ip}/32")
+"""Admitted when serving pods: the stand-in's pod network, the real node's pod network, and the
+node IP itself (what this machine's own connections to the node IP come from: an operator run
+on the host checks the DSN its pods get)."""
 
 
 def find_pg_bin() -> Path:
@@ -61,11 +69,11 @@ class PostgresInfo:
 
 class PostgresServer:
     def __init__(self, workdir: Path | None = None, *, serve_pods: bool | None = None,
-                 pod_cidr: str = DEFAULT_NETWORK.cidr) -> None:
-        """``serve_pods``: also accept the pod network (default: when root, as the stand-in kubelet
-        needs root); ``pod_cidr``: the network admitted by ``pg_hba.conf``."""
+                 pod_cidrs: Sequence[str] = POD_NETWORKS) -> None:
+        """``serve_pods``: also accept the pod networks (default: when root, as pods need root);
+        ``pod_cidrs``: the networks admitted by ``pg_hba.conf``."""
         self.serve_pods = os.geteuid() == 0 if serve_pods is None else serve_pods
-        self.pod_cidr = pod_cidr
+        self.pod_cidrs = tuple(pod_cidrs)
         self._own_workdir = workdir is None
         self.workdir = workdir or Path(tempfile.mkdtemp(prefix="singleton-pg-"))
         self.datadir = self.workdir / "data"
@@ -104,10 +112,12 @@ class PostgresServer:
 
     def _admit_pods(self) -> None:
         hba = self.datadir / "pg_hba.conf"
-        rule = f"host all {APP_ROLE} {self.pod_cidr} scram-sha-256\n"
         text = hba.read_text()
-        if rule not in text:
-            hba.write_text(text + "# pods of the stand-in kubelet\n" + rule)
+        for cidr in self.pod_cidrs:
+            rule = f"host all {APP_ROLE} {cidr} scram-sha-256\n"
+            if rule not in text:
+                text += "# pods (stand-in kubelet or real node)\n" + rule
+        hba.write_text(text)
 
     def _start_process(self) -> None:
         sockets = self.workdir / "sockets"
