@@ -34,7 +34,7 @@ import yaml
 
 from singleton_sidecar import contract
 from singleton_testbed import node_pods
-from singleton_testbed.ledger import check_ledger
+from singleton_testbed.ledger import LedgerReport, check_ledger
 from singleton_testbed.node_config import NodeLayout
 from singleton_testbed.postgres import PostgresInfo
 from singleton_testbed.procs import free_port
@@ -334,7 +334,15 @@ def test_4_a_spec_change_rolls_out_with_exactly_one_handover_to_a_new_pod(bed: B
 
 
 def test_5_the_ledger_shows_no_overlap_and_no_lost_item(bed: Bed) -> None:
-    report = asyncio.run(check_ledger(bed.ledger_dsn, GROUP))
+    # The last term (the rollout's new leader) counts once its poller has written: the group
+    # settles (status, readiness) before that first write, which takes the poller a moment.
+    token = int(bed.status()["token"])
+
+    def written() -> LedgerReport | None:
+        report = asyncio.run(check_ledger(bed.ledger_dsn, GROUP))
+        return report if any(term[0] == token for term in report.terms) else None
+
+    report = wait_for(written, 30, f"the current leader (token {token}) to write", 0.5)
     # One term to begin with, one per handover: deletion, sidecar kill (when it ran), rollout.
     assert len(report.terms) >= 3 + bed.sidecar_kills, f"{report.terms}; {report.summary()}"
     assert not report.overlaps, report.overlaps
