@@ -441,7 +441,9 @@ def test_the_campaign_fails_when_apps_cannot_check_their_deadline(tmp_path: Path
     print(result.render())
     stats = result.backends[0].stats["sigstop"]
     # Not every freeze can show: a worker frozen inside a transaction longer than its
-    # idle-in-transaction timeout finds its session ended on waking and exits without acting.
-    assert stats.count == 2 and stats.acting >= 1 and stats.inflight == 0, result.render()
+    # idle-in-transaction timeout finds its session ended on waking and exits without acting
+    # again; the act it was in when frozen then ends, failed, after its successor began: an act
+    # in flight through the freeze (reported, not a failure). One late act is enough to fail.
+    assert stats.count == 2 and stats.acting >= 1, result.render()
     assert stats.unfenced_ledger > 0, result.render()
     assert not result.verdict_ok and "VERDICT: FAIL" in result.verdict()

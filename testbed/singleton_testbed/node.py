@@ -134,6 +134,10 @@ class Node:
             self.import_image(self._pause_archive())
             write_cni_config(self.paths, self.layout)
             self._authorize()
+            # A Node object left by an earlier node of this name (a killed run, or a node started
+            # with other taints) would be adopted by the kubelet as it is: registerWithTaints
+            # applies only when the kubelet creates the object. Start from a fresh registration.
+            self.control_plane.kubectl("delete", "node", self.layout.name, "--ignore-not-found", check=False)
             self._start_kubelet()
             self._start_kube_proxy()
             self._wait_ready(timeout)
