@@ -285,17 +285,19 @@ async def test_an_act_stalled_after_its_deadline_check_is_logged_as_decided_in_i
     start: Start, pg_dsn: str, group: str, tmp_path: Path, check: str
 ) -> None:
     """The worker checks its term's deadline (``SINGLETON_DEADLINE_FILE``), then stalls before
-    its third act (``LEDGER_PAUSE_AFTER_CHECK``); meanwhile its term ends and a newer token acts.
+    its third act (``LEDGER_PAUSE_UNTIL``) until the test lets it go; meanwhile its term ends and a newer token acts.
     It acts once, late (the fence refuses it): the act log says that act was decided before the
     newer token began. Without the check the same late act is not decided: the campaign counts
     it as a failure."""
     deadline = tmp_path / "deadline"
     deadline.write_text(f"{time.monotonic() + 600:.6f}\n")
-    old = start(5, SINGLETON_DEADLINE_FILE=str(deadline), LEDGER_PAUSE_AFTER_CHECK="1.5", LEDGER_DEADLINE_CHECK=check)
+    release = tmp_path / "release"
+    old = start(5, SINGLETON_DEADLINE_FILE=str(deadline), LEDGER_PAUSE_UNTIL=str(release), LEDGER_DEADLINE_CHECK=check)
     await wait_acts(pg_dsn, group, "token 5's first item", acted(5, 2))
     deadline.write_text("0\n")  # the term is over: no act may begin from now on
     new = start(7)
     await wait_acts(pg_dsn, group, "token 7 to act", acted(7, 1))
+    release.touch()  # the stalled act goes ahead now, after token 7's first
     assert await wait_exit(old) == 3, old.log()
     assert "fenced out" in old.log()
     os.kill(new.popen.pid, signal.SIGTERM)

@@ -46,8 +46,8 @@ Options (environment; the defaults are the safe behaviour the tests rely on):
   boot-time clock in centiseconds, as ``/proc/uptime`` shows it). With the deadline check on,
   the worker then begins an act only while that flag exists, names its token, and its deadline
   has not passed: the file-gated twin of ``SINGLETON_DEADLINE_FILE``.
-- ``LEDGER_PAUSE_AFTER_CHECK=S``: stall S seconds between the deadline check before the third
-  act (item 2's start) and that act, as a whole-pod freeze landing there would: the act then
+- ``LEDGER_PAUSE_UNTIL=PATH``: stall between the deadline check before the third act (item 2's
+  start) and that act until PATH exists, as a whole-pod freeze landing there would: the act then
   comes late, decided in its term (``decided_at`` in the act log says when the check passed).
 - ``LEDGER_ESCAPE=S``: the writer escapes the gate (deliberately unsafe): the gated process
   starts a writer in a session of its own that ignores SIGTERM, so neither the gate's SIGTERM
@@ -68,9 +68,14 @@ from singleton_sidecar.fencing import StaleToken, fence
 from singleton_testbed.actlog import FAILED, REFUSED, WRITTEN, ActLog, create_tables
 
 PAUSED_ACT = 3
-"""``LEDGER_PAUSE_AFTER_CHECK`` stalls this act (item 2's start): the worker has acted before it."""
+"""``LEDGER_PAUSE_UNTIL`` stalls this act (item 2's start): the worker has acted before it."""
 CHILD_ITEMS = 1_000_000_000
 """Child ``n`` numbers its items from ``n * CHILD_ITEMS``: the ledger keys items by (token, item)."""
+
+
+def wait_for_file(path: str) -> None:
+    while not os.path.exists(path):
+        time.sleep(0.01)
 
 
 async def wait_for_sigterm() -> int:
@@ -176,7 +181,7 @@ async def main() -> int:
     check = os.environ.get("LEDGER_DEADLINE_CHECK", "on") != "off"
     deadline_file = os.environ.get("SINGLETON_DEADLINE_FILE") if check else None
     gate_dir = os.environ.get("LEDGER_GATE_DIR") if check else None
-    pause_after_check = float(os.environ.get("LEDGER_PAUSE_AFTER_CHECK", "0"))
+    pause_until = os.environ.get("LEDGER_PAUSE_UNTIL")
     acts_done = 0
     while not stop.is_set():
         item += 1
@@ -189,8 +194,8 @@ async def main() -> int:
                 return 0
             decided = time.time() if deadline_file is not None or gate_dir is not None else None
             acts_done += 1
-            if acts_done == PAUSED_ACT and pause_after_check:
-                await asyncio.sleep(pause_after_check)  # a stall between the check and the act
+            if acts_done == PAUSED_ACT and pause_until:
+                await asyncio.to_thread(wait_for_file, pause_until)  # a stall between the check and the act
             try:
                 act = await acts.begin(item, phase, decided=decided)
             except (asyncpg.PostgresError, asyncpg.InterfaceError, OSError) as exc:
