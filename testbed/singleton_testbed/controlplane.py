@@ -54,6 +54,20 @@ def _openssl(*args: str, cwd: Path) -> None:
     subprocess.run(["openssl", *args], cwd=cwd, check=True, capture_output=True)
 
 
+def issue_cert(pki: Path, ca_dir: Path, name: str, subject: str, sans: str = "") -> tuple[Path, Path]:
+    """A key and a certificate signed by the control plane's CA (``ca.crt``/``ca.key``)."""
+    pki.mkdir(parents=True, exist_ok=True)
+    _openssl("req", "-newkey", "rsa:2048", "-nodes", "-keyout", f"{name}.key", "-out", f"{name}.csr",
+             "-subj", subject, cwd=pki)
+    ext = pki / f"{name}.ext"
+    ext.write_text((f"subjectAltName={sans}\n" if sans else "") + "extendedKeyUsage=clientAuth,serverAuth\n")
+    _openssl("x509", "-req", "-in", f"{name}.csr", "-CA", str(ca_dir / "ca.crt"), "-CAkey", str(ca_dir / "ca.key"),
+             "-CAcreateserial", "-CAserial", str(pki / "ca.srl"), "-out", f"{name}.crt", "-days", "2",
+             "-extfile", ext.name, cwd=pki)
+    (pki / f"{name}.key").chmod(0o600)
+    return pki / f"{name}.crt", pki / f"{name}.key"
+
+
 def make_pki(folder: Path, extra_ips: Sequence[str] = ()) -> None:
     """A CA, an API server serving certificate for 127.0.0.1/localhost (and ``extra_ips``), a service-account key."""
     folder.mkdir(parents=True, exist_ok=True)
@@ -69,11 +83,7 @@ def make_pki(folder: Path, extra_ips: Sequence[str] = ()) -> None:
              "-out", "apiserver.crt", "-days", "2", "-extfile", "san.ext", cwd=folder)
     # The API server's client certificate towards kubelets (logs, exec, port-forward): a real
     # kubelet (``node``) accepts it through its client CA; the stand-in serves no kubelet API.
-    _openssl("req", "-newkey", "rsa:2048", "-nodes", "-keyout", "kubelet-client.key", "-out", "kubelet-client.csr",
-             "-subj", "/O=system:masters/CN=kube-apiserver-kubelet-client", cwd=folder)
-    (folder / "client.ext").write_text("extendedKeyUsage=clientAuth\n")
-    _openssl("x509", "-req", "-in", "kubelet-client.csr", "-CA", "ca.crt", "-CAkey", "ca.key", "-CAcreateserial",
-             "-out", "kubelet-client.crt", "-days", "2", "-extfile", "client.ext", cwd=folder)
+    issue_cert(folder, folder, "kubelet-client", "/O=system:masters/CN=kube-apiserver-kubelet-client")
     _openssl("genrsa", "-out", "sa.key", "2048", cwd=folder)
     _openssl("rsa", "-in", "sa.key", "-pubout", "-out", "sa.pub", cwd=folder)
 

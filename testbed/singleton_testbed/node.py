@@ -37,12 +37,11 @@ from pathlib import Path
 from typing import IO, Any
 
 from singleton_testbed import node_host as host
-from singleton_testbed.controlplane import ControlPlane
+from singleton_testbed.controlplane import ControlPlane, issue_cert
 from singleton_testbed.node_config import (
     PAUSE_IMAGE,
     NodeLayout,
     NodePaths,
-    issue_cert,
     write_cert_kubeconfig,
     write_cni_config,
     write_containerd_config,

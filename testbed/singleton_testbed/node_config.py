@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import ipaddress
 import json
-import subprocess
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -85,24 +84,6 @@ class NodePaths:
     @property
     def images(self) -> Path:
         return self.work / "images"
-
-
-def _openssl(*args: str, cwd: Path) -> None:
-    subprocess.run(["openssl", *args], cwd=cwd, check=True, capture_output=True)
-
-
-def issue_cert(pki: Path, ca_dir: Path, name: str, subject: str, sans: str = "") -> tuple[Path, Path]:
-    """A key and a certificate signed by the control plane's CA (``ca.crt``/``ca.key``)."""
-    pki.mkdir(parents=True, exist_ok=True)
-    _openssl("req", "-newkey", "rsa:2048", "-nodes", "-keyout", f"{name}.key", "-out", f"{name}.csr",
-             "-subj", subject, cwd=pki)
-    ext = pki / f"{name}.ext"
-    ext.write_text((f"subjectAltName={sans}\n" if sans else "") + "extendedKeyUsage=clientAuth,serverAuth\n")
-    _openssl("x509", "-req", "-in", f"{name}.csr", "-CA", str(ca_dir / "ca.crt"), "-CAkey", str(ca_dir / "ca.key"),
-             "-CAcreateserial", "-CAserial", str(pki / "ca.srl"), "-out", f"{name}.crt", "-days", "2",
-             "-extfile", ext.name, cwd=pki)
-    (pki / f"{name}.key").chmod(0o600)
-    return pki / f"{name}.crt", pki / f"{name}.key"
 
 
 def write_cert_kubeconfig(path: Path, *, server: str, ca_file: Path, cert: Path, key: Path, user: str) -> None:
