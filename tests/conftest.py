@@ -19,7 +19,7 @@ import secrets
 import subprocess
 import sys
 import time
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator, Generator, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -79,6 +79,25 @@ async def _no_leaked_tasks() -> AsyncIterator[None]:
     for task in leaked:
         task.cancel()
     assert not leaked, f"tasks leaked by the test: {leaked}"
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_makereport(item: pytest.Item,
+                              call: pytest.CallInfo[None]) -> Generator[None, pytest.TestReport, pytest.TestReport]:
+    """Keeps each phase's report on the test (``item.stash[PHASE_REPORTS]``), so that fixtures
+    can tell that their test failed (and save what there is to read)."""
+    report: pytest.TestReport = yield
+    item.stash.setdefault(PHASE_REPORTS, {})[report.when] = report
+    return report
+
+
+PHASE_REPORTS = pytest.StashKey[dict[str, pytest.TestReport]]()
+
+
+def phase_failed(request: pytest.FixtureRequest) -> bool:
+    """Whether the requesting test's setup or call failed (for a function-scoped fixture's teardown)."""
+    reports = request.node.stash.get(PHASE_REPORTS, {})
+    return any(r.failed for r in reports.values())
 
 
 # --- Kubernetes ----------------------------------------------------------------------------

@@ -77,3 +77,32 @@ def ensure_node(cluster: KubectlRunner, name: str) -> None:
 def get_json(cluster: KubectlRunner, *args: str) -> dict[str, Any]:
     result: dict[str, Any] = json.loads(cluster.kubectl("get", *args, "-o", "json").stdout)
     return result
+
+
+def save_pod_logs(cluster: KubectlRunner, namespace: str, folder: Path, *, selector: str | None = None) -> list[Path]:
+    """Every container's log (and its previous incarnation's, when it restarted) of the pods in
+    ``namespace`` into ``folder``, with the pods' objects beside them: what a failed test leaves
+    to read, since the node's own folder goes with the node. Returns the files written."""
+    folder.mkdir(parents=True, exist_ok=True)
+    selection = ["-l", selector] if selector else []
+    pods = json.loads(cluster.kubectl("get", "pods", "-n", namespace, *selection, "-o", "json").stdout)
+    (folder / "pods.json").write_text(json.dumps(pods, indent=1))
+    events = cluster.kubectl("get", "events", "-n", namespace, "--sort-by=.lastTimestamp", "-o", "wide", check=False)
+    (folder / "events.txt").write_text(events.stdout + events.stderr)
+    written = [folder / "pods.json", folder / "events.txt"]
+    for pod in pods["items"]:
+        name = pod["metadata"]["name"]
+        status_of = pod["status"]
+        statuses = [*(status_of.get("initContainerStatuses") or []), *(status_of.get("containerStatuses") or [])]
+        for status in statuses:
+            runs: list[tuple[str, list[str]]] = [("", [])]
+            if status.get("restartCount"):
+                runs.append((".previous", ["--previous"]))
+            for suffix, extra in runs:
+                result = cluster.kubectl("logs", "-n", namespace, name, "-c", status["name"], "--timestamps",
+                                         *extra, check=False)
+                path = folder / f"{name}.{status['name']}{suffix}.log"
+                path.write_text(result.stdout + (f"\n[kubectl logs failed: {result.stderr.strip()}]\n"
+                                                 if result.returncode else ""))
+                written.append(path)
+    return written

@@ -38,8 +38,8 @@ from singleton_testbed.ledger import LedgerReport, check_ledger
 from singleton_testbed.node_config import NodeLayout
 from singleton_testbed.postgres import PostgresInfo
 from singleton_testbed.procs import free_port
-from tests.conftest import REAL_NODE_TOLERATION, Cluster, RealNode, use_existing_cluster
-from tests.kubehelpers import bound_token, get_json, token_kubeconfig
+from tests.conftest import REAL_NODE_TOLERATION, Cluster, RealNode, phase_failed, use_existing_cluster
+from tests.kubehelpers import bound_token, get_json, save_pod_logs, token_kubeconfig
 from tests.operators import OperatorProcess
 from tests.sidecars import wait_for
 from tests.test_rbac import helm_template
@@ -72,6 +72,10 @@ class Bed:
     operator: OperatorProcess
     ledger_dsn: str
     """Where this test process reads the ledger."""
+    workdir: Path
+    """The operator's log, and the pods' logs saved when a test fails."""
+    node_work: Path | None
+    """The test bed's real node's folder (its kubelet's and containerd's logs), None elsewhere."""
     sidecar_kills: int = 0
     """Leader sidecars SIGKILLed (each ends a term)."""
 
@@ -199,10 +203,12 @@ def bed(controllers: Cluster, singleton_crd: Path, pg_info: PostgresInfo | None,
     if REAL_CLUSTER:
         # Tolerating the test bed's taint costs nothing elsewhere, and lets the suite run on
         # a test bed's node through its kubeconfig alone (make e2e-existing).
-        image, placement = IMAGE, {"tolerations": [REAL_NODE_TOLERATION]}
+        placement: dict[str, object] = {"tolerations": [REAL_NODE_TOLERATION]}
+        image, node_work = IMAGE, None
     else:
         real_node: RealNode = request.getfixturevalue("real_node")
         image, placement = request.getfixturevalue("project_image"), real_node.pod_placement()
+        node_work = real_node.node.paths.work
     namespace = "e2e-" + secrets.token_hex(3)
     cluster.kubectl("create", "namespace", namespace)
     cluster.kubectl("create", "serviceaccount", "default", "-n", namespace, check=False)
@@ -228,7 +234,7 @@ def bed(controllers: Cluster, singleton_crd: Path, pg_info: PostgresInfo | None,
                                        extra_args=["--namespace", namespace, "--sidecar-image", image])
             operator.start()
             try:
-                yield Bed(cluster, namespace, image, placement, operator, local_dsn)
+                yield Bed(cluster, namespace, image, placement, operator, local_dsn, workdir, node_work)
             finally:
                 operator.stop()
     finally:
@@ -242,6 +248,43 @@ def bed(controllers: Cluster, singleton_crd: Path, pg_info: PostgresInfo | None,
                 source = cluster.control_plane.workdir / log
                 if source.exists():
                     shutil.copy(source, workdir / log)
+
+
+@pytest.fixture(autouse=True)
+def _pod_logs_on_failure(bed: Bed, request: pytest.FixtureRequest) -> Iterator[None]:
+    """A failed test leaves every container's log (the node's folder goes with the node), and
+    prints the sidecars' last lines, which CI shows."""
+    yield
+    if not phase_failed(request):
+        return
+    folder = bed.workdir / f"pods-{request.node.name}"
+    written = save_pod_logs(bed.cluster, bed.namespace, folder)
+    if bed.node_work is not None:
+        for log in ("kubelet.log", "containerd.log"):
+            with contextlib.suppress(OSError):
+                shutil.copy(bed.node_work / log, folder / log)
+    (folder / "ledger-sessions.txt").write_text(asyncio.run(_ledger_sessions(bed.ledger_dsn)))
+    print(f"\n[e2e] pods' logs and objects, events (and the node's logs) saved in {folder}")
+    print((folder / "ledger-sessions.txt").read_text())
+    print((folder / "events.txt").read_text()[-4000:])
+    for path in written:
+        if ".singleton-sidecar" in path.name:
+            print(f"--- {path.name} (last 40 lines)")
+            print("\n".join(path.read_text().splitlines()[-40:]))
+
+
+async def _ledger_sessions(dsn: str) -> str:
+    """The ledger database's sessions and who waits for whom: a poller that never writes may
+    be waiting for a lock."""
+    conn = await asyncpg.connect(dsn, timeout=10)
+    try:
+        rows = await conn.fetch(
+            "SELECT pid, client_addr, state, wait_event_type, wait_event, pg_blocking_pids(pid) AS blocked_by, "
+            "now() - xact_start AS in_transaction, left(query, 120) AS query FROM pg_stat_activity "
+            "WHERE datname = current_database() AND pid <> pg_backend_pid() ORDER BY pid")
+    finally:
+        await conn.close()
+    return "\n".join(str(dict(row)) for row in rows) + "\n"
 
 
 def test_1_three_replicas_one_leader_status_and_leader_endpoints(bed: Bed) -> None:

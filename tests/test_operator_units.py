@@ -67,6 +67,7 @@ def test_deployment_injects_a_native_sidecar_with_downward_env_and_secret() -> N
     assert env[contract.ENV_POD_UID] == {"fieldRef": {"fieldPath": "metadata.uid"}}
     assert env[contract.ENV_POSTGRES_DSN] == {"secretKeyRef": {"name": "db", "key": "url"}}
     assert env[contract.ENV_DRAIN_TIMEOUT] == "25" and env[contract.ENV_DRAIN_WAIT_CONTAINER] == "app"
+    assert env[contract.ENV_NATIVE_SIDECAR] == "true"
     assert not any("password" in str(v).lower() for v in env.values())
     assert pod["terminationGracePeriodSeconds"] == 40
     assert pod["serviceAccountName"] == "singleton-sidecar-feed"

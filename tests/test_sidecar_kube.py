@@ -285,3 +285,31 @@ async def test_drain_waits_for_the_main_container_to_stop(cluster: Cluster, pod_
     await asyncio.to_thread(one_leader, [other], 5)
     assert time.monotonic() - started < 1.0
     assert await asyncio.to_thread(leader.wait_exit, 10) == 0
+
+
+async def test_a_native_sidecar_takes_the_kubelets_sigterm_during_deletion_as_the_main_container_stopped(
+        cluster: Cluster, pod_sidecars: Factory) -> None:
+    """A real kubelet publishes the main container's termination only after the whole pod has
+    stopped, native sidecar included; but it sends a native sidecar SIGTERM only once the main
+    containers have exited. During a deletion that SIGTERM ends the wait; without a deletion (a
+    sidecar restarted alone by a failed liveness probe) it does not."""
+    members = pod_sidecars("lease", 2, extra={"SINGLETON_DRAIN_WAIT_CONTAINER": "app",
+                                              "SINGLETON_NATIVE_SIDECAR": "true", "SINGLETON_DRAIN_TIMEOUT": "20"})
+    leader = await asyncio.to_thread(one_leader, members)
+    other = next(s for s in members if s is not leader)
+    # SIGTERM alone: the sidecar drains, and waits for the main container, which still runs.
+    leader.signal_sidecar_only(signal.SIGTERM)
+    await asyncio.to_thread(wait_for, lambda: (leader.leader_doc() or {}).get("role") == "draining", 5,
+                            "the leader to drain")
+    await asyncio.sleep(1.5)
+    assert (leader.leader_doc() or {}).get("role") == "draining", "released on a SIGTERM without a deletion"
+    assert not other.ready()
+    # The deletion seen, then the kubelet's SIGTERM (sent once the main containers have exited).
+    cluster.kubectl("delete", "pod", leader.pod, "-n", leader.namespace, "--wait=false")
+    await asyncio.sleep(1.5)
+    assert (leader.leader_doc() or {}).get("role") == "draining", "released before the kubelet's SIGTERM"
+    started = time.monotonic()
+    leader.signal_sidecar_only(signal.SIGTERM)
+    await asyncio.to_thread(one_leader, [other], 5)
+    assert time.monotonic() - started < 1.0
+    assert await asyncio.to_thread(leader.wait_exit, 10) == 0

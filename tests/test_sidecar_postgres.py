@@ -212,6 +212,10 @@ async def test_postgres_restart_never_gives_two_leaders(
          "SINGLETON_LOG_LEVEL (--log-level): must be debug, info, warning or error"),
         ({"SINGLETON_GROUP": "g", "SINGLETON_POSTGRES_DSN": "postgres://h/d",
           "SINGLETON_DRAIN_WAIT_CONTAINER": "app"}, "SINGLETON_DRAIN_WAIT_CONTAINER (--drain-wait-container): needs"),
+        ({"SINGLETON_GROUP": "g", "SINGLETON_POSTGRES_DSN": "postgres://h/d", "SINGLETON_NATIVE_SIDECAR": "true"},
+         "SINGLETON_NATIVE_SIDECAR (--native-sidecar): needs SINGLETON_DRAIN_WAIT_CONTAINER"),
+        ({"SINGLETON_GROUP": "g", "SINGLETON_POSTGRES_DSN": "postgres://h/d", "SINGLETON_NATIVE_SIDECAR": "maybe"},
+         "SINGLETON_NATIVE_SIDECAR (--native-sidecar): must be"),
     ],
     ids=lambda v: "-".join(f"{k}" for k in v) if isinstance(v, dict) else None,
 )

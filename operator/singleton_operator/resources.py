@@ -103,6 +103,7 @@ def sidecar_env(spec: GroupSpec) -> list[dict[str, Any]]:
         {"name": contract.ENV_RETRY_PERIOD, "value": _seconds(timings.retry_period)},
         {"name": contract.ENV_DRAIN_TIMEOUT, "value": _seconds(spec.drain_timeout)},
         {"name": contract.ENV_DRAIN_WAIT_CONTAINER, "value": spec.main_container},
+        {"name": contract.ENV_NATIVE_SIDECAR, "value": "true"},
         {"name": contract.ENV_LOG_FORMAT, "value": "json"},
         {"name": contract.ENV_LOG_LEVEL, "value": spec.sidecar_log_level},
     ]
@@ -116,9 +117,9 @@ def sidecar_env(spec: GroupSpec) -> list[dict[str, Any]]:
     return env
 
 
-def _probe(path: str, port: int, *, period: int, failures: int) -> dict[str, Any]:
+def _probe(path: str, port: int, *, period: int, failures: int, timeout: int) -> dict[str, Any]:
     return {"httpGet": {"path": path, "port": port}, "periodSeconds": period, "failureThreshold": failures,
-            "timeoutSeconds": 1}
+            "timeoutSeconds": timeout}
 
 
 def sidecar_container(spec: GroupSpec) -> dict[str, Any]:
@@ -131,9 +132,12 @@ def sidecar_container(spec: GroupSpec) -> dict[str, Any]:
         "restartPolicy": "Always",
         "env": sidecar_env(spec),
         "ports": [{"name": "singleton", "containerPort": spec.sidecar_port, "protocol": "TCP"}],
-        "startupProbe": _probe("/livez", spec.sidecar_port, period=1, failures=60),
-        "readinessProbe": _probe("/candidate", spec.sidecar_port, period=1, failures=1),
-        "livenessProbe": _probe("/livez", spec.sidecar_port, period=5, failures=3),
+        # A starved node answers late: a probe that times out restarts the sidecar (liveness) or
+        # takes the pod out of the rollout's count (readiness), so timeouts are generous; /livez
+        # itself fails fast when the election loop stalls, and /candidate says 503 at once on drain.
+        "startupProbe": _probe("/livez", spec.sidecar_port, period=1, failures=60, timeout=3),
+        "readinessProbe": _probe("/candidate", spec.sidecar_port, period=1, failures=1, timeout=2),
+        "livenessProbe": _probe("/livez", spec.sidecar_port, period=5, failures=3, timeout=3),
         "resources": spec.sidecar_resources or {"requests": {"cpu": "10m", "memory": "64Mi"},
                                                 "limits": {"memory": "128Mi"}},
         "securityContext": {"runAsNonRoot": True, "readOnlyRootFilesystem": True,
@@ -163,7 +167,7 @@ def _main_container(spec: GroupSpec, container: dict[str, Any]) -> dict[str, Any
     main["env"] = env
     if "readinessProbe" not in main:
         # Ready to take over, not "leading": see the module docstring.
-        main["readinessProbe"] = _probe("/candidate", spec.sidecar_port, period=1, failures=1)
+        main["readinessProbe"] = _probe("/candidate", spec.sidecar_port, period=1, failures=1, timeout=2)
     if spec.gating == "file":
         main["command"] = _gated_command(list(main["command"]))
         main["volumeMounts"] = [*(main.get("volumeMounts") or []), {"name": GATE_VOLUME, "mountPath": GATE_DIR}]

@@ -78,6 +78,8 @@ class Sidecar:
         self.identity = config.identity or make_identity(
             pod_name=config.pod_name, pod_uid=config.pod_uid, hostname=socket.gethostname(), pid=os.getpid())
         self._stop = asyncio.Event()
+        self._sigterm_during_deletion = asyncio.Event()
+        self._sigterm_tasks: set[asyncio.Future[None]] = set()
 
     def __repr__(self) -> str:
         return f"<Sidecar group={self.config.group} identity={self.identity}>"
@@ -95,13 +97,46 @@ class Sidecar:
             if final and wait_container is not None and reporter is not None:
                 # Only when the pod goes away: on a step-down the main container keeps running.
                 log.info("draining: waiting for container %s to stop", wait_container)
-                await reporter.wait_container_stopped(wait_container)
+                await self._wait_main_container_stopped(reporter, wait_container)
                 waited = True
             if not drained and not waited:
                 # Nothing else can tell us the app has finished: the drain timeout decides.
                 await asyncio.Event().wait()
 
         return drain
+
+    async def _wait_main_container_stopped(self, reporter: PodReporter, name: str) -> None:
+        """Until the pod shows container ``name`` terminated or, for a native sidecar, until the
+        kubelet's SIGTERM arrives while the pod is being deleted: it stops a pod's native sidecars
+        only once the main containers have exited, and publishes their states only afterwards.
+        (A SIGTERM without a deletion, such as a failed liveness probe restarting the sidecar
+        alone, says nothing about the main container.)"""
+        waits: list[asyncio.Future[object]] = [asyncio.ensure_future(reporter.wait_container_stopped(name))]
+        if self.config.native_sidecar:
+            waits.append(asyncio.ensure_future(self._sigterm_during_deletion.wait()))
+        try:
+            done, _ = await asyncio.wait(waits, return_when=asyncio.FIRST_COMPLETED)
+            await next(iter(done))
+        finally:
+            for wait in waits:
+                wait.cancel()
+            await asyncio.gather(*waits, return_exceptions=True)
+
+    def _on_sigterm(self, elector: Elector, reporter: PodReporter | None) -> None:
+        if reporter is not None and self.config.native_sidecar:
+            # Judged now, from the pod as it is after the signal: a deletion seen later does not
+            # make an earlier SIGTERM (a liveness restart) the kubelet's stop of a deleted pod.
+            task = asyncio.ensure_future(self._judge_sigterm(reporter))
+            self._sigterm_tasks.add(task)
+            task.add_done_callback(self._sigterm_tasks.discard)
+        elector.request_drain()
+
+    async def _judge_sigterm(self, reporter: PodReporter) -> None:
+        if await reporter.being_deleted():
+            log.info("draining: SIGTERM during the pod's deletion: the main containers have exited")
+            self._sigterm_during_deletion.set()
+        else:
+            log.info("draining: SIGTERM while the pod is not being deleted: waiting for the main container")
 
     @staticmethod
     async def _ask_app_to_drain(drain_url: str) -> bool:
@@ -161,8 +196,8 @@ class Sidecar:
             reporter.on_status(elector.status)
 
         loop = asyncio.get_running_loop()
-        for signum in (signal.SIGTERM, signal.SIGINT):
-            loop.add_signal_handler(signum, elector.request_drain)
+        loop.add_signal_handler(signal.SIGTERM, self._on_sigterm, elector, reporter)
+        loop.add_signal_handler(signal.SIGINT, elector.request_drain)
         probe = web.AppRunner(probe_app(elector, metrics, fence_key=config.lock_key), access_log=None)
         acks = gate if isinstance(gate, CooperativeGate) else None
         control = web.AppRunner(control_app(elector, fence_key=config.lock_key, acks=acks), access_log=None)
@@ -180,6 +215,9 @@ class Sidecar:
         finally:
             for signum in (signal.SIGTERM, signal.SIGINT):
                 loop.remove_signal_handler(signum)
+            for task in list(self._sigterm_tasks):
+                task.cancel()
+            await asyncio.gather(*self._sigterm_tasks, return_exceptions=True)
             await control.cleanup()
             await probe.cleanup()
             await backend.close()

@@ -77,6 +77,11 @@ class SidecarConfig:
     """Also set the pod condition ``singleton.dev/leader`` (for pod readiness gates)."""
     drain_wait_container: str | None = None
     """On drain, also wait until this container of the pod has terminated (read from the pod)."""
+    native_sidecar: bool = False
+    """This sidecar is a native sidecar (an init container with ``restartPolicy: Always``): while
+    the pod is being deleted, the kubelet sends it SIGTERM only once the main containers have
+    exited, which ends the wait for ``drain_wait_container`` (the kubelet publishes the
+    containers' states only after the whole pod has stopped)."""
     log_format: Literal["json", "text"] = "json"
     """Structured JSON logs (default) or plain text."""
     log_level: Literal["debug", "info", "warning", "error"] = "info"
@@ -110,6 +115,7 @@ _SETTINGS: dict[str, tuple[str, str]] = {
     "kubeconfig": ("--kubeconfig", contract.ENV_KUBECONFIG),
     "readiness_gate": ("--readiness-gate", contract.ENV_READINESS_GATE),
     "drain_wait_container": ("--drain-wait-container", contract.ENV_DRAIN_WAIT_CONTAINER),
+    "native_sidecar": ("--native-sidecar", contract.ENV_NATIVE_SIDECAR),
     "log_format": ("--log-format", contract.ENV_LOG_FORMAT),
     "log_level": ("--log-level", contract.ENV_LOG_LEVEL),
 }
@@ -139,6 +145,8 @@ _HELP = {
     "readiness_gate": "also set the pod condition singleton.dev/leader (true/false)",
     "drain_wait_container": ("in a pod: on drain, also wait until this container of the pod has stopped "
                              "(the main container, for apps that stop on SIGTERM)"),
+    "native_sidecar": ("true when this container is a native sidecar (Kubernetes 1.29+): a SIGTERM during "
+                       "the pod's deletion then means the main containers have exited (true/false)"),
     "log_format": "json (default) or text",
     "log_level": "debug, info (default), warning or error",
 }
@@ -288,6 +296,10 @@ def load_config(args: argparse.Namespace, environ: Mapping[str, str]) -> Sidecar
         if len(drain_wait_container) > 63 or not _DNS1123.match(drain_wait_container):
             raise ConfigError(f"{label('drain_wait_container')}: must be a container name (DNS-1123 label), "
                               f"got {drain_wait_container!r}")
+    native_sidecar = _bool(label("native_sidecar"), raw["native_sidecar"]) if "native_sidecar" in raw else False
+    if native_sidecar and drain_wait_container is None:
+        raise ConfigError(f"{label('native_sidecar')}: needs {label('drain_wait_container')} "
+                          "(the container whose exit a SIGTERM then stands for)")
 
     return SidecarConfig(
         group=group,
@@ -311,6 +323,7 @@ def load_config(args: argparse.Namespace, environ: Mapping[str, str]) -> Sidecar
         exec_command=command,
         readiness_gate=_bool(label("readiness_gate"), raw["readiness_gate"]) if "readiness_gate" in raw else False,
         drain_wait_container=drain_wait_container,
+        native_sidecar=native_sidecar,
         log_format=log_format,  # type: ignore[arg-type]
         log_level=log_level,  # type: ignore[arg-type]
     )

@@ -89,6 +89,7 @@ class PodReporter:
         self._changed = asyncio.Event()
         self._pod_uid: str | None = None
         self._deleting = False
+        self._deletion_seen = asyncio.Event()
         self._pod_gone = False
         self._stopped_containers: set[str] = set()
         self._containers_changed = asyncio.Event()
@@ -173,6 +174,20 @@ class PodReporter:
             self._containers_changed.clear()
             await self._containers_changed.wait()
 
+    async def being_deleted(self) -> bool:
+        """Whether this pod is being deleted (or gone) now: known from the watch, else asked
+        of the API server (False when it cannot be asked)."""
+        if self._deletion_seen.is_set():
+            return True
+        try:
+            pod = await self.client.request("GET", self._pod_path, timeout=CALL_TIMEOUT)
+        except KubeNotFound:
+            return True
+        except KubeError as exc:
+            log.warning("reading own pod %s failed: %s", self.pod_name, exc)
+            return False
+        return bool(pod.get("metadata", {}).get("deletionTimestamp"))
+
     def _note_pod(self, pod: dict[str, Any], *, deleted: bool = False) -> None:
         metadata = pod.get("metadata") or {}
         self._pod_uid = metadata.get("uid", self._pod_uid)
@@ -186,6 +201,7 @@ class PodReporter:
         self._note_requests(metadata.get("annotations") or {})
         if (deleted or metadata.get("deletionTimestamp")) and not self._deleting:
             self._deleting = True
+            self._deletion_seen.set()
             self._on_deleting()
 
     def _note_requests(self, annotations: dict[str, str]) -> None:

@@ -41,17 +41,26 @@ async def main() -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     stop = asyncio.Event()
     asyncio.get_running_loop().add_signal_handler(signal.SIGTERM, stop.set)
-    conn = await asyncpg.connect(os.environ["LEDGER_DSN"])
+    conn = await asyncpg.connect(os.environ["LEDGER_DSN"], timeout=10)
     await conn.execute("SELECT pg_advisory_lock(777)")  # DDL once, not from every replica at once
     try:
         await conn.execute(LEDGER_DDL)
         await ensure_fence_table(conn)
     finally:
         await conn.execute("SELECT pg_advisory_unlock(777)")
+    log.info("ledger ready (PostgreSQL backend pid %s); working while this replica leads", conn.get_server_pid())
     item = 0
+    acting: int | None = None
     async with LeaderClient() as leadership:
         while not stop.is_set():
             term = await leadership.current_term()
+            token = None if term is None else term.token
+            if token != acting:
+                if token is None:
+                    log.info("not acting: token %s ended after item %d", acting, item)
+                else:
+                    log.info("acting for token %s from item %d", token, item + 1)
+                acting = token
             if term is None:
                 await asyncio.sleep(0.05)
                 continue
