@@ -232,6 +232,12 @@ def test_node_pods_partitions_the_pod_inside_its_network_namespace(real_node: Re
         node_pods.partition(pod, api[0], mode="drop")
         code, took = _nc(real_node, node_namespace, *api, wait=2)
         assert code != 0 and took >= 2, (code, took)  # silently lost: the connect times out
+        node_pods.heal(pod, api[0])
+        # One port only: the API server's is cut, the kubelet's on the same address is not.
+        node_pods.partition(pod, api[0], mode="reject", port=api[1])
+        assert _nc(real_node, node_namespace, *api, wait=2)[0] != 0
+        assert _nc(real_node, node_namespace, api[0], real_node.node.kubelet_port, wait=5)[0] == 0
+        node_pods.heal(pod, api[0], port=api[1])
     finally:
         node_pods.heal(pod, api[0])
     assert _nc(real_node, node_namespace, *api, wait=5)[0] == 0

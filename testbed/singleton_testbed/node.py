@@ -199,6 +199,13 @@ class Node:
         if result.returncode != 0:
             raise NodeError(f"ctr images import {archive} failed: {result.stderr.strip()}")
 
+    def tag_image(self, source: str, target: str) -> None:
+        """Another name for an imported image (a new release tag of the same content, as a
+        registry would serve it); replaces ``target`` if it exists."""
+        result = self._ctr("images", "tag", "--force", source, target, check=False)
+        if result.returncode != 0:
+            raise NodeError(f"ctr images tag {source} {target} failed: {result.stderr.strip()}")
+
     def _authorize(self) -> None:
         """Client certificates for kubelet and kube-proxy, and the RBAC a kubelet needs.
 

@@ -233,32 +233,37 @@ def _iptables(pod: Pod, *args: str, layout: NodeLayout, check: bool = True) -> s
     return result
 
 
-def _rules(target: str, mode: str) -> list[list[str]]:
+def _rules(target: str, mode: str, port: int | None = None) -> list[list[str]]:
     address = str(ipaddress.IPv4Address(target))
     mark = ["-m", "comment", "--comment", PARTITION_COMMENT]
+    to_port = [] if port is None else ["-p", "tcp", "--dport", str(port)]
+    from_port = [] if port is None else ["-p", "tcp", "--sport", str(port)]
     if mode == "drop":
         # Both ways, silently: connects and open connections hang until their own timeouts,
         # and replies to the target's inbound connections are lost too.
-        return [["OUTPUT", "-d", address, *mark, "-j", "DROP"], ["INPUT", "-s", address, *mark, "-j", "DROP"]]
+        return [["OUTPUT", "-d", address, *to_port, *mark, "-j", "DROP"],
+                ["INPUT", "-s", address, *from_port, *mark, "-j", "DROP"]]
     if mode == "reject":
         # Connects fail at once with EHOSTUNREACH, as with the stand-in's unreachable route.
-        return [["OUTPUT", "-d", address, *mark, "-j", "REJECT", "--reject-with", "icmp-host-unreachable"]]
+        return [["OUTPUT", "-d", address, *to_port, *mark, "-j", "REJECT", "--reject-with", "icmp-host-unreachable"]]
     raise ValueError(f"partition mode must be 'drop' or 'reject', not {mode!r}")
 
 
-def partition(pod: Pod, target: str, *, mode: str = "drop", layout: NodeLayout = DEFAULT_LAYOUT) -> None:
+def partition(pod: Pod, target: str, *, mode: str = "drop", port: int | None = None,
+              layout: NodeLayout = DEFAULT_LAYOUT) -> None:
     """Cut the pod's traffic with ``target`` (an IPv4 address: the node IP for the API server
-    and PostgreSQL, a pod IP, a ClusterIP — matched before the host's kube-proxy translates it).
+    and PostgreSQL, a pod IP, a ClusterIP — matched before the host's kube-proxy translates it),
+    or only its TCP ``port`` there (the node IP also carries the kubelet's probes).
     ``drop``: packets vanish both ways; ``reject``: connects fail at once. Idempotent."""
-    for rule in _rules(target, mode):
+    for rule in _rules(target, mode, port):
         if _iptables(pod, "-C", *rule, layout=layout, check=False).returncode != 0:
             _iptables(pod, "-I", *rule, layout=layout)
 
 
-def heal(pod: Pod, target: str, *, layout: NodeLayout = DEFAULT_LAYOUT) -> None:
-    """Undo ``partition`` for ``target``, whichever mode (no error when it was not cut)."""
+def heal(pod: Pod, target: str, *, port: int | None = None, layout: NodeLayout = DEFAULT_LAYOUT) -> None:
+    """Undo ``partition`` for ``target`` (and ``port``), whichever mode (no error when it was not cut)."""
     for mode in ("drop", "reject"):
-        for rule in _rules(target, mode):
+        for rule in _rules(target, mode, port):
             while _iptables(pod, "-D", *rule, layout=layout, check=False).returncode == 0:
                 pass  # a rule added twice (by hand) is removed twice
 

@@ -1,0 +1,265 @@
+"""Handover and failover on the real node: pods of the project's image, made by the operator.
+
+    sudo .venv/bin/python -m benchmarks.node_failover --runs 10 [--backend postgres lease both] [--json F]
+
+Root only (the real node: containerd, kubelet, kube-proxy; ``singleton_testbed.node``). It
+starts its own PostgreSQL (admitting the pod network), control plane and controllers, the
+node, the project's image (built from the Dockerfile, cached) and the operator. Per backend,
+one ``SingletonService`` of 3 replicas with the backend's default timings and an app
+container (busybox) that exits at once on SIGTERM. Per run, watched from this machine (pod
+IPs route through the node's bridge) by polling every pod's ``/readyz`` every few ms:
+
+- pod deletion: ``DELETE`` of the leader pod (graceful) -> another pod's ``/readyz`` 200;
+- sidecar SIGKILL: every process of the leader's sidecar container (``node_pods``) -> a
+  pod's ``/readyz`` 200 with a newer token (the restarted sidecar of the same pod may win);
+- partition: the leader pod cut off from its store inside its network namespace (postgres:
+  PostgreSQL's port; lease: the API server's ClusterIP; both: both) -> another pod's
+  ``/readyz`` 200; then healed, and the group settles before the next run.
+
+Prints medians and p99 (nearest rank) per backend and fault, and each run's figure.
+"""
+
+from __future__ import annotations
+
+import argparse
+import base64
+import contextlib
+import json
+import signal
+import ssl
+import sys
+import tempfile
+import time
+import urllib.error
+import urllib.request
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+from tests.operators import OperatorProcess
+
+from benchmarks.failover import summary
+from singleton_sidecar import contract
+from singleton_testbed import images, node_pods
+from singleton_testbed.binaries import add_to_path, find_all
+from singleton_testbed.controlplane import ClusterInfo, ControlPlane, wait_established
+from singleton_testbed.node import Node
+from singleton_testbed.node_config import NodeLayout
+from singleton_testbed.oci import busybox_image, write_archive
+from singleton_testbed.postgres import PostgresInfo, PostgresServer
+
+ROOT = Path(__file__).resolve().parent.parent
+CRD = ROOT / "crds" / "singletonservices.singleton.dev.yaml"
+FAULTS = ("delete-pod", "sidecar-kill", "partition")
+NAMESPACE = "bench"
+SIDECAR_PORT = 9090
+POLL = 0.003
+
+
+@dataclass
+class Run:
+    backend: str
+    fault: str
+    seconds: float
+    old: str
+    new: str
+
+
+class Bed:
+    """Everything the benchmark starts, stopped in reverse order."""
+
+    def __init__(self, workdir: Path) -> None:
+        self.workdir = workdir
+        self.layout = NodeLayout()
+        binaries = find_all()
+        add_to_path(binaries)
+        self.postgres = PostgresServer(serve_pods=True)
+        self.control_plane = ControlPlane(binaries, advertise_address=self.layout.node_ip)
+        self.node = Node(self.control_plane, binaries, layout=self.layout)
+        self.operator: OperatorProcess | None = None
+        self.info: ClusterInfo | None = None
+        self.pg: PostgresInfo | None = None
+        self.image = ""
+        self.busybox = ""
+
+    def start(self) -> None:
+        self.pg = self.postgres.start()
+        self.info = self.control_plane.start()
+        self.control_plane.start_controllers()
+        print("[bench] building (or finding) the project's image", file=sys.stderr, flush=True)
+        archive, self.image = images.build_project_image()
+        self.node.start()
+        self.node.import_image(archive)
+        busybox = busybox_image()
+        self.busybox = busybox.name
+        self.node.import_image(write_archive(busybox, self.workdir / "busybox.tar"))
+        kubectl = self.control_plane.kubectl
+        kubectl("apply", "--server-side", "-f", str(CRD))
+        wait_established(kubectl, "crd/singletonservices.singleton.dev")
+        kubectl("create", "namespace", NAMESPACE)
+        kubectl("create", "serviceaccount", "default", "-n", NAMESPACE, check=False)
+        pod_dsn = PostgresInfo(host=self.layout.node_ip, port=self.pg.port, superuser=self.pg.superuser).dsn
+        secret = {"apiVersion": "v1", "kind": "Secret", "metadata": {"name": "db", "namespace": NAMESPACE},
+                  "data": {"dsn": base64.b64encode(pod_dsn.encode()).decode()}}
+        kubectl("apply", "-f", "-", input_text=json.dumps(secret))
+        self.operator = OperatorProcess(self.info.kubeconfig, NAMESPACE, self.workdir / "operator.log",
+                                        extra_args=["--namespace", NAMESPACE, "--sidecar-image", self.image]).start()
+
+    def stop(self) -> None:
+        if self.operator is not None:
+            self.operator.stop()
+        self.node.stop()
+        self.control_plane.stop()
+        self.postgres.cleanup()
+
+    # --- the API, directly (kubectl's start would blur the figures) ---------------------
+
+    def api(self, method: str, path: str) -> Any:
+        assert self.info is not None
+        request = urllib.request.Request(self.info.server + path, method=method,
+                                         headers={"Authorization": f"Bearer {self.info.token}"})
+        context = ssl.create_default_context(cafile=str(self.info.ca_file))
+        with urllib.request.urlopen(request, context=context, timeout=10) as response:
+            return json.loads(response.read())
+
+    def pods(self, group: str) -> list[dict[str, Any]]:
+        found: list[dict[str, Any]] = self.api(
+            "GET", f"/api/v1/namespaces/{NAMESPACE}/pods?labelSelector={contract.LABEL_GROUP}%3D{group}")["items"]
+        return found
+
+
+def leader_doc(ip: str) -> dict[str, Any] | None:
+    """The sidecar's ``/leader`` when its ``/readyz`` says it leads, else None."""
+    try:
+        with urllib.request.urlopen(f"http://{ip}:{SIDECAR_PORT}/readyz", timeout=0.5) as response:
+            if response.status != 200:
+                return None
+        with urllib.request.urlopen(f"http://{ip}:{SIDECAR_PORT}/leader", timeout=0.5) as response:
+            doc: dict[str, Any] = json.loads(response.read())
+            return doc
+    except (urllib.error.URLError, OSError, ValueError):
+        return None
+
+
+def live_pods(pods: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    return [p for p in pods if not p["metadata"].get("deletionTimestamp") and p["status"].get("podIP")]
+
+
+def all_ready(pod: dict[str, Any]) -> bool:
+    statuses = [*(pod["status"].get("initContainerStatuses") or []), *(pod["status"].get("containerStatuses") or [])]
+    return bool(statuses) and all(s.get("ready") for s in statuses)
+
+
+def settle(bed: Bed, group: str, timeout: float = 180) -> tuple[dict[str, Any], int]:
+    """The leader pod and its token once 3 pods are ready and exactly one leads."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        pods = live_pods(bed.pods(group))
+        if len(pods) == 3 and all(all_ready(p) for p in pods):
+            leading = [(p, doc) for p in pods if (doc := leader_doc(p["status"]["podIP"])) is not None]
+            if len(leading) == 1:
+                return leading[0][0], int(leading[0][1]["token"])
+        time.sleep(0.3)
+    raise TimeoutError(f"group {group} did not settle in {timeout:.0f}s")
+
+
+def wait_new_leader(ips: dict[str, str], old_token: int, timeout: float = 60) -> tuple[str, float]:
+    """The first pod (name) whose sidecar leads with a token newer than ``old_token``, and when."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        for name, ip in ips.items():
+            doc = leader_doc(ip)
+            if doc is not None and int(doc.get("token") or 0) > old_token:
+                return name, time.monotonic()
+        time.sleep(POLL)
+    raise TimeoutError(f"no new leader within {timeout:.0f}s")
+
+
+def group_manifest(bed: Bed, backend: str) -> dict[str, Any]:
+    spec: dict[str, Any] = {"replicas": 3, "backend": backend, "template": {"spec": {"containers": [{
+        "name": "app", "image": bed.busybox, "imagePullPolicy": "Never",
+        "command": ["sh", "-c", "trap 'exit 0' TERM; while true; do sleep 0.1; done"]}]}}}
+    if backend != "lease":
+        spec["postgres"] = {"secretRef": {"name": "db"}}
+    return {"apiVersion": "singleton.dev/v1alpha1", "kind": "SingletonService",
+            "metadata": {"name": f"bench-{backend}", "namespace": NAMESPACE}, "spec": spec}
+
+
+def cut_targets(bed: Bed, backend: str) -> list[tuple[str, int | None]]:
+    """What a partition cuts the leader pod off from: (address, port) as the pod dials them."""
+    assert bed.pg is not None
+    api = bed.api("GET", "/api/v1/namespaces/default/services/kubernetes")["spec"]["clusterIP"]
+    postgres: list[tuple[str, int | None]] = [(bed.layout.node_ip, bed.pg.port)]
+    lease: list[tuple[str, int | None]] = [(api, None)]
+    return {"postgres": postgres, "lease": lease}.get(backend, postgres + lease)
+
+
+def one_run(bed: Bed, backend: str, fault: str) -> Run:
+    group = f"bench-{backend}"
+    leader, token = settle(bed, group)
+    name = leader["metadata"]["name"]
+    others = {p["metadata"]["name"]: p["status"]["podIP"] for p in live_pods(bed.pods(group))}
+    if fault == "delete-pod":
+        del others[name]
+        started = time.monotonic()
+        bed.api("DELETE", f"/api/v1/namespaces/{NAMESPACE}/pods/{name}")
+        new, at = wait_new_leader(others, token)
+    elif fault == "sidecar-kill":
+        node_pods.signal_container(leader, "singleton-sidecar", signal.SIGKILL, layout=bed.layout)
+        started = time.monotonic()
+        new, at = wait_new_leader(others, token)
+    else:
+        del others[name]
+        targets = cut_targets(bed, backend)
+        for address, port in targets:
+            node_pods.partition(leader, address, port=port, layout=bed.layout)
+        started = time.monotonic()
+        try:
+            new, at = wait_new_leader(others, token)
+        finally:
+            for address, port in targets:
+                node_pods.heal(leader, address, port=port, layout=bed.layout)
+    return Run(backend, fault, at - started, name, new)
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(prog="python -m benchmarks.node_failover", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--runs", type=int, default=10, help="runs per backend and fault (default 10)")
+    parser.add_argument("--backend", nargs="+", choices=("postgres", "lease", "both"),
+                        default=["postgres", "lease", "both"])
+    parser.add_argument("--fault", nargs="+", choices=FAULTS, default=list(FAULTS))
+    parser.add_argument("--json", type=Path, help="also write every run here")
+    args = parser.parse_args()
+    if args.runs < 1:
+        parser.error("--runs must be at least 1")
+    with tempfile.TemporaryDirectory(prefix="node-bench-") as folder:
+        bed = Bed(Path(folder))
+        runs: list[Run] = []
+        try:
+            bed.start()
+            for backend in args.backend:
+                bed.control_plane.kubectl("apply", "-f", "-", input_text=json.dumps(group_manifest(bed, backend)))
+                for fault in args.fault:
+                    for index in range(args.runs):
+                        run = one_run(bed, backend, fault)
+                        runs.append(run)
+                        print(f"[{backend:8} {fault:12} {index + 1:2}/{args.runs}] {run.old} -> {run.new}: "
+                              f"{run.seconds * 1000:.0f} ms", flush=True)
+                bed.control_plane.kubectl("delete", "sgl", f"bench-{backend}", "-n", NAMESPACE, "--wait=true")
+        finally:
+            with contextlib.suppress(Exception):
+                bed.stop()
+    print("\nfault -> another pod's sidecar ready as leader (median / p99 / max over the runs)")
+    for backend in args.backend:
+        for fault in args.fault:
+            values = [r.seconds for r in runs if r.backend == backend and r.fault == fault]
+            print(f"  {backend:8} {fault:12} {summary(f'n={len(values)}', values)}")
+    if args.json:
+        args.json.write_text(json.dumps([asdict(r) for r in runs], indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
+
