@@ -25,6 +25,7 @@ import argparse
 import base64
 import contextlib
 import json
+import shutil
 import signal
 import ssl
 import sys
@@ -36,6 +37,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
+from tests.kubehelpers import save_pod_logs
 from tests.operators import OperatorProcess
 
 from benchmarks.failover import summary
@@ -49,7 +51,7 @@ from singleton_testbed.oci import busybox_image, write_archive
 from singleton_testbed.postgres import PostgresInfo, PostgresServer
 
 ROOT = Path(__file__).resolve().parent.parent
-CRD = ROOT / "crds" / "singletonservices.singleton.dev.yaml"
+CRD = ROOT / "crds" / "singleton.dev_singletonservices.yaml"
 FAULTS = ("delete-pod", "sidecar-kill", "partition")
 NAMESPACE = "bench"
 SIDECAR_PORT = 9090
@@ -163,16 +165,34 @@ def settle(bed: Bed, group: str, timeout: float = 180) -> tuple[dict[str, Any], 
     raise TimeoutError(f"group {group} did not settle in {timeout:.0f}s")
 
 
-def wait_new_leader(ips: dict[str, str], old_token: int, timeout: float = 60) -> tuple[str, float]:
-    """The first pod (name) whose sidecar leads with a token newer than ``old_token``, and when."""
+def wait_new_leader(bed: Bed, group: str, old_token: int, *, exclude: str | None,
+                    timeout: float = 60) -> tuple[str, float]:
+    """The first pod (name) whose sidecar leads with a token newer than ``old_token``, and when.
+    Every pod of the group counts but ``exclude`` (the deleted or cut-off one), a replacement
+    pod too: its sidecar may win the lock. The pod list is read anew every 0.25 s."""
     deadline = time.monotonic() + timeout
+    ips: dict[str, str] = {}
+    listed = 0.0
     while time.monotonic() < deadline:
+        if time.monotonic() - listed > 0.25:
+            ips = {p["metadata"]["name"]: p["status"]["podIP"] for p in live_pods(bed.pods(group))
+                   if p["metadata"]["name"] != exclude}
+            listed = time.monotonic()
         for name, ip in ips.items():
             doc = leader_doc(ip)
             if doc is not None and int(doc.get("token") or 0) > old_token:
                 return name, time.monotonic()
         time.sleep(POLL)
-    raise TimeoutError(f"no new leader within {timeout:.0f}s")
+    raise TimeoutError(f"no new leader within {timeout:.0f}s: {({n: describe(ip) for n, ip in ips.items()})}")
+
+
+def describe(ip: str) -> str:
+    """What a sidecar says, for an error message."""
+    try:
+        with urllib.request.urlopen(f"http://{ip}:{SIDECAR_PORT}/leader", timeout=0.5) as response:
+            return str(response.read()[:300])
+    except (urllib.error.URLError, OSError) as exc:
+        return repr(exc)
 
 
 def group_manifest(bed: Bed, backend: str) -> dict[str, Any]:
@@ -198,28 +218,37 @@ def one_run(bed: Bed, backend: str, fault: str) -> Run:
     group = f"bench-{backend}"
     leader, token = settle(bed, group)
     name = leader["metadata"]["name"]
-    others = {p["metadata"]["name"]: p["status"]["podIP"] for p in live_pods(bed.pods(group))}
     if fault == "delete-pod":
-        del others[name]
         started = time.monotonic()
         bed.api("DELETE", f"/api/v1/namespaces/{NAMESPACE}/pods/{name}")
-        new, at = wait_new_leader(others, token)
+        new, at = wait_new_leader(bed, group, token, exclude=name)
     elif fault == "sidecar-kill":
         node_pods.signal_container(leader, "singleton-sidecar", signal.SIGKILL, layout=bed.layout)
         started = time.monotonic()
-        new, at = wait_new_leader(others, token)
+        new, at = wait_new_leader(bed, group, token, exclude=None)
     else:
-        del others[name]
         targets = cut_targets(bed, backend)
         for address, port in targets:
             node_pods.partition(leader, address, port=port, layout=bed.layout)
         started = time.monotonic()
         try:
-            new, at = wait_new_leader(others, token)
+            new, at = wait_new_leader(bed, group, token, exclude=name)
         finally:
             for address, port in targets:
                 node_pods.heal(leader, address, port=port, layout=bed.layout)
     return Run(backend, fault, at - started, name, new)
+
+
+def keep_evidence(bed: Bed) -> None:
+    """The pods' logs, objects and events, and the node's logs, in a folder that outlives the run."""
+    folder = Path(tempfile.mkdtemp(prefix="node-bench-failed-"))
+    save_pod_logs(bed.control_plane, NAMESPACE, folder)
+    for log in ("kubelet.log", "containerd.log"):
+        with contextlib.suppress(OSError):
+            shutil.copy(bed.node.paths.work / log, folder / log)
+    with contextlib.suppress(OSError):
+        shutil.copy(bed.workdir / "operator.log", folder / "operator.log")
+    print(f"[bench] evidence kept in {folder}", file=sys.stderr, flush=True)
 
 
 def main() -> int:
@@ -242,7 +271,11 @@ def main() -> int:
                 bed.control_plane.kubectl("apply", "-f", "-", input_text=json.dumps(group_manifest(bed, backend)))
                 for fault in args.fault:
                     for index in range(args.runs):
-                        run = one_run(bed, backend, fault)
+                        try:
+                            run = one_run(bed, backend, fault)
+                        except TimeoutError:
+                            keep_evidence(bed)
+                            raise
                         runs.append(run)
                         print(f"[{backend:8} {fault:12} {index + 1:2}/{args.runs}] {run.old} -> {run.new}: "
                               f"{run.seconds * 1000:.0f} ms", flush=True)
@@ -254,7 +287,7 @@ def main() -> int:
     for backend in args.backend:
         for fault in args.fault:
             values = [r.seconds for r in runs if r.backend == backend and r.fault == fault]
-            print(f"  {backend:8} {fault:12} {summary(f'n={len(values)}', values)}")
+            print("  " + summary(f"{backend} {fault}", values))
     if args.json:
         args.json.write_text(json.dumps([asdict(r) for r in runs], indent=1))
     return 0

@@ -14,6 +14,7 @@ import contextlib
 import ipaddress
 import json
 import os
+import re
 import secrets
 import signal
 import subprocess
@@ -209,10 +210,24 @@ def test_node_pods_freezes_and_thaws_the_whole_pod(real_node: RealNode, pod: dic
     _wait(lambda: bool(seen() - before), timeout=5, what="the thawed pod to run again")
 
 
-def _nc(real_node: RealNode, namespace: str, address: str, port: int, wait: int) -> tuple[int, float]:
+@dataclass
+class Connect:
+    code: int
+    took: float
+    output: str
+
+
+def _nc(real_node: RealNode, namespace: str, address: str, port: int, wait: int) -> Connect:
+    """``nc`` from inside the pod: its exit status is 0 once connected, 1 when the connect
+    failed; kubectl's own failures say so in the output (a ``[kubectl]`` line)."""
     started = time.monotonic()
-    result = _exec(real_node, namespace, "sh", "-c", f"nc -w {wait} {address} {port} </dev/null")
-    return result.returncode, time.monotonic() - started
+    result = _exec(real_node, namespace, "sh", "-c",
+                   f"nc -w {wait} {address} {port} </dev/null; echo \"[nc] exit $?\"")
+    took = time.monotonic() - started
+    marker = re.search(r"\[nc\] exit (\d+)", result.stdout)
+    if marker is None:
+        return Connect(-1, took, f"[kubectl] exit {result.returncode}: {result.stdout}{result.stderr}")
+    return Connect(int(marker.group(1)), took, result.stdout + result.stderr)
 
 
 def test_node_pods_partitions_the_pod_inside_its_network_namespace(real_node: RealNode, pod: dict[str, Any],
@@ -221,26 +236,26 @@ def test_node_pods_partitions_the_pod_inside_its_network_namespace(real_node: Re
     assert os.stat(node_pods.pod_netns(pod)).st_ino == os.stat(f"/proc/{main}/ns/net").st_ino
     assert os.stat(node_pods.pod_netns(pod)).st_ino != os.stat("/proc/self/ns/net").st_ino
     api = (real_node.node.layout.node_ip, real_node.node.control_plane.api_port)
-    assert _nc(real_node, node_namespace, *api, wait=5)[0] == 0
+    assert (first := _nc(real_node, node_namespace, *api, wait=5)).code == 0, first
     try:
         node_pods.partition(pod, api[0], mode="reject")
         node_pods.partition(pod, api[0], mode="reject")  # idempotent
-        code, took = _nc(real_node, node_namespace, *api, wait=5)
-        assert code != 0 and took < 4, (code, took)  # refused at once, not timed out
+        refused = _nc(real_node, node_namespace, *api, wait=5)
+        assert refused.code == 1 and refused.took < 4, refused  # refused at once, not timed out
         node_pods.heal(pod, api[0])
-        assert _nc(real_node, node_namespace, *api, wait=5)[0] == 0
+        assert (healed := _nc(real_node, node_namespace, *api, wait=5)).code == 0, healed
         node_pods.partition(pod, api[0], mode="drop")
-        code, took = _nc(real_node, node_namespace, *api, wait=2)
-        assert code != 0 and took >= 2, (code, took)  # silently lost: the connect times out
+        lost = _nc(real_node, node_namespace, *api, wait=2)
+        assert lost.code == 1 and lost.took >= 2, lost  # silently lost: the connect times out
         node_pods.heal(pod, api[0])
         # One port only: the API server's is cut, the kubelet's on the same address is not.
         node_pods.partition(pod, api[0], mode="reject", port=api[1])
-        assert _nc(real_node, node_namespace, *api, wait=2)[0] != 0
-        assert _nc(real_node, node_namespace, api[0], real_node.node.kubelet_port, wait=5)[0] == 0
+        assert (cut := _nc(real_node, node_namespace, *api, wait=2)).code == 1, cut
+        assert (other := _nc(real_node, node_namespace, api[0], real_node.node.kubelet_port, wait=5)).code == 0, other
         node_pods.heal(pod, api[0], port=api[1])
     finally:
         node_pods.heal(pod, api[0])
-    assert _nc(real_node, node_namespace, *api, wait=5)[0] == 0
+    assert (last := _nc(real_node, node_namespace, *api, wait=5)).code == 0, last
     rules = subprocess.run(node_pods.in_pod_netns(pod, "iptables-save"), capture_output=True, text=True, check=True)
     assert node_pods.PARTITION_COMMENT not in rules.stdout
 
