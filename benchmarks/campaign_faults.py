@@ -319,7 +319,18 @@ class Injector:
                 return sorted(ready)
             time.sleep(0.1)
 
+    def _wait_annotated_leader(self, leader: str, timeout: float = 10.0) -> None:
+        """Until the leader's pod says so in its annotation: ``singletonctl handover`` reads the
+        roles from the pods, which the sidecars write a moment after they answer (the group is
+        settled by their answers)."""
+        path = f"/api/v1/namespaces/{self.group.namespace}/pods/{leader}"
+        deadline = time.monotonic() + timeout
+        while ((self.bed.call("GET", path).get("metadata") or {}).get("annotations") or {}).get(
+                contract.ANNOTATION_ROLE) != "leader" and time.monotonic() < deadline:
+            time.sleep(0.05)
+
     def _handover(self, record: FaultRecord) -> None:
+        self._wait_annotated_leader(record.pod)
         standbys = self._ready_standbys(record.pod)
         argv = ["--kubeconfig", str(self.bed.kubeconfig), "handover", self.group.name, "-n", self.group.namespace,
                 "--timeout", "20"]

@@ -94,6 +94,14 @@ def pytest_runtest_makereport(item: pytest.Item,
 PHASE_REPORTS = pytest.StashKey[dict[str, pytest.TestReport]]()
 
 
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """Tests on the session's real node run last, in their order: the node lives until the
+    session ends and holds the machine's node lock, which the demo's test and the doc tests'
+    ``make testbed-up`` need for nodes of their own. (``test_e2e`` asks for the node at run
+    time; its module sorts after theirs.)"""
+    items.sort(key=lambda item: "real_node" in getattr(item, "fixturenames", ()))
+
+
 def phase_failed(request: pytest.FixtureRequest) -> bool:
     """Whether the requesting test's setup or call failed (for a function-scoped fixture's teardown)."""
     reports = request.node.stash.get(PHASE_REPORTS, {})

@@ -456,9 +456,11 @@ def test_crash_restart_and_stop_leave_nothing_behind(
         assert not process_alive(orphan), "the leftover namespace's processes were killed"
         again = kubelet.wait_for_pod(namespace, "keeper").container("sleeper").pid
         assert again not in (None, first)
-        keeper = wait_for("restart counted", lambda: p if container_status(
-            p := api.pod(namespace, "keeper") or {}, "sleeper")["restartCount"] >= 1 else None)
-        assert "running" in container_status(keeper, "sleeper")["state"]
+        # The restart is counted as the new container is made; it shows running a moment later.
+        keeper = wait_for("restart counted and running", lambda: p if (
+            (status := container_status(p := api.pod(namespace, "keeper") or {}, "sleeper"))["restartCount"] >= 1
+            and "running" in status["state"]) else None)
+        assert container_status(keeper, "sleeper")["restartCount"] == 1
     finally:
         kubelet.stop()
     assert again is not None and not process_alive(again)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import fcntl
 import json
 import os
 import subprocess
@@ -212,3 +213,22 @@ def test_server_is_not_a_fake(cluster: Cluster) -> None:
         return
     assert version["serverVersion"]["gitVersion"] == version["clientVersion"]["gitVersion"]
     assert version["serverVersion"]["gitVersion"].startswith("v1.34.")
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="the real node's lock lives in /run (root)")
+def test_busy_reason_says_who_holds_the_real_nodes_lock() -> None:
+    """``singleton-testbed up`` starts without a node, saying why, while another holds the
+    machine's lock (flock: a second open file conflicts even in the same process)."""
+    from singleton_testbed import node
+
+    node.RUN_DIR.mkdir(parents=True, exist_ok=True)
+    with open(node.RUN_DIR / "lock", "a+") as held:
+        try:
+            fcntl.flock(held, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            ours = True
+        except BlockingIOError:
+            ours = False  # a real node runs (the session's): it holds the lock
+        reason = node.busy_reason()
+        assert reason is not None and reason.startswith("another real node runs on this machine"), reason
+    if ours:
+        assert node.busy_reason() is None  # closing the file released the lock

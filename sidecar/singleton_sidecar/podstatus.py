@@ -89,7 +89,6 @@ class PodReporter:
         self._changed = asyncio.Event()
         self._pod_uid: str | None = None
         self._deleting = False
-        self._deletion_seen = asyncio.Event()
         self._pod_gone = False
         self._stopped_containers: set[str] = set()
         self._containers_changed = asyncio.Event()
@@ -177,7 +176,7 @@ class PodReporter:
     async def being_deleted(self) -> bool:
         """Whether this pod is being deleted (or gone) now: known from the watch, else asked
         of the API server (False when it cannot be asked)."""
-        if self._deletion_seen.is_set():
+        if self._deleting:
             return True
         try:
             pod = await self.client.request("GET", self._pod_path, timeout=CALL_TIMEOUT)
@@ -201,7 +200,6 @@ class PodReporter:
         self._note_requests(metadata.get("annotations") or {})
         if (deleted or metadata.get("deletionTimestamp")) and not self._deleting:
             self._deleting = True
-            self._deletion_seen.set()
             self._on_deleting()
 
     def _note_requests(self, annotations: dict[str, str]) -> None:

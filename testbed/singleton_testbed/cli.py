@@ -59,7 +59,10 @@ def _serve(with_node: bool, with_image: bool = True) -> int:
     signal.signal(signal.SIGTERM, lambda *_: stop.set())
     signal.signal(signal.SIGINT, lambda *_: stop.set())
     binaries = find_all()
-    no_node = "--no-node given" if not with_node else node_mod.unavailable_reason(binaries)
+    # Another node holding the machine's lock (a test session's, the demo's) is no error here:
+    # the test bed comes up without one and says why, as when this machine cannot run one.
+    no_node = "--no-node given" if not with_node else \
+        node_mod.unavailable_reason(binaries) or node_mod.busy_reason()
     layout = NodeLayout()
     postgres = PostgresServer()
     # A real node's pods reach the API server through the `kubernetes` Service, whose endpoint

@@ -151,10 +151,7 @@ class Node:
             fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
             lock.close()
-            owner = _read_state().get("pid", "?")
-            raise NodeBusyError(
-                f"another real node runs on this machine (pid {owner}, lock {RUN_DIR / 'lock'}): kube-proxy's "
-                "iptables rules are machine-global, so only one may run; stop it first") from None
+            raise NodeBusyError(_busy_message()) from None
         self._lock = lock
 
     def _write_state(self) -> None:
@@ -309,6 +306,27 @@ class Node:
         cleanup_stale(locked=True)
         self._lock.close()
         self._lock = None
+
+
+def _busy_message() -> str:
+    owner = _read_state().get("pid", "?")
+    return (f"another real node runs on this machine (pid {owner}, lock {RUN_DIR / 'lock'}): kube-proxy's "
+            "iptables rules are machine-global, so only one may run; stop it first")
+
+
+def busy_reason() -> str | None:
+    """Why a real node cannot start now because another holds this machine's lock (a test
+    session's, the demo's), or None. A hint only: ``Node.start`` takes the lock for real."""
+    path = RUN_DIR / "lock"
+    if not path.exists():
+        return None
+    with open(path, "a+") as lock:
+        try:
+            fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            return _busy_message()
+        fcntl.flock(lock, fcntl.LOCK_UN)
+    return None
 
 
 def _read_state() -> dict[str, Any]:
