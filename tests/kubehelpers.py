@@ -8,6 +8,8 @@ from typing import Any, Protocol
 
 import yaml
 
+from singleton_sidecar import contract
+
 
 class KubectlRunner(Protocol):
     def kubectl(self, *args: str, input_text: str | None = None, check: bool = True) -> Any: ...
@@ -72,6 +74,17 @@ def ensure_node(cluster: KubectlRunner, name: str) -> None:
     """A Node object with no kubelet behind it (the test bed runs no node-lifecycle controller)."""
     node = {"apiVersion": "v1", "kind": "Node", "metadata": {"name": name, "labels": {"singleton.dev/fake": "true"}}}
     cluster.kubectl("apply", "-f", "-", input_text=json.dumps(node))
+
+
+def pod_ready(pod: dict[str, Any]) -> bool:
+    """The pod's Ready condition is True."""
+    return any(c["type"] == "Ready" and c["status"] == "True" for c in pod["status"].get("conditions") or [])
+
+
+def pod_role(pod: dict[str, Any]) -> str | None:
+    """The role its sidecar wrote on the pod (``singleton.dev/role``), None before it did."""
+    role: str | None = (pod["metadata"].get("annotations") or {}).get(contract.ANNOTATION_ROLE)
+    return role
 
 
 def get_json(cluster: KubectlRunner, *args: str) -> dict[str, Any]:

@@ -18,7 +18,7 @@ import pytest
 
 from singleton_sidecar import contract
 from tests.conftest import Cluster, RealNode
-from tests.kubehelpers import get_json
+from tests.kubehelpers import get_json, pod_ready, pod_role
 from tests.sidecars import wait_for
 from tests.test_chart import CHART, Release, release, values_args
 
@@ -36,14 +36,6 @@ def _pods(cluster: Cluster, namespace: str, selector: str) -> list[dict[str, Any
     return [p for p in found if not p["metadata"].get("deletionTimestamp")]
 
 
-def _ready(pod: dict[str, Any]) -> bool:
-    return any(c["type"] == "Ready" and c["status"] == "True" for c in pod["status"].get("conditions") or [])
-
-
-def _role(pod: dict[str, Any]) -> str | None:
-    return (pod["metadata"].get("annotations") or {}).get(contract.ANNOTATION_ROLE)
-
-
 def _sidecar(pod: dict[str, Any]) -> dict[str, Any]:
     container: dict[str, Any] = next(c for c in pod["spec"]["initContainers"] if c["name"] == "singleton-sidecar")
     return container
@@ -53,11 +45,11 @@ def _settled_leader(cluster: Cluster, namespace: str, image: str) -> dict[str, A
     """The leader once both pods run ``image`` in their sidecar, are ready, one leads, the
     other stands by, and the status agrees."""
     pods = _pods(cluster, namespace, f"{contract.LABEL_GROUP}={GROUP}")
-    if len(pods) != 2 or not all(_ready(p) and _sidecar(p)["image"] == image for p in pods):
+    if len(pods) != 2 or not all(pod_ready(p) and _sidecar(p)["image"] == image for p in pods):
         return None
-    if sorted(_role(p) or "" for p in pods) != ["leader", "standby"]:
+    if sorted(pod_role(p) or "" for p in pods) != ["leader", "standby"]:
         return None
-    leader = next(p for p in pods if _role(p) == "leader")
+    leader = next(p for p in pods if pod_role(p) == "leader")
     status = get_json(cluster, "sgl", GROUP, "-n", namespace).get("status") or {}
     return leader if status.get("leader") == leader["metadata"]["name"] else None
 
@@ -80,7 +72,7 @@ def test_install_run_upgrade_with_one_handover_and_uninstall(cluster: Cluster, s
 
     # The operator's pods run as the chart says: as the image's non-root user, on a read-only root.
     operators = _pods(cluster, namespace, release.selector)
-    assert len(operators) == 2 and all(_ready(p) for p in operators), operators
+    assert len(operators) == 2 and all(pod_ready(p) for p in operators), operators
     name = operators[0]["metadata"]["name"]
     assert _exec(cluster, namespace, name, "operator", "id -u") == (0, "10001")
     code, out = _exec(cluster, namespace, name, "operator", "touch /opt/x")
@@ -111,7 +103,7 @@ def test_install_run_upgrade_with_one_handover_and_uninstall(cluster: Cluster, s
 
     def upgraded() -> dict[str, Any] | None:
         for pod in _pods(cluster, namespace, f"{contract.LABEL_GROUP}={GROUP}"):
-            if _role(pod) == "leader" and pod["metadata"]["name"] != leaders_seen[-1]:
+            if pod_role(pod) == "leader" and pod["metadata"]["name"] != leaders_seen[-1]:
                 leaders_seen.append(pod["metadata"]["name"])
         return _settled_leader(cluster, namespace, f"{repository}:{NEXT_TAG}")
 
@@ -129,6 +121,6 @@ def test_install_run_upgrade_with_one_handover_and_uninstall(cluster: Cluster, s
     release.helm("uninstall", release.name, "--wait", "--timeout", "120s")
     wait_for(lambda: not _pods(cluster, namespace, release.selector), 60, "the operator's pods to go", 0.5)
     pods = _pods(cluster, namespace, f"{contract.LABEL_GROUP}={GROUP}")
-    assert [_role(p) for p in pods if p["metadata"]["name"] == new_leader["metadata"]["name"]] == ["leader"]
+    assert [pod_role(p) for p in pods if p["metadata"]["name"] == new_leader["metadata"]["name"]] == ["leader"]
     cluster.kubectl("delete", "sgl", GROUP, "-n", namespace, "--wait=false")
 

@@ -39,7 +39,7 @@ from singleton_testbed.node_config import NodeLayout
 from singleton_testbed.postgres import PostgresInfo
 from singleton_testbed.procs import free_port
 from tests.conftest import REAL_NODE_TOLERATION, Cluster, RealNode, phase_failed, use_existing_cluster
-from tests.kubehelpers import bound_token, get_json, save_pod_logs, token_kubeconfig
+from tests.kubehelpers import bound_token, get_json, pod_ready, pod_role, save_pod_logs, token_kubeconfig
 from tests.operators import OperatorProcess
 from tests.sidecars import wait_for
 from tests.test_rbac import helm_template
@@ -94,22 +94,14 @@ class Bed:
         return result
 
 
-def ready(pod: dict[str, Any]) -> bool:
-    return any(c["type"] == "Ready" and c["status"] == "True" for c in pod["status"].get("conditions") or [])
-
-
-def role(pod: dict[str, Any]) -> str | None:
-    return (pod["metadata"].get("annotations") or {}).get(contract.ANNOTATION_ROLE)
-
-
 def settled(bed: Bed, replicas: int) -> dict[str, Any] | None:
     """The leader pod once the group is settled: every pod ready, one leader, the rest standbys,
     and the status saying the same."""
     pods = [p for p in bed.pods() if not p["metadata"].get("deletionTimestamp")]
-    if len(pods) != replicas or not all(ready(p) for p in pods):
+    if len(pods) != replicas or not all(pod_ready(p) for p in pods):
         return None
-    leaders = [p for p in pods if role(p) == "leader"]
-    if len(leaders) != 1 or sum(role(p) == "standby" for p in pods) != replicas - 1:
+    leaders = [p for p in pods if pod_role(p) == "leader"]
+    if len(leaders) != 1 or sum(pod_role(p) == "standby" for p in pods) != replicas - 1:
         return None
     status = bed.status()
     leader = leaders[0]
@@ -343,7 +335,7 @@ def test_3_killing_the_leaders_sidecar_fails_over(bed: Bed) -> None:
         pod = get_json(bed.cluster, "pod", old, "-n", bed.namespace)
         statuses = pod["status"].get("initContainerStatuses") or []
         return any(s["name"] == "singleton-sidecar" and s["restartCount"] >= 1 for s in statuses) and \
-            role(pod) == "standby"
+            pod_role(pod) == "standby"
 
     wait_for(restarted, 30, "the sidecar to restart as a standby", 0.3)
     wait_for(lambda: settled(bed, 3), 60, "the group to settle again", 0.3)
@@ -358,8 +350,8 @@ def test_4_a_spec_change_rolls_out_with_exactly_one_handover_to_a_new_pod(bed: B
 
     def rolled() -> dict[str, Any] | None:
         pods = bed.pods()
-        history.append(" ".join(f"{p['metadata']['name'][-5:]}:{role(p)}" for p in pods))
-        name = next((p["metadata"]["name"] for p in pods if role(p) == "leader"), None)
+        history.append(" ".join(f"{p['metadata']['name'][-5:]}:{pod_role(p)}" for p in pods))
+        name = next((p["metadata"]["name"] for p in pods if pod_role(p) == "leader"), None)
         if name and (not leaders_seen or leaders_seen[-1] != name):
             leaders_seen.append(name)
         leader = settled(bed, 3)
