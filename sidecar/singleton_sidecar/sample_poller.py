@@ -41,7 +41,11 @@ async def main() -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     stop = asyncio.Event()
     asyncio.get_running_loop().add_signal_handler(signal.SIGTERM, stop.set)
-    conn = await asyncpg.connect(os.environ["LEDGER_DSN"], timeout=10)
+    # A poller whose pod vanished mid-write can leave its session "idle in transaction" on the
+    # server (no FIN reached it), holding the fence row: every later leader's write then waits
+    # behind it. Our transactions never idle, so the server may end such a session after 5 s.
+    conn = await asyncpg.connect(os.environ["LEDGER_DSN"], timeout=10,
+                                 server_settings={"idle_in_transaction_session_timeout": "5000"})
     await conn.execute("SELECT pg_advisory_lock(777)")  # DDL once, not from every replica at once
     try:
         await conn.execute(LEDGER_DDL)
