@@ -196,6 +196,15 @@ def test_console_script_prints_its_usage(run: RunInImage, program: str) -> None:
     assert result.stderr == ""
 
 
+def test_the_file_gates_script_ships_in_the_image(run: RunInImage) -> None:
+    """The file gate writes ``gate.sh`` from the package's data into the shared folder: a wheel
+    without it made every file-gated sidecar exit at start ("No such file or directory")."""
+    result = run("/opt/singleton/bin/singleton-sidecar", "gate-script")
+    packaged = (Path(__file__).resolve().parent.parent / "sidecar" / "singleton_sidecar" / "gate.sh").read_text()
+    assert result.returncode == 0, result.stderr
+    assert result.stdout == packaged
+
+
 def test_bytecode_is_precompiled_so_nothing_is_written(run: RunInImage) -> None:
     # Without PYTHONDONTWRITEBYTECODE, Python writes bytecode it has to compile; on the read-only
     # root that fails, and -v reports both the compiling ("code object from <the .py>") and the
