@@ -6,10 +6,11 @@ did (the act log) and by the fenced ledger.
                                             [--variants exec/fenced file/unfenced ...] [--fence off]
                                             [--worker-env NAME=VALUE ...] [--json PATH] [--workdir DIR] [--keep]
 
-Needs root and ``ip netns`` (the pods run on the test bed's stand-in kubelet, each in its own
-network namespace) and the test bed's binaries. It starts its own PostgreSQL, etcd +
-kube-apiserver (with the SingletonService CRD) and stand-in kubelet (it restarts them), then, for
-each backend in turn, runs groups of 3 pods one after the other, a **segment** each
+Needs root and the test bed's binaries, and a machine that can run the real node
+(``singleton_testbed.node``: containerd, runc, the CNI plugins, buildah for the images). It
+starts its own PostgreSQL, etcd + kube-apiserver (with the SingletonService CRD) and controllers,
+and the real node with the project's image and the test-apps image (it restarts the servers),
+then, for each backend in turn, runs groups of 3 pods one after the other, a **segment** each
 (``--segment-faults`` faults, then a new group of the next variant): exec gate or file gate (the
 operator's pod for ``gating: {mode: file}``), the ledger worker fenced or not, each pod's app
 finishing in 0..1 s after SIGTERM with 0..2 children, one slow pod whose drain timeout is shorter
@@ -59,7 +60,7 @@ from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from benchmarks.campaign_bed import VARIANTS, Bed, CampaignError, Group, Variant
+from benchmarks.campaign_bed import VARIANTS, Bed, Borrowed, CampaignError, Group, Variant
 from benchmarks.campaign_faults import ALL_KINDS, APPLIES, Deck, Injector
 from benchmarks.campaign_poll import Poller
 from benchmarks.campaign_report import BackendResult, CampaignResult, Segment
@@ -108,6 +109,8 @@ class CampaignOptions:
     workdir: Path | None = None
     keep: bool = False
     log: Callable[[str], None] = print
+    borrowed: Borrowed | None = None
+    """A test session's control plane and node to run on, instead of starting its own."""
 
 
 def run_campaign(options: CampaignOptions) -> CampaignResult:
@@ -128,7 +131,7 @@ def run_campaign(options: CampaignOptions) -> CampaignResult:
     result = CampaignResult(seed=seed, quick=options.quick)
     options.log(f"campaign seed {seed}, backends {' '.join(backends)}, workdir {workdir}")
     started = time.monotonic()
-    bed = Bed(workdir)
+    bed = Bed(workdir, options.borrowed)
     poller = Poller()
     try:
         bed.start()
@@ -145,7 +148,7 @@ def run_campaign(options: CampaignOptions) -> CampaignResult:
     if result.verdict_ok and not options.keep and options.workdir is None:
         shutil.rmtree(workdir, ignore_errors=True)
     else:
-        options.log(f"logs kept in {workdir} (pods' logs under standin/pods/)")
+        options.log(f"logs kept in {workdir} (pods' logs under pods/<namespace>/)")
     return result
 
 

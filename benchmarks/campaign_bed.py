@@ -1,19 +1,26 @@
-"""The campaign's test bed and groups: PostgreSQL, etcd + kube-apiserver (with the
-SingletonService CRD) and one stand-in kubelet, all the campaign's own (it restarts them),
-started from the main thread (servers die with the thread that started them); and, per backend
-and segment, a group of 3 sidecar pods of one ``Variant``.
+"""The campaign's test bed and groups: PostgreSQL (admitting the pod network), etcd +
+kube-apiserver (with the SingletonService CRD) and controllers, and the real node (containerd,
+runc, kubelet, kube-proxy: ``singleton_testbed.node``) with the project's image and the
+test-apps image (``singleton_testbed.apps_image``: the project's image plus the tests' workers);
+all the campaign's own (it restarts them), started from the main thread (servers die with the
+thread that started them), or borrowed from a test session (``Bed(..., borrowed=...)``: its
+control plane, node and images; the campaign still restarts that control plane, and starts its
+own PostgreSQL). Per backend and segment, a group of 3 pods of one ``Variant``.
 
-A group's pods, in a namespace of their own, each in a network namespace of its own, with the
+A group's pods, in a namespace of their own, bound to the node (``nodeName``), with the
 downward-API environment, a ServiceAccount limited to ``contract.sidecar_rbac_rules(group)``
-(in-cluster token at the standard path) and short timings (lease 2 s, renew deadline 1.5 s,
-retry 0.5 s), run the ledger worker (``tests/data/ledger_worker.py``) gated one of two ways:
+(its token projected by the kubelet) and short timings (lease 2 s, renew deadline 1.5 s, retry
+0.5 s), run the ledger worker (``tests/data/ledger_worker.py`` in the test-apps image) gated one
+of two ways:
 
-- **exec gate**: one container, ``singleton-sidecar run -- python ledger_worker.py`` (the keeper
-  runs the worker in a process group of its own and gives it ``SINGLETON_DEADLINE_FILE``);
+- **exec gate**: one container of the test-apps image, ``singleton-sidecar run -- python
+  ledger_worker.py`` (the keeper runs the worker in a process group of its own and gives it
+  ``SINGLETON_DEADLINE_FILE``);
 - **file gate**: the pod the operator builds for ``gating: {mode: file}``
-  (``singleton_operator.resources.pod_template``): the sidecar as a native sidecar, the worker as
-  the main container wrapped by ``gate.sh`` from a shared ``emptyDir``; the worker follows the
-  gate's flag (``LEDGER_GATE_DIR``) for its deadline.
+  (``singleton_operator.resources.pod_template``): the sidecar of the project's image as a
+  native sidecar, with the operator's probes, the worker (test-apps image) as the main container
+  wrapped by ``gate.sh`` from a shared ``emptyDir``; the worker follows the gate's flag
+  (``LEDGER_GATE_DIR``) for its deadline.
 
 Every group also has a ``SingletonService`` object (``singletonctl`` finds groups through it;
 for file-gated groups it is what their pods are built from; no operator runs, so nothing
@@ -22,18 +29,21 @@ draws how long its app takes to finish after SIGTERM (``LEDGER_FINISH_SECONDS``,
 many children act beside it (``LEDGER_CHILDREN``, 0..2). One pod of each group (and each pod that
 replaces it) is **slow**: its app takes 0.5..1 s to finish and its sidecar's drain timeout is
 0.2 s, so a planned ending of its term hits the drain timeout. A killed container is restarted by
-the stand-in; a deleted pod is replaced by a new one (with the same role, slow or not), as a
-ReplicaSet would.
+the kubelet (the test bed's node caps its back-off at 1 s); a deleted pod is replaced by a new
+one (with the same role, slow or not), as a ReplicaSet would. Before a group is torn down its
+pods' logs (previous containers' included) are saved under ``<workdir>/pods/<namespace>/``.
 """
 
 from __future__ import annotations
 
 import asyncio
 import base64
+import contextlib
 import dataclasses
 import random
 import secrets
-import sys
+import signal
+import subprocess
 import time
 import urllib.error
 from collections.abc import Callable
@@ -41,29 +51,30 @@ from pathlib import Path
 from typing import Any
 
 import asyncpg
-from tests.kubelet_fixtures import Api
+from tests.kubehelpers import AdminApi, save_pod_logs
 
-from benchmarks.campaign_pods import freeze_pod, loopback_request, thaw_pod
+from benchmarks.campaign_pods import Frozen, freeze_pod, loopback_request, thaw_pod
 from benchmarks.campaign_poll import PORT, Poller, Sample
 from singleton_operator import resources
 from singleton_operator.spec import read_spec
 from singleton_sidecar import contract
+from singleton_testbed import images, node_pods
+from singleton_testbed.apps_image import APPS_ROOT, build_test_apps_image
 from singleton_testbed.binaries import add_to_path, find_all
 from singleton_testbed.controlplane import ControlPlane, wait_established
-from singleton_testbed.kubelet_control import PodInfo, StandInKubelet
-from singleton_testbed.netns import PodNetworkConfig
+from singleton_testbed.node import Node
+from singleton_testbed.node_config import NodeLayout
 from singleton_testbed.postgres import PostgresServer
 
-NET = PodNetworkConfig()
 ROOT = Path(__file__).resolve().parent.parent
-WORKER = ROOT / "tests" / "data" / "ledger_worker.py"
 CRD = ROOT / "crds" / "singleton.dev_singletonservices.yaml"
+WORKER = f"{APPS_ROOT}/data/ledger_worker.py"
+"""The ledger worker inside the test-apps image."""
 CONTAINER = "sidecar"
 """The exec-gated pod's one container (sidecar, keeper and worker)."""
 APP_CONTAINER = "worker"
 """The file-gated pod's main container (``gate.sh`` and the worker); its sidecar is
 ``resources.SIDECAR_CONTAINER``."""
-IMAGE = "ghcr.io/singleton-dev/singleton:0.1.0"
 LEASE, RENEW, RETRY = 2.0, 1.5, 0.5
 TIMINGS = {contract.ENV_LEASE_DURATION: "2", contract.ENV_RENEW_DEADLINE: "1.5", contract.ENV_RETRY_PERIOD: "0.5"}
 CONTROL_PORT = PORT + 1
@@ -84,7 +95,7 @@ class CampaignError(Exception):
     """The bed or a group got into a state the campaign cannot go on from."""
 
 
-def admin_call(api: Api, method: str, path: str, body: dict[str, Any] | None = None, *,
+def admin_call(api: AdminApi, method: str, path: str, body: dict[str, Any] | None = None, *,
                ok: tuple[int, ...] = (200, 201, 202), attempts: int = 20) -> dict[str, Any]:
     """An admin API call, retried while the API server is coming back."""
     for _ in range(attempts):
@@ -127,32 +138,69 @@ def sidecar_pod_env(group: str, backend: str, timings: dict[str, str]) -> list[d
             *({"name": k, "value": v} for k, v in timings.items())]
 
 
-def watch_running(standin: StandInKubelet, poller: Poller, namespace: str, pods: dict[str, str]) -> None:
-    """Fill in the IP of every pod of ``pods`` (name → IP, empty until known) that runs now,
-    and give it to the poller."""
-    for pod, ip in list(pods.items()):
-        if ip:
-            continue
-        try:
-            info = standin.pod(namespace, pod)
-        except (KeyError, LookupError):
-            continue
-        if info.ip and info.running:
-            pods[pod] = info.ip
-            poller.watch(pod, info.ip)
+def running_ips(api: AdminApi, namespace: str, container: str) -> dict[str, str]:
+    """Pod name → IP of the namespace's pods whose ``container`` runs now (not being deleted)."""
+    status, answer = api.request("GET", f"/api/v1/namespaces/{namespace}/pods", timeout=5)
+    if status != 200:
+        return {}
+    found = {}
+    for pod in answer.get("items") or []:
+        pod_status = pod.get("status") or {}
+        states = [*(pod_status.get("initContainerStatuses") or []), *(pod_status.get("containerStatuses") or [])]
+        running = any(s.get("name") == container and "running" in (s.get("state") or {}) for s in states)
+        if running and pod_status.get("podIP") and not pod["metadata"].get("deletionTimestamp"):
+            found[pod["metadata"]["name"]] = str(pod_status["podIP"])
+    return found
+
+
+def watch_running(api: AdminApi, poller: Poller, namespace: str, container: str, pods: dict[str, str]) -> None:
+    """Fill in the IP of every pod of ``pods`` (name → IP, empty until known) whose
+    ``container`` runs now, and give it to the poller."""
+    if all(pods.values()):
+        return
+    try:
+        ips = running_ips(api, namespace, container)
+    except (urllib.error.URLError, OSError):
+        return  # the API server is being restarted: next time
+    for pod, ip in ips.items():
+        if pod in pods and not pods[pod]:
+            pods[pod] = ip
+            poller.watch(pod, ip)
+
+
+@dataclasses.dataclass(frozen=True)
+class Borrowed:
+    """A test session's control plane and real node, with both images already imported."""
+
+    control_plane: ControlPlane
+    node: Node
+    project_image: str
+    apps_image: str
+    tolerations: list[dict[str, str]] = dataclasses.field(default_factory=list)
+    """What the pods need to run on that node (its taints)."""
 
 
 class Bed:
-    def __init__(self, workdir: Path) -> None:
+    def __init__(self, workdir: Path, borrowed: Borrowed | None = None) -> None:
         self.workdir = workdir
-        self.suffix = secrets.token_hex(3)
+        self.borrowed = borrowed
         self.pg = PostgresServer(serve_pods=True)  # its own folder: the server runs as user postgres
-        binaries = find_all()
-        add_to_path(binaries)
-        self.cp = ControlPlane(binaries, workdir / "k8s", serve_pods=True)
-        self.kubelet: StandInKubelet | None = None
-        self.api: Api | None = None
+        self.layout = borrowed.node.layout if borrowed else NodeLayout()
+        if borrowed is None:
+            binaries = find_all()
+            add_to_path(binaries)
+            self.cp = ControlPlane(binaries, workdir / "k8s", advertise_address=self.layout.node_ip)
+            self.node = Node(self.cp, binaries, layout=self.layout)
+            self.project_image = self.apps_image = ""
+            self.tolerations: list[dict[str, str]] = []
+        else:
+            self.cp, self.node = borrowed.control_plane, borrowed.node
+            self.project_image, self.apps_image = borrowed.project_image, borrowed.apps_image
+            self.tolerations = borrowed.tolerations
+        self.api: AdminApi | None = None
         self.kubeconfig: Path | None = None
+        self.api_service_ip = ""
+        """The ``kubernetes`` Service's ClusterIP: where the pods' sidecars dial the API server."""
 
     def __repr__(self) -> str:
         return f"<Bed {self.workdir}>"
@@ -160,35 +208,40 @@ class Bed:
     def start(self) -> None:
         (self.workdir / "k8s").mkdir(parents=True, exist_ok=True)
         self.pg.start()
-        info = self.cp.start()
-        self.api = Api(info.kubeconfig)
-        self.kubeconfig = info.kubeconfig
+        if self.borrowed is None:
+            info = self.cp.start()
+            self.cp.start_controllers()  # service-account tokens' root CA in each namespace
+            self.node.start()
+            project_archive, self.project_image = images.build_project_image()
+            apps_archive, self.apps_image = build_test_apps_image()
+            self.node.import_image(project_archive)
+            self.node.import_image(apps_archive)
+            self.kubeconfig = info.kubeconfig
+        else:
+            assert self.cp.info is not None, "a borrowed control plane runs"
+            self.kubeconfig = self.cp.info.kubeconfig
+        self.api = AdminApi(self.kubeconfig)
         self.cp.kubectl("apply", "--server-side", "--force-conflicts", "--field-manager=singleton-campaign",
                         "-f", str(CRD))
         wait_established(self.cp.kubectl, "crd/singletonservices.singleton.dev")
-        self.kubelet = StandInKubelet(kubeconfig=info.kubeconfig, node=f"campaign-{self.suffix}",
-                                      state_dir=self.workdir / "standin")
-        self.kubelet.start()
+        self.api_service_ip = str(self.call("GET", "/api/v1/namespaces/default/services/kubernetes")
+                                  ["spec"]["clusterIP"])
 
     def stop(self) -> None:
-        if self.kubelet is not None:
-            self.kubelet.stop()
-        self.cp.stop()
+        if self.borrowed is None:
+            self.node.stop()
+            self.cp.stop()
         self.pg.cleanup()
 
     @property
-    def standin(self) -> StandInKubelet:
-        assert self.kubelet is not None
-        return self.kubelet
-
-    @property
-    def admin(self) -> Api:
+    def admin(self) -> AdminApi:
         assert self.api is not None
         return self.api
 
     @property
     def pod_dsn(self) -> str:
-        return dataclasses.replace(self.pg.info, host=NET.postgres_ip).dsn
+        """The DSN pods use: PostgreSQL at the node IP."""
+        return dataclasses.replace(self.pg.info, host=self.layout.node_ip).dsn
 
     def sql(self, query: str, *args: object) -> Any:
         """One value, as the superuser; None when the server does not answer."""
@@ -207,7 +260,6 @@ class Bed:
     def call(self, method: str, path: str, body: dict[str, Any] | None = None,
              ok: tuple[int, ...] = (200, 201, 202), attempts: int = 20) -> dict[str, Any]:
         return admin_call(self.admin, method, path, body, ok=ok, attempts=attempts)
-
 
 
 @dataclasses.dataclass(frozen=True)
@@ -245,16 +297,6 @@ class PodProfile:
                 + (" (slow)" if self.slow else ""))
 
 
-@dataclasses.dataclass
-class Frozen:
-    """A pod frozen whole: its network namespace and its containers' main processes."""
-
-    netns: str
-    container_pids: tuple[int, ...]
-    processes: int = 0
-    """How many processes were stopped."""
-
-
 def _env(name: str, value: str) -> dict[str, Any]:
     return {"name": name, "value": value}
 
@@ -284,6 +326,8 @@ class Group:
     created: int = 0
     service: dict[str, Any] = dataclasses.field(default_factory=dict)
     """The SingletonService object as the API server returned it."""
+    uids: dict[str, str] = dataclasses.field(default_factory=dict)
+    """Every pod the group ever had → its UID (names its log folder on the node)."""
 
     def __post_init__(self) -> None:
         self.name = self.name or f"camp-{self.backend}-{secrets.token_hex(3)}"
@@ -321,9 +365,9 @@ class Group:
             "timings": {"leaseDuration": "2s", "renewDeadline": "1500ms", "retryPeriod": "500ms"},
             "drain": {"timeout": f"{DRAIN_TIMEOUT:g}s"}, "terminationGracePeriodSeconds": GRACE,
             "gating": {"mode": "file" if self.variant.gate == "file" else "cooperative"},
-            "sidecar": {"port": PORT, "image": IMAGE},
-            "template": {"spec": {"containers": [{"name": APP_CONTAINER, "image": IMAGE,
-                                                  "command": [sys.executable, str(WORKER)]}]}},
+            "sidecar": {"port": PORT, "image": self.bed.project_image},
+            "template": {"spec": {"containers": [{"name": APP_CONTAINER, "image": self.bed.apps_image,
+                                                  "imagePullPolicy": "Never", "command": ["python", WORKER]}]}},
         }
         if self.backend != "lease":
             spec["postgres"] = {"secretRef": {"name": DSN_SECRET, "key": "dsn"}}
@@ -355,21 +399,27 @@ class Group:
         ]
         if self.backend != "lease":
             env.append(_env(contract.ENV_POSTGRES_DSN, self.bed.pod_dsn))
-        command = [sys.executable, "-m", "singleton_sidecar.cli", "run", "--", sys.executable, str(WORKER)]
+        command = ["singleton-sidecar", "run", "--", "python", WORKER]
         return {"apiVersion": "v1", "kind": "Pod",
                 "metadata": {"name": pod, "labels": {"app": self.name, contract.LABEL_GROUP: self.name}},
-                "spec": {"nodeName": self.bed.standin.node, "serviceAccountName": self.account,
+                "spec": {**self._placement(), "serviceAccountName": self.account,
                          "terminationGracePeriodSeconds": GRACE,
-                         "containers": [{"name": CONTAINER, "image": IMAGE, "command": command, "env": env,
+                         "containers": [{"name": CONTAINER, "image": self.bed.apps_image, "imagePullPolicy": "Never",
+                                         "command": command, "env": env,
                                          "ports": [{"name": "probes", "containerPort": PORT}]}]}}
 
+    def _placement(self) -> dict[str, Any]:
+        """Bound to the bed's node (no scheduler needed), tolerating its taints."""
+        placement: dict[str, Any] = {"nodeName": self.bed.layout.name}
+        if self.bed.tolerations:
+            placement["tolerations"] = self.bed.tolerations
+        return placement
+
     def _file_manifest(self, pod: str, profile: PodProfile) -> dict[str, Any]:
-        """The operator's pod for ``gating: {mode: file}``, with this pod's profile; images are
-        ignored by the stand-in, so commands run this machine's Python."""
-        template = resources.pod_template(read_spec(self.service, default_sidecar_image=IMAGE))
+        """The operator's pod for ``gating: {mode: file}``, with this pod's profile."""
+        template = resources.pod_template(read_spec(self.service, default_sidecar_image=self.bed.project_image))
         spec = template["spec"]
         sidecar = next(c for c in spec["initContainers"] if c["name"] == resources.SIDECAR_CONTAINER)
-        sidecar["command"] = [sys.executable, "-m", "singleton_sidecar.cli", "run"]
         sidecar["env"] = _with_env(sidecar["env"], {contract.ENV_DRAIN_TIMEOUT: f"{profile.drain_timeout:g}",
                                                     contract.ENV_LOG_FORMAT: "text"})
         main = next(c for c in spec["containers"] if c["name"] == APP_CONTAINER)
@@ -380,7 +430,7 @@ class Group:
             # gate.sh exports only the token: the worker's identity is its pod's name.
             {"name": "SINGLETON_IDENTITY", "valueFrom": {"fieldRef": {"fieldPath": "metadata.name"}}},
         ]
-        spec["nodeName"] = self.bed.standin.node
+        spec.update(self._placement())
         spec["serviceAccountName"] = self.account
         return {"apiVersion": "v1", "kind": "Pod",
                 "metadata": {"name": pod, "labels": {**template["metadata"]["labels"], "app": self.name}},
@@ -390,7 +440,8 @@ class Group:
         pod = f"{self.name}-{self.created}"
         self.created += 1
         profile = self.draw_profile(slow)
-        self.bed.call("POST", f"/api/v1/namespaces/{self.namespace}/pods", self.manifest(pod, profile))
+        created = self.bed.call("POST", f"/api/v1/namespaces/{self.namespace}/pods", self.manifest(pod, profile))
+        self.uids[pod] = str(created["metadata"]["uid"])
         self.profiles[pod] = profile
         self.pods[pod] = ""
         return pod
@@ -403,53 +454,84 @@ class Group:
         self.poller.forget(pod)
         self.add_pod(slow=self.slow(pod))
 
-    # --- what the faults do to a pod's processes (``campaign_pods``) ---------------------------
+    # --- what the faults do to a pod's processes (``campaign_pods``, ``node_pods``) ------------
 
-    def pod_info(self, pod: str) -> PodInfo:
-        try:
-            return self.bed.standin.pod(self.namespace, pod)
-        except (KeyError, LookupError, RuntimeError, OSError) as exc:
-            raise CampaignError(f"pod {pod} is not running: {exc}") from exc
+    def pod_object(self, pod: str) -> dict[str, Any]:
+        """The pod as the API server has it now (container IDs change with restarts)."""
+        return self.bed.call("GET", f"/api/v1/namespaces/{self.namespace}/pods/{pod}")
 
-    def _netns(self, info: PodInfo) -> str:
-        if info.netns is None:
-            raise CampaignError(f"pod {info.name} has no network namespace")
-        return info.netns
+    def containers(self) -> list[str]:
+        """The pod's containers, sidecar first."""
+        return [CONTAINER] if self.variant.gate == "exec" else [resources.SIDECAR_CONTAINER, APP_CONTAINER]
 
     def sidecar_pid(self, pod: str) -> int:
-        pid = self.pod_info(pod).container(self.sidecar_container).pid
-        if pid is None:
-            raise CampaignError(f"pod {pod}: its sidecar is not running")
-        return pid
+        """The host PID of the sidecar process (its container's main process)."""
+        try:
+            return node_pods.container_main_pid(self.pod_object(pod), self.sidecar_container, layout=self.bed.layout)
+        except (LookupError, OSError) as exc:
+            raise CampaignError(f"pod {pod}: its sidecar is not running: {exc}") from exc
+
+    def kill_sidecar(self, pod: str) -> None:
+        """SIGKILL of every process of the sidecar's container; the kubelet restarts it."""
+        try:
+            node_pods.signal_container(self.pod_object(pod), self.sidecar_container, signal.SIGKILL,
+                                       layout=self.bed.layout)
+        except (LookupError, OSError) as exc:
+            raise CampaignError(f"pod {pod}: cannot kill its sidecar: {exc}") from exc
 
     def freeze(self, pod: str) -> Frozen:
-        """SIGSTOP every process of the pod (a cgroup freeze); ``thaw`` undoes it."""
-        info = self.pod_info(pod)
-        netns = self._netns(info)
-        frozen = Frozen(netns, tuple(c.pid for c in info.containers if c.pid is not None))
-        frozen.processes = freeze_pod(netns)
-        return frozen
+        """Freeze the whole pod (its freezer cgroup); ``thaw`` undoes it."""
+        try:
+            return freeze_pod(self.pod_object(pod), self.containers(), self.bed.layout)
+        except (LookupError, OSError, TimeoutError) as exc:
+            raise CampaignError(f"pod {pod}: cannot freeze it: {exc}") from exc
 
-    @staticmethod
-    def thaw(frozen: Frozen) -> None:
-        """SIGCONT the pod: its app first, its sidecar and gate ``THAW_STAGGER`` later."""
-        thaw_pod(frozen.netns, list(frozen.container_pids), THAW_STAGGER)
+    def thaw(self, frozen: Frozen) -> None:
+        """Thaw the pod: its app first, its sidecar and gate ``THAW_STAGGER`` later."""
+        thaw_pod(frozen, THAW_STAGGER, self.bed.layout)
+
+    def partition(self, pod: str, targets: list[tuple[str, int | None]]) -> dict[str, Any]:
+        """Cut the pod off from each (address, port) inside its network namespace; returns the
+        pod object, for ``heal``."""
+        found = self.pod_object(pod)
+        try:
+            for address, port in targets:
+                node_pods.partition(found, address, port=port, layout=self.bed.layout)
+        except (LookupError, OSError, RuntimeError) as exc:
+            self.heal(found, targets)
+            raise CampaignError(f"pod {pod}: cannot cut it off: {exc}") from exc
+        return found
+
+    def heal(self, found: dict[str, Any], targets: list[tuple[str, int | None]]) -> None:
+        for address, port in targets:
+            # A pod gone meanwhile took its rules with its network namespace.
+            with contextlib.suppress(LookupError, OSError, RuntimeError):
+                node_pods.heal(found, address, port=port, layout=self.bed.layout)
 
     def step_down(self, pod: str) -> tuple[int, str]:
         """``POST /step-down`` on the sidecar's control port, on the pod's loopback."""
-        return loopback_request(self._netns(self.pod_info(pod)), CONTROL_PORT, "POST",
-                                "/step-down?reason=campaign")
+        try:
+            netns = node_pods.pod_netns(self.pod_object(pod), layout=self.bed.layout)
+        except LookupError as exc:
+            raise CampaignError(f"pod {pod} has no network namespace here: {exc}") from exc
+        return loopback_request(netns, CONTROL_PORT, "POST", "/step-down?reason=campaign")
 
     def drain_timeouts(self, pod: str) -> int:
-        """How often the pod's sidecar logged that its drain timeout passed (all its restarts)."""
-        try:
-            return self.bed.standin.read_log(self.namespace, pod, self.sidecar_container).count("drain timeout (")
-        except (FileNotFoundError, OSError):
-            return 0
+        """How often the pod's sidecar logged that its drain timeout passed (every log file the
+        node keeps of the container: the current one and the previous ones')."""
+        folder = self.bed.node.paths.pod_logs / f"{self.namespace}_{pod}_{self.uids.get(pod, '')}" / \
+            self.sidecar_container
+        count = 0
+        for log in sorted(folder.glob("*.log")):
+            try:
+                count += log.read_text(errors="replace").count("drain timeout (")
+            except OSError:
+                continue  # rotated away meanwhile
+        return count
 
     def watch_started(self) -> None:
-        """Give the poller the IP of every member that runs now."""
-        watch_running(self.bed.standin, self.poller, self.namespace, self.pods)
+        """Give the poller the IP of every member whose sidecar runs now."""
+        watch_running(self.bed.admin, self.poller, self.namespace, self.sidecar_container, self.pods)
 
     def wait_settled(self, timeout: float, since: float = 0.0) -> Sample:
         """Every member answers, one of them leads, and its worker has written the ledger."""
@@ -468,9 +550,15 @@ class Group:
                             f"last answers {latest}")
 
     def teardown(self) -> None:
+        """Save the pods' logs, delete the pods (gracefully: their terms drain), wait until they
+        are gone, and delete the namespace."""
         for pod in list(self.pods):
             self.poller.forget(pod)
         self.pods.clear()
+        try:
+            save_pod_logs(self.bed.cp, self.namespace, self.bed.workdir / "pods" / self.namespace)
+        except (OSError, RuntimeError, ValueError, subprocess.SubprocessError) as exc:
+            print(f"[campaign] could not save the logs of {self.namespace}: {exc}")
         try:
             self.bed.call("DELETE", f"/api/v1/namespaces/{self.namespace}/pods", {}, attempts=5)
         except CampaignError:
@@ -478,8 +566,10 @@ class Group:
         deadline = time.monotonic() + GRACE + DRAIN_TIMEOUT + 10
         while time.monotonic() < deadline:
             try:
-                if not [p for p in self.bed.standin.pods() if p.namespace == self.namespace]:
+                if not self.bed.call("GET", f"/api/v1/namespaces/{self.namespace}/pods", attempts=2).get("items"):
                     break
-            except (RuntimeError, OSError):
+            except CampaignError:
                 break
             time.sleep(0.2)
+        with contextlib.suppress(CampaignError):  # else left for the control plane's end
+            self.bed.call("DELETE", f"/api/v1/namespaces/{self.namespace}", {}, attempts=5)

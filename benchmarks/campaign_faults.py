@@ -2,7 +2,7 @@
 
 | fault | what is done | postgres | lease | both |
 |---|---|---|---|---|
-| ``sigkill`` | SIGKILL of the leader's sidecar container (the stand-in restarts it) | ✓ | ✓ | ✓ |
+| ``sigkill`` | SIGKILL of the leader's sidecar container (the kubelet restarts it) | ✓ | ✓ | ✓ |
 | ``sigstop`` | the leader's whole pod frozen (below) | ✓ | ✓ | ✓ |
 | ``sigstop-sidecar`` | SIGSTOP of the leader's sidecar process alone (below) | ✓ | ✓ | ✓ |
 | ``pg-terminate`` | ``pg_terminate_backend`` of the leader's lock session | ✓ | | ✓ |
@@ -16,8 +16,8 @@
 | ``handover`` | ``singletonctl handover`` (below) | ✓ | ✓ | ✓ |
 | ``step-down`` | ``POST /step-down`` on the leader's sidecar control port (the pod's loopback) | ✓ | ✓ | ✓ |
 
-- ``sigstop``: SIGSTOP of every process of the pod (``campaign_pods``) for lease + 0.5..1.5 s,
-  then SIGCONT, its app first and its sidecar and gate 0.1 s later.
+- ``sigstop``: the whole pod frozen (its freezer cgroup: ``campaign_pods``) for lease +
+  0.5..1.5 s, then thawed, its app first and its sidecar and gate 0.1 s later.
 - ``sigstop-sidecar``: SIGSTOP of the sidecar process alone for lease + 0.5..1.5 s, then
   SIGCONT; its keeper (exec gate) or ``gate.sh`` (file gate) and its app run on, and the gate's
   own deadline must stop the app.
@@ -59,7 +59,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from benchmarks.campaign_bed import LEASE, NET, Bed, CampaignError, Group
+from benchmarks.campaign_bed import LEASE, Bed, CampaignError, Group
 from benchmarks.campaign_poll import Poller, Sample
 from singleton_ctl import cli as singletonctl
 from singleton_sidecar import contract
@@ -235,7 +235,7 @@ class Injector:
         return record.t0 if after is None else after
 
     def _sigkill(self, record: FaultRecord) -> None:
-        self.bed.standin.signal(self.group.namespace, record.pod, self.group.sidecar_container, "SIGKILL")
+        self.group.kill_sidecar(record.pod)
 
     def _hold(self, record: FaultRecord) -> None:
         record.hold = self.rng.uniform(LEASE + 0.5, LEASE + 1.5)
@@ -279,14 +279,17 @@ class Injector:
         return time.time()
 
     def _partition(self, record: FaultRecord) -> None:
-        kubelet, ns = self.bed.standin, self.group.namespace
-        target = NET.postgres_ip if record.kind == "partition-pg" else NET.api_ip
+        """Packets dropped both ways inside the pod's network namespace: to PostgreSQL's port at
+        the node IP, or to the API server's ClusterIP (what the sidecar dials)."""
+        bed = self.bed
+        target: tuple[str, int | None] = ((bed.layout.node_ip, bed.pg.info.port) if record.kind == "partition-pg"
+                                          else (bed.api_service_ip, None))
         record.hold = self.rng.uniform(3.0, 4.5)
-        kubelet.partition(ns, record.pod, target, mode="drop")
+        found = self.group.partition(record.pod, [target])
         try:
             self._until(record.t0 + record.hold)
         finally:
-            kubelet.heal(ns, record.pod, target)
+            self.group.heal(found, [target])
 
     def _delete_pod(self, record: FaultRecord) -> None:
         self.group.delete_pod(record.pod)

@@ -16,9 +16,10 @@
     keeper once its parent is killed), so nothing overlaps.
 - The campaign's verdict rule on hand-made act logs (pure): an acting overlap is an act in flight
   through a freeze only during a whole-pod freeze, from the frozen term, with no late act.
-- The same through the campaign's pipeline: pods on the stand-in kubelet whose workers cannot
-  check their deadline, whole-pod SIGSTOP past the lease: the verdict must be FAIL.
-- The CI quick campaign (``benchmarks.campaign``, ``--quick``): 3 sidecar pods per group, two
+- The same through the campaign's pipeline: pods on the session's real node whose workers cannot
+  check their deadline, the whole pod frozen past the lease: the verdict must be FAIL.
+- The CI quick campaign (``benchmarks.campaign``, ``--quick``) on the session's real node
+  (its control plane restarted by the faults, its own PostgreSQL): 3 sidecar pods per group, two
   groups per backend (exec gate and file gate, fenced and not), every fault kind, 0 acting
   overlaps (but acts in flight through a freeze), 0 fenced overlaps, 0 regressions, bounded in
   time (about 2.6 minutes on the 2-core development machine).
@@ -39,11 +40,11 @@ from pathlib import Path
 
 import asyncpg
 import pytest
+from benchmarks.campaign_bed import Borrowed
 
-from singleton_testbed.kubelet_control import process_alive
 from singleton_testbed.ledger import LedgerReport, check_ledger
-from singleton_testbed.netns import netns_supported
-from tests.conftest import use_existing_cluster
+from singleton_testbed.procs import process_alive
+from tests.conftest import REAL_NODE_TOLERATION, RealNode
 from tests.sidecars import FAST_TIMINGS, SidecarProcess, one_leader, wait_for
 
 WORKER = str(Path(__file__).parent / "data" / "ledger_worker.py")
@@ -385,15 +386,18 @@ def test_gaps_and_lost_items_are_measured() -> None:
 
 # --- the CI quick campaign ----------------------------------------------------------------------
 
-_NO_PODS = netns_supported() or ("the campaign runs pods on this machine's stand-in kubelet"
-                                 if use_existing_cluster() else None)
+@pytest.fixture
+def borrowed(real_node: RealNode, project_image: str, test_apps_image: str) -> Borrowed:
+    """The session's control plane and real node, with both images, for the campaign."""
+    assert real_node.cluster.control_plane is not None
+    return Borrowed(real_node.cluster.control_plane, real_node.node, project_image, test_apps_image,
+                    tolerations=[REAL_NODE_TOLERATION])
 
 
 @pytest.mark.k8s
 @pytest.mark.postgres
 @pytest.mark.timeout(480)
-@pytest.mark.skipif(_NO_PODS is not None, reason=str(_NO_PODS))
-def test_ci_quick_campaign_all_faults_no_overlap_no_regression(tmp_path: Path) -> None:
+def test_ci_quick_campaign_all_faults_no_overlap_no_regression(borrowed: Borrowed, tmp_path: Path) -> None:
     """CI's quick fault campaign (``python -m benchmarks.campaign --quick``): each backend in
     turn, an exec-gated and a file-gated group, fenced and not, every fault kind that applies to
     it, seeded; safety must hold by what the apps did (the act log) and by the fenced ledger, and
@@ -403,7 +407,7 @@ def test_ci_quick_campaign_all_faults_no_overlap_no_regression(tmp_path: Path) -
 
     seed = int(os.environ.get("SINGLETON_CAMPAIGN_SEED", "1"))
     started = time.monotonic()
-    result = run_campaign(CampaignOptions(quick=True, seed=seed, workdir=tmp_path / "campaign"))
+    result = run_campaign(CampaignOptions(quick=True, seed=seed, workdir=tmp_path / "campaign", borrowed=borrowed))
     elapsed = time.monotonic() - started
     print(result.render())
     assert result.total_acting_failures == 0, result.render()
@@ -425,8 +429,7 @@ def test_ci_quick_campaign_all_faults_no_overlap_no_regression(tmp_path: Path) -
 @pytest.mark.k8s
 @pytest.mark.postgres
 @pytest.mark.timeout(240)
-@pytest.mark.skipif(_NO_PODS is not None, reason=str(_NO_PODS))
-def test_the_campaign_fails_when_apps_cannot_check_their_deadline(tmp_path: Path) -> None:
+def test_the_campaign_fails_when_apps_cannot_check_their_deadline(borrowed: Borrowed, tmp_path: Path) -> None:
     """The same pipeline with workers that cannot check their term's deadline and do not fence:
     a whole pod frozen past the lease and thawed app first acts again after its successor began.
     A freeze shows up as an acting overlap with late acts (a failure, not an act in flight
@@ -437,7 +440,7 @@ def test_the_campaign_fails_when_apps_cannot_check_their_deadline(tmp_path: Path
     result = run_campaign(CampaignOptions(backends=("postgres",), kinds=("sigstop",), faults=2, seed=7,
                                           variants=(Variant("exec", False),),
                                           worker_env={"LEDGER_DEADLINE_CHECK": "off"},
-                                          workdir=tmp_path / "campaign"))
+                                          workdir=tmp_path / "campaign", borrowed=borrowed))
     print(result.render())
     stats = result.backends[0].stats["sigstop"]
     # Not every freeze can show: a worker frozen inside a transaction longer than its

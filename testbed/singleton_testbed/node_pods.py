@@ -144,6 +144,17 @@ def signal_container(pod: Pod, container: str, signum: int, *, layout: NodeLayou
     return sorted(sent)
 
 
+def container_main_pid(pod: Pod, container: str, *, layout: NodeLayout = DEFAULT_LAYOUT) -> int:
+    """The host PID of ``container``'s main process: PID 1 of its PID namespace (``NSpid`` in
+    /proc/<pid>/status), not one of the processes an exec probe or ``kubectl exec`` started in it."""
+    for pid in container_pids(pod, container, layout=layout):
+        with contextlib.suppress(OSError):
+            for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+                if line.startswith("NSpid:") and line.split()[-1] == "1":
+                    return pid
+    raise NotOnThisNode(f"container {container!r} of pod {_name(pod)} has no main process")
+
+
 def _task_state(pid: int) -> str | None:
     """The state letter of /proc/<pid>/stat (R, S, D, T, t, Z…), None when gone."""
     try:
@@ -274,7 +285,7 @@ def _name(pod: Pod) -> str:
 
 
 __all__ = [
-    "NotOnThisNode", "Pod", "container_cgroup", "container_id", "container_pids", "freeze_pod", "freezer_state",
-    "frozen_pod", "heal", "in_pod_netns", "on_this_machine", "partition", "pod_cgroup", "pod_netns", "pod_pids",
-    "sandbox_pid", "signal_container", "thaw_pod",
+    "NotOnThisNode", "Pod", "container_cgroup", "container_id", "container_main_pid", "container_pids", "freeze_pod",
+    "freezer_state", "frozen_pod", "heal", "in_pod_netns", "on_this_machine", "partition", "pod_cgroup", "pod_netns",
+    "pod_pids", "sandbox_pid", "signal_container", "thaw_pod",
 ]

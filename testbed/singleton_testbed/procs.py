@@ -130,3 +130,12 @@ def wait_until(check: Callable[[], bool], *, timeout: float, what: str, proc: Pr
         time.sleep(0.1)
     tail = f":\n{proc.tail()}" if proc is not None else ""
     raise TimeoutError(f"timed out after {timeout:.0f} s waiting for {what}{tail}")
+
+
+def process_alive(pid: int) -> bool:
+    """True while ``pid`` exists and is not a zombie."""
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except (OSError, IndexError):
+        return False
+    return state != "Z"
