@@ -11,6 +11,7 @@ had imported (``RealNode.restart``).
 from __future__ import annotations
 
 import contextlib
+import functools
 import ipaddress
 import json
 import os
@@ -278,6 +279,53 @@ def test_the_test_apps_image_runs_the_tests_workers(real_node: RealNode, test_ap
                               "--timeout=90s")
     logs = real_node.cluster.kubectl("logs", "apps", "-n", node_namespace)
     assert logs.stdout.split() == ["/opt/singleton-tests/singleton_testbed/actlog.py", "True", "True", "10001"]
+
+
+def test_container_main_pid_is_pid_1_of_the_container_not_an_exec(real_node: RealNode, pod: dict[str, Any],
+                                                                  node_namespace: str) -> None:
+    main = node_pods.container_main_pid(pod, "main")
+    assert Path(f"/proc/{main}/cmdline").read_bytes().split(b"\0")[:2] == [b"sh", b"-c"]
+    # An exec'd process lives in the same cgroup; it must not be taken for the main process.
+    execed = subprocess.Popen(["kubectl", "exec", "sidecar-pod", "-n", node_namespace, "-c", "main", "--",
+                               "sleep", "5"], env=real_node.cluster.env, stdout=subprocess.DEVNULL)
+    try:
+        _wait(lambda: len(node_pods.container_pids(pod, "main")) > 2, timeout=10, what="the exec'd sleep")
+        assert node_pods.container_main_pid(pod, "main") == main
+    finally:
+        execed.kill()
+        execed.wait()
+
+
+def test_kubelet_and_containerd_restarts_leave_running_containers_alone(real_node: RealNode,
+                                                                        node_namespace: str) -> None:
+    """Node-agent faults the campaign injects: the containers' processes and the pod's restart
+    counts are unchanged by a kubelet restart and by a containerd restart, and the node still
+    starts new pods and restarts a killed container (within the 1 s back-off cap) afterwards."""
+    survivor = _create_pod(real_node, node_namespace, "survivor")
+    pids = {name: node_pods.container_main_pid(survivor, name) for name in ("side", "main")}
+    real_node.node.restart_kubelet()
+    real_node.node.restart_containerd()
+    assert all(node_pods.container_main_pid(survivor, name) == pid for name, pid in pids.items())
+    _create_pod(real_node, node_namespace, "after-restarts")
+    for _ in range(3):  # back-off would reach 40 s by the third restart without the cap
+        node_pods.signal_container(survivor, "main", signal.SIGKILL)
+        started = time.monotonic()
+        _wait(functools.partial(_restarted, real_node, node_namespace, "survivor", survivor), timeout=20,
+              what="the killed container to run again")
+        survivor = json.loads(real_node.cluster.kubectl("get", "pod", "survivor", "-n", node_namespace,
+                                                        "-o", "json").stdout)
+        assert time.monotonic() - started < 10
+    statuses = {s["name"]: s["restartCount"] for s in [*survivor["status"]["initContainerStatuses"],
+                                                        *survivor["status"]["containerStatuses"]]}
+    assert statuses == {"side": 0, "main": 3}
+
+
+def _restarted(real_node: RealNode, namespace: str, name: str, before: dict[str, Any]) -> bool:
+    """The pod's ``main`` container runs under a new container ID."""
+    now = json.loads(real_node.cluster.kubectl("get", "pod", name, "-n", namespace, "-o", "json").stdout)
+    old = {s["name"]: s.get("containerID") for s in before["status"]["containerStatuses"]}
+    return any(s["name"] == "main" and s.get("containerID") not in (None, old["main"]) and "running" in s["state"]
+               for s in now["status"]["containerStatuses"])
 
 
 def test_deleting_the_pod_stops_its_containers(real_node: RealNode, node_namespace: str) -> None:

@@ -252,6 +252,25 @@ class Node:
                                   log_path=self.paths.work / "kube-proxy.log")
         self.kube_proxy.start()
 
+    # --- node-level faults ---------------------------------------------------------------------
+
+    def restart_kubelet(self) -> None:
+        """Stop the kubelet (SIGTERM) and start it again with the same configuration, as a node
+        agent upgrade or crash would: running containers are the runtime's, and run on."""
+        assert self.kubelet is not None, "the node is not running"
+        self.kubelet.stop()
+        self.kubelet.start()
+        wait_until(self.ready, timeout=60, what="the Node to be Ready again", proc=self.kubelet)
+
+    def restart_containerd(self) -> None:
+        """Stop containerd (SIGTERM) and start it again: the containers' shims are not its
+        children (they re-parent at start), so the containers run on, as with a runtime upgrade."""
+        assert self.containerd is not None, "the node is not running"
+        self.containerd.stop()
+        self.containerd.start()
+        wait_until(lambda: self._ctr("version", check=False).returncode == 0, timeout=30,
+                   what="containerd", proc=self.containerd)
+
     def node_object(self) -> dict[str, Any] | None:
         result = self.control_plane.kubectl("get", "node", self.layout.name, "-o", "json", check=False)
         if result.returncode != 0:
