@@ -32,8 +32,9 @@ in flight through a freeze, 0 fenced overlaps, 0 regressions, 0 stale writes acc
 segments), an act log to judge, every fault followed by a ready leader, and nothing lost at a
 graceful deletion. The exit status is 0 on PASS.
 
-``--quick`` (CI): 10 faults per backend in two segments of 5 (exec gate and file gate on every
-backend, fenced and unfenced on every gate), every kind at least once over the campaign.
+``--quick`` (CI): as many faults per backend as kinds apply to it (12, 12 and 15), in two
+segments (exec gate and file gate on every backend, fenced and unfenced on every gate): each
+kind dealt once per backend it applies to, as far as the leaders allow.
 ``--faults N`` is the total over the backends, ``--duration S`` the total seconds of injecting;
 with both, whichever ends first. ``--variants`` limits the segments to these variants (``exec`` or
 ``file``, ``/fenced`` or ``/unfenced``); ``--fence off`` runs every segment unfenced.
@@ -64,11 +65,13 @@ from benchmarks.campaign_bed import VARIANTS, Bed, Borrowed, CampaignError, Grou
 from benchmarks.campaign_faults import ALL_KINDS, APPLIES, Deck, Injector
 from benchmarks.campaign_poll import Poller
 from benchmarks.campaign_report import BackendResult, CampaignResult, Segment
+from singleton_testbed.images import ImageBuildError
 from singleton_testbed.ledger import check_ledger
+from singleton_testbed.node import NodeError
 
 BACKENDS = ("postgres", "lease", "both")
-QUICK_FAULTS_PER_BACKEND = 10
-QUICK_SEGMENT_FAULTS = 5
+QUICK_SEGMENTS = 2
+"""Quick mode: every kind that applies to a backend once, over this many groups."""
 DEFAULT_FAULTS_PER_BACKEND = 10
 DEFAULT_SEGMENT_FAULTS = 25
 SETTLE_TIMEOUT = 45.0
@@ -101,7 +104,7 @@ class CampaignOptions:
     """False: every segment unfenced, whatever ``variants`` say."""
     variants: tuple[Variant, ...] = VARIANTS
     segment_faults: int | None = None
-    """Faults per segment (group); default 5 in quick mode, else 25."""
+    """Faults per segment (group); default half the backend's faults in quick mode, else 25."""
     kinds: tuple[str, ...] | None = None
     """Only these fault types (where they apply)."""
     worker_env: dict[str, str] = field(default_factory=dict)
@@ -118,10 +121,13 @@ def run_campaign(options: CampaignOptions) -> CampaignResult:
     seed = options.seed if options.seed is not None else random.randrange(1, 2**31)
     backends = options.backends
     per_backend = options.faults / len(backends) if options.faults is not None else None
-    if per_backend is None and options.duration is None:
-        per_backend = QUICK_FAULTS_PER_BACKEND if options.quick else DEFAULT_FAULTS_PER_BACKEND
+    quick_counts = options.quick and per_backend is None and options.duration is None
+    if per_backend is None and options.duration is None and not options.quick:
+        per_backend = DEFAULT_FAULTS_PER_BACKEND
     counts: list[int | None] = [None] * len(backends)
-    if per_backend is not None:
+    if quick_counts:
+        counts = [len(_kinds(backend, options)) for backend in backends]
+    elif per_backend is not None:
         counts = _fault_counts(options.faults, per_backend, backends)
     durations: list[float | None] = [None] * len(backends)
     if options.duration is not None:
@@ -152,6 +158,11 @@ def run_campaign(options: CampaignOptions) -> CampaignResult:
     return result
 
 
+def _kinds(backend: str, options: CampaignOptions) -> tuple[str, ...]:
+    """The fault kinds that apply to ``backend``, limited to ``--kinds``."""
+    return tuple(k for k in APPLIES[backend] if options.kinds is None or k in options.kinds)
+
+
 def _fault_counts(total: int | None, per_backend: float, backends: tuple[str, ...]) -> list[int | None]:
     if total is None:
         return [round(per_backend)] * len(backends)
@@ -163,8 +174,9 @@ def run_backend(bed: Bed, poller: Poller, backend: str, *, count: int | None, du
                 options: CampaignOptions, backend_index: int = 0) -> BackendResult:
     """The backend's segments, one group after the other, until ``count`` faults or ``duration``."""
     rng = random.Random(f"{seed}/{backend}")
-    kinds = tuple(k for k in APPLIES[backend] if options.kinds is None or k in options.kinds)
-    per_segment = options.segment_faults or (QUICK_SEGMENT_FAULTS if options.quick else DEFAULT_SEGMENT_FAULTS)
+    kinds = _kinds(backend, options)
+    quick_segment = -(-(count or len(kinds)) // QUICK_SEGMENTS)  # ceil: the faults over QUICK_SEGMENTS groups
+    per_segment = options.segment_faults or (quick_segment if options.quick else DEFAULT_SEGMENT_FAULTS)
     result = BackendResult(backend)
     deck = Deck(kinds, rng)
     started = time.monotonic()
@@ -253,7 +265,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--duration", type=float, help="total seconds of injecting over the backends")
     parser.add_argument("--seed", type=int, help="random seed (default: a random one, printed)")
     parser.add_argument("--quick", action="store_true",
-                        help=f"CI: {QUICK_FAULTS_PER_BACKEND} faults per backend, segments of {QUICK_SEGMENT_FAULTS}")
+                        help=f"CI: every kind that applies to a backend once, over {QUICK_SEGMENTS} groups")
     parser.add_argument("--kinds", nargs="+", choices=ALL_KINDS, help="only these fault types")
     parser.add_argument("--fence", choices=["on", "off"], default="on",
                         help="off: every segment's workers write without their token")
@@ -262,7 +274,7 @@ def main(argv: list[str] | None = None) -> int:
                              "exec/unfenced)")
     parser.add_argument("--segment-faults", type=int,
                         help=f"faults per group before the next variant (default {DEFAULT_SEGMENT_FAULTS}; "
-                             f"quick {QUICK_SEGMENT_FAULTS})")
+                             f"quick: half the backend's)")
     parser.add_argument("--worker-env", nargs="+", default=[], metavar="NAME=VALUE",
                         help="options of the ledger worker, e.g. LEDGER_TX_SECONDS=0.02")
     parser.add_argument("--workdir", type=Path, help="keep everything here (default: a temporary folder)")
@@ -283,7 +295,11 @@ def main(argv: list[str] | None = None) -> int:
                               kinds=tuple(args.kinds) if args.kinds else None,
                               worker_env=dict(item.split("=", 1) for item in args.worker_env), workdir=args.workdir,
                               keep=args.keep, log=log)
-    result = run_campaign(options)
+    try:
+        result = run_campaign(options)
+    except (NodeError, ImageBuildError) as exc:
+        print(f"campaign: error: {exc}", file=sys.stderr)
+        return 2
     result.command = shlex.join(["python", "-m", "benchmarks.campaign", *(argv or sys.argv[1:])])
     print()
     print(result.render())

@@ -9,6 +9,8 @@
 | ``pg-restart`` | restart of PostgreSQL (fast shutdown, start) | ✓ | | ✓ |
 | ``apiserver-restart`` | restart of kube-apiserver | | ✓ | ✓ |
 | ``etcd-restart`` | restart of etcd | | ✓ | ✓ |
+| ``kubelet-restart`` | restart of the node's kubelet (containers run on) | ✓ | ✓ | ✓ |
+| ``containerd-restart`` | restart of the node's containerd (containers run on) | ✓ | ✓ | ✓ |
 | ``partition-pg`` | the leader's pod cut off from PostgreSQL (dropped), healed after 3..4.5 s | ✓ | | ✓ |
 | ``partition-api`` | the leader's pod cut off from the API server (dropped), healed after 3..4.5 s | | ✓ | ✓ |
 | ``delete-pod`` | graceful deletion of the leader's pod; a new pod replaces it | ✓ | ✓ | ✓ |
@@ -41,8 +43,9 @@ that a planned ending (deletion, handover, step-down, SIGTERM) whose sidecar log
 timeout passed is a ``drain timeout``.
 
 Failover is timed from the moment the fault starts to the first ``/readyz`` 200 (polled from
-the host over the pods' IPs) of a new term (a greater token). After a server restart
-(``apiserver-restart``, ``etcd-restart``) leadership may survive, so it is timed to the first
+the host over the pods' IPs) of a new term (a greater token). After a server or node-agent restart
+(``apiserver-restart``, ``etcd-restart``, ``kubelet-restart``, ``containerd-restart``) leadership
+may survive, so it is timed to the first
 ``/readyz`` 200 of any term once the server is back, and includes the restart itself. A
 ``handover`` is timed from singletonctl's start: with ``--to`` it holds the other standbys off
 and waits 0.5 s before it asks the leader to step down.
@@ -65,17 +68,21 @@ from singleton_ctl import cli as singletonctl
 from singleton_sidecar import contract
 
 ALL_KINDS = ("sigkill", "sigstop", "sigstop-sidecar", "pg-terminate", "pg-restart", "apiserver-restart",
-             "etcd-restart", "partition-pg", "partition-api", "delete-pod", "drain-timeout", "handover", "step-down")
+             "etcd-restart", "partition-pg", "partition-api", "delete-pod", "drain-timeout", "handover", "step-down",
+             "kubelet-restart", "containerd-restart")
 NEW_KINDS = ("sigstop-sidecar", "drain-timeout", "handover", "step-down")
 """The kinds added with the act log (quick mode must inject each at least once)."""
-_EVERYWHERE = ("sigkill", "sigstop", "sigstop-sidecar", "delete-pod", "drain-timeout", "handover", "step-down")
+NODE_RESTARTS = frozenset({"kubelet-restart", "containerd-restart"})
+"""The node's agents restarted: the containers, and so the election, should not notice."""
+_EVERYWHERE = ("sigkill", "sigstop", "sigstop-sidecar", "delete-pod", "drain-timeout", "handover", "step-down",
+               *NODE_RESTARTS)
 APPLIES: dict[str, tuple[str, ...]] = {
     "postgres": tuple(k for k in ALL_KINDS if k in _EVERYWHERE or k in ("pg-terminate", "pg-restart", "partition-pg")),
     "lease": tuple(k for k in ALL_KINDS if k in _EVERYWHERE
                    or k in ("apiserver-restart", "etcd-restart", "partition-api")),
     "both": ALL_KINDS,
 }
-SERVER_RESTARTS = frozenset({"apiserver-restart", "etcd-restart"})
+SERVER_RESTARTS = frozenset({"apiserver-restart", "etcd-restart"}) | NODE_RESTARTS
 """Faults after which the same term may go on: any ready leader counts as recovered."""
 PLANNED = frozenset({"delete-pod", "drain-timeout", "handover", "step-down"})
 """Planned endings: the term drains (bounded by the drain timeout) before it is released."""
@@ -93,6 +100,8 @@ PATHS: dict[str, str] = {
     "pg-restart": "PostgreSQL session ended",
     "apiserver-restart": "store restarted",
     "etcd-restart": "store restarted",
+    "kubelet-restart": "node agent restarted",
+    "containerd-restart": "node agent restarted",
     "partition-pg": "cut off (renew deadline)",
     "partition-api": "cut off (renew deadline)",
     "delete-pod": "drain (pod deleted)",
@@ -228,6 +237,7 @@ class Injector:
             "sigkill": self._sigkill, "sigstop": self._sigstop, "sigstop-sidecar": self._sigstop_sidecar,
             "pg-terminate": self._pg_terminate, "pg-restart": self._pg_restart,
             "apiserver-restart": self._server_restart, "etcd-restart": self._server_restart,
+            "kubelet-restart": self._server_restart, "containerd-restart": self._server_restart,
             "partition-pg": self._partition, "partition-api": self._partition, "delete-pod": self._delete_pod,
             "drain-timeout": self._drain_timeout, "handover": self._handover, "step-down": self._step_down,
         }
@@ -271,10 +281,10 @@ class Injector:
         record.outage = time.time() - record.t0
 
     def _server_restart(self, record: FaultRecord) -> float:
-        if record.kind == "apiserver-restart":
-            self.bed.cp.restart_apiserver()
-        else:
-            self.bed.cp.restart_etcd()
+        restart = {"apiserver-restart": self.bed.cp.restart_apiserver, "etcd-restart": self.bed.cp.restart_etcd,
+                   "kubelet-restart": self.bed.node.restart_kubelet,
+                   "containerd-restart": self.bed.node.restart_containerd}[record.kind]
+        restart()
         record.outage = time.time() - record.t0
         return time.time()
 
