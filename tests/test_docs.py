@@ -18,17 +18,39 @@ Conventions (kept small on purpose):
   ``postgres``
       plain, plus ``SINGLETON_POSTGRES_DSN`` exported (the session's PostgreSQL).
   ``chart``
-      the chart is not installed yet; a kubelet stand-in runs pods (so the operator the chart
-      installs really runs), namespace ``feeds`` exists and ``my-singletonservice.yaml`` (the
-      README's SingletonService example) is in the working folder. Blocks of one document
-      share one such context; it is torn down (helm uninstall, the namespaces the block
-      created deleted) before the next document's.
+      the chart is not installed yet; its pods run on the session's real node (below), so the
+      operator the chart installs really runs; namespace ``feeds`` exists and
+      ``my-singletonservice.yaml`` (the README's SingletonService example) is in the working
+      folder. Blocks of one document share one such context; it is torn down (helm uninstall,
+      the namespaces the block created deleted) before the next document's.
   ``group``
       the group of ``make demo``: ``demo/feed-poller.yaml`` running in namespace ``feeds``
-      (kubectl's namespace) on a kubelet stand-in, the operator (``--lease-namespace
-      singleton-system``), backend ``postgres`` with its DSN in Secret ``feed-db``. Before
-      each block the group is settled (three ready pods, one leader, the status agreeing);
-      variables ``leader`` and ``standby`` are pod names.
+      (kubectl's namespace) on the session's real node, the operator (a process on this
+      machine, ``--lease-namespace singleton-system``), backend ``postgres`` with its DSN in
+      Secret ``feed-db`` (the session's PostgreSQL at the node IP, as the node's pods reach
+      it). Before each block the group is settled (three ready pods, one leader, the status
+      agreeing); variables ``leader`` and ``standby`` are pod names.
+
+The ``chart`` and ``group`` blocks run their pods on the session's real node (containerd, runc,
+kubelet, kube-proxy: conftest's ``real_node``), from the project's image (``project_image``,
+imported into the node as ``ghcr.io/singleton-dev/singleton:0.1.0``, the chart's and the
+operator's default image, pulled ``IfNotPresent``: nothing is pulled), so ``kubectl logs`` and
+``exec`` work as on any cluster. They are the parameters of
+``test_the_commands_of_the_docs_run_on_the_node``, which asks for those fixtures, so that they
+run last with the other tests on that node (``pytest_collection_modifyitems``), after the
+other blocks (``make testbed-up`` of docs/testbed.md wants the machine's one node for itself,
+before the session's starts), and skip with ``real_node``'s reason when the session has no
+real node (``USE_EXISTING_CLUSTER``, or a machine that cannot run one).
+
+The node carries ``REAL_NODE_TAINT`` so that other tests' pods never land on it, and the
+docs' manifests (the chart's defaults, ``demo/feed-poller.yaml``, the examples) tolerate no
+taint, nor should they: a reader copies them. Adding the toleration for them would take a
+mutating admission step the test bed's API server does not run, or rewriting the commands
+the docs show. So while a ``chart`` or ``group`` context is active the taint is lifted, and
+the context's teardown puts it back (first, so that a failing teardown cannot leave it off).
+Meanwhile the node takes any pod the scheduler places there, as any untainted node would;
+tests run one at a time and those on the node run last, so only a pod another test left
+pending could land there.
 
 Each block runs as one bash script (``bash -e -o pipefail -x``: it stops at the first failing
 command, and a pipeline fails when any command of it fails; every ``curl`` the tests run carries
@@ -52,7 +74,6 @@ import http.server
 import json
 import os
 import re
-import secrets
 import shlex
 import shutil
 import signal
@@ -67,10 +88,9 @@ from typing import Any
 import pytest
 import yaml
 
-from singleton_testbed.kubelet_control import StandInKubelet
-from singleton_testbed.netns import PodNetworkConfig, netns_supported
+from singleton_operator.cli import DEFAULT_SIDECAR_IMAGE
 from singleton_testbed.postgres import PostgresInfo
-from tests.conftest import Cluster, use_existing_cluster
+from tests.conftest import REAL_NODE_TAINT, Cluster, RealNode
 from tests.operators import OperatorProcess
 
 REPO = Path(__file__).resolve().parent.parent
@@ -83,10 +103,10 @@ HEREDOC = re.compile(r"<<-?\s*'?\"?(?P<word>[A-Za-z_]\w*)'?\"?")
 MUST_BE_MARKED = re.compile(r"^(?:\w+=\S*\s+)*(?:docker\b|kind\b|pip3? install\b|"
                             r"make\s+(?:test|unit|lint|demo|demo-down|docker-build|image|check-static)\b)")
 SETUPS = ("plain", "postgres", "chart", "group")
+NODE_SETUPS = ("chart", "group")
+"""The setups whose pods run on the session's real node."""
 VARIABLES = {"group": ("leader", "standby")}
 GROUP_NS, GROUP, RELEASE_NS = "feeds", "feed-poller", "singleton-system"
-NET = PodNetworkConfig()
-STANDIN_ROOT = Path.home() / ".cache" / "singleton" / "run"  # not /tmp: pods may mount an emptyDir at /tmp
 BLOCK_TIMEOUT = 240
 
 
@@ -251,10 +271,16 @@ def _delete_namespaces(cluster: Cluster, names: set[str]) -> None:
                         "--ignore-not-found", check=False)
 
 
-def _start_standin(cluster: Cluster) -> tuple[StandInKubelet, Path]:
-    node = "docs-" + secrets.token_hex(3)
-    folder = STANDIN_ROOT / f"doc-tests-{node}"
-    return StandInKubelet(kubeconfig=cluster.kubeconfig, node=node, state_dir=folder).start(), folder
+def _set_node_taint(node: RealNode, *, present: bool) -> None:
+    """Put ``REAL_NODE_TAINT`` on the session's node, or lift it (see the module docstring)."""
+    key, value, effect = REAL_NODE_TAINT["key"], REAL_NODE_TAINT["value"], REAL_NODE_TAINT["effect"]
+    if present:
+        node.cluster.kubectl("taint", "nodes", node.name, f"{key}={value}:{effect}", "--overwrite")
+        return
+    taints = json.loads(node.cluster.kubectl("get", "node", node.name, "-o", "json").stdout)["spec"].get("taints")
+    if any(t.get("key") == key and t.get("effect") == effect for t in taints or []):
+        # kubectl refuses to remove a taint that is not there: only when it is.
+        node.cluster.kubectl("taint", "nodes", node.name, f"{key}:{effect}-")
 
 
 def _readme_example() -> str:
@@ -288,8 +314,8 @@ class Context:
     kubeconfig: Path
     env: dict[str, str] = dataclasses.field(default_factory=dict)
     namespaces_before: set[str] = dataclasses.field(default_factory=set)
-    standin: StandInKubelet | None = None
-    standin_dir: Path | None = None
+    node: RealNode | None = None
+    """The session's node, its taint lifted while this context is active."""
     operator: OperatorProcess | None = None
 
 
@@ -313,31 +339,30 @@ class Contexts:
         self.path = os.pathsep.join([str(tools), str(VENV_BIN), os.environ.get("PATH", "")])
         self.testbed_state = workdir / "testbed-state"
 
-    def enter(self, block: Block) -> Context:
+    def enter(self, block: Block, node: RealNode | None = None) -> Context:
+        """The block's context; ``node`` is the session's real node, which the setups in
+        ``NODE_SETUPS`` run their pods on."""
         key = (block.setup, block.doc.name if block.setup == "chart" else "")
         if self.key != key:
             self.close()
-            self.current = self._setup(block.setup, block.doc.name)
+            self.current = self._setup(block.setup, block.doc.name, node)
             self.key = key
         assert self.current is not None
         return self.current
 
-    def _setup(self, setup: str, doc: str) -> Context:
+    def _setup(self, setup: str, doc: str, node: RealNode | None) -> Context:
         if setup in ("plain", "postgres"):
             context = Context(setup, _kubeconfig_copy(self.cluster, self.workdir / f"{setup}.kubeconfig", "default"))
             if setup == "postgres":
                 context.env["SINGLETON_POSTGRES_DSN"] = self.pg_dsn
             return context
-        if use_existing_cluster():
-            pytest.skip(f"setup {setup} installs the chart or runs pods on this machine's kubelet stand-in")
-        if reason := netns_supported():
-            pytest.skip(f"setup {setup} needs the kubelet stand-in: {reason}")
+        assert node is not None, f"setup {setup} runs pods on the session's real node: none was given"
         if setup == "group" and self.pg_info is None:
-            pytest.skip("setup group needs the session's own PostgreSQL (reachable from the pod network)")
+            pytest.skip("setup group needs the session's own PostgreSQL (reachable from the node's pods)")
         context = Context(setup, self.workdir / f"{setup}-{doc or 'all'}.kubeconfig",
-                          namespaces_before=_namespaces(self.cluster))
-        self.current = context  # so close() undoes a half-done setup
-        context.standin, context.standin_dir = _start_standin(self.cluster)
+                          namespaces_before=_namespaces(self.cluster), node=node)
+        self.current = context  # so close() undoes a half-done setup (the taint included)
+        _set_node_taint(node, present=False)
         if setup == "chart":
             _create_namespace(self.cluster, GROUP_NS)
             (self.mirror / "my-singletonservice.yaml").write_text(_readme_example())
@@ -346,7 +371,9 @@ class Contexts:
         assert self.pg_info is not None
         for namespace in (RELEASE_NS, GROUP_NS):
             _create_namespace(self.cluster, namespace)
-        dsn = dataclasses.replace(self.pg_info, host=NET.postgres_ip).dsn
+        # The pods reach this machine's PostgreSQL at the node IP (it admits the node's pod
+        # network); so does the operator, which runs here and checks the DSN the pods get.
+        dsn = dataclasses.replace(self.pg_info, host=node.node.layout.node_ip).dsn
         secret = {"apiVersion": "v1", "kind": "Secret", "metadata": {"name": "feed-db"},
                   "data": {"dsn": base64.b64encode(dsn.encode()).decode()}}
         self.cluster.apply(json.dumps(secret), namespace=GROUP_NS)
@@ -362,8 +389,10 @@ class Contexts:
             return {}
         deadline = time.monotonic() + 120
         while (found := _leader_and_standby(self.cluster, GROUP_NS)) is None:
-            assert time.monotonic() < deadline, "the group did not settle: " + (
-                context.operator.log()[-3000:] if context.operator else "")
+            if time.monotonic() > deadline:
+                pods = self.cluster.kubectl("get", "pods", "-n", GROUP_NS, "-o", "wide", check=False)
+                raise AssertionError(f"the group did not settle:\n{pods.stdout}{pods.stderr}\n" + (
+                    context.operator.log()[-3000:] if context.operator else ""))
             time.sleep(0.3)
         return found
 
@@ -371,18 +400,20 @@ class Contexts:
         context, self.current, self.key = self.current, None, None
         if context is None:
             return
-        if context.name == "chart":
-            subprocess.run(["helm", "uninstall", "singleton", "-n", RELEASE_NS, "--wait", "--timeout", "90s"],
-                           env=self.cluster.env, capture_output=True, check=False, timeout=120)
-        if context.name in ("chart", "group"):
-            _delete_namespaces(self.cluster, _namespaces(self.cluster) - context.namespaces_before)
-        if context.operator is not None:
-            context.operator.stop()
-        if context.standin is not None:
-            context.standin.stop()
-        if context.standin_dir is not None:
-            shutil.rmtree(context.standin_dir, ignore_errors=True)
-        (self.mirror / "my-singletonservice.yaml").unlink(missing_ok=True)
+        try:
+            if context.node is not None:
+                # First: whatever fails below, other tests' pods must not land on the node. The
+                # context's own pods run on (NoSchedule evicts nobody) until they are deleted.
+                _set_node_taint(context.node, present=True)
+        finally:
+            if context.name == "chart":
+                subprocess.run(["helm", "uninstall", "singleton", "-n", RELEASE_NS, "--wait", "--timeout", "90s"],
+                               env=self.cluster.env, capture_output=True, check=False, timeout=120)
+            if context.name in NODE_SETUPS:
+                _delete_namespaces(self.cluster, _namespaces(self.cluster) - context.namespaces_before)
+            if context.operator is not None:
+                context.operator.stop()
+            (self.mirror / "my-singletonservice.yaml").unlink(missing_ok=True)
 
 
 @pytest.fixture(scope="module")
@@ -431,16 +462,44 @@ def _run(script: str, *, cwd: Path, env: dict[str, str]) -> subprocess.Completed
     return subprocess.CompletedProcess(proc.args, proc.returncode, output, "")
 
 
+NODE_BLOCKS = [b for b in SH_BLOCKS if b.setup in NODE_SETUPS]
+OTHER_BLOCKS = [b for b in SH_BLOCKS if b.setup not in NODE_SETUPS]
+
+
 @pytest.mark.k8s
 @pytest.mark.controlplane
 @pytest.mark.postgres
 @pytest.mark.timeout(600)
-@pytest.mark.parametrize("block", SH_BLOCKS, ids=lambda b: b.id)
+@pytest.mark.parametrize("block", OTHER_BLOCKS, ids=lambda b: b.id)
 def test_the_commands_of_the_docs_run(block: Block, contexts: Contexts) -> None:
+    run_doc_block(block, contexts, None)
+
+
+@pytest.mark.k8s
+@pytest.mark.controlplane
+@pytest.mark.postgres
+@pytest.mark.image
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize("block", NODE_BLOCKS, ids=lambda b: b.id)
+def test_the_commands_of_the_docs_run_on_the_node(block: Block, real_node: RealNode, project_image: str,
+                                                  contexts: Contexts) -> None:
+    """The ``chart`` and ``group`` blocks, on the session's real node (see the module docstring:
+    asking for ``real_node`` makes them run last, and skip with its reason). ``real_node`` comes
+    before ``contexts``, so that it is set up first and its skip comes before anything else
+    touches the cluster."""
+    # The docs, the chart and the operator name this image with pull policy IfNotPresent: any
+    # other reference would send the node to a registry it cannot reach.
+    assert project_image == DEFAULT_SIDECAR_IMAGE, f"the project's image is {project_image}, the docs use " \
+                                                   f"{DEFAULT_SIDECAR_IMAGE}"
+    run_doc_block(block, contexts, real_node)
+
+
+def run_doc_block(block: Block, contexts: Contexts, node: RealNode | None) -> None:
+    """Enter the block's context and run its commands, which must all succeed."""
     runnable = [c for c in block.commands() if c.skip is None]
     if not runnable:
         pytest.skip("every command of this block is marked 'not run by tests'")
-    context = contexts.enter(block)
+    context = contexts.enter(block, node)
     env = {**os.environ, "KUBECONFIG": str(context.kubeconfig), "PATH": contexts.path,
            "SINGLETON_TESTBED_STATE": str(contexts.testbed_state), "PS4": "+ [doc line $LINENO] ", **context.env}
     if any(re.search(r"(^|[\s;(|&])singletonctl\b", c.text) for c in runnable) and \
