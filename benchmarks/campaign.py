@@ -154,7 +154,8 @@ def run_campaign(options: CampaignOptions) -> CampaignResult:
     if result.verdict_ok and not options.keep and options.workdir is None:
         shutil.rmtree(workdir, ignore_errors=True)
     else:
-        options.log(f"logs kept in {workdir} (pods' logs under pods/<namespace>/)")
+        (workdir / "report.md").write_text(result.render() + "\n")
+        options.log(f"logs kept in {workdir} (report.md, and pods' logs under pods/<namespace>/)")
     return result
 
 

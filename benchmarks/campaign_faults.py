@@ -220,7 +220,9 @@ class Injector:
             record.injected = time.time()
             found = self._wait_recovered(after, above, record.t0 + RECOVERY_TIMEOUT)
             if found is None:
-                record.error = f"no new ready leader within {RECOVERY_TIMEOUT:g}s"
+                latest = {pod: (s.status, s.token) for pod, s in self.poller.latest().items()}
+                record.error = (f"no new ready leader within {RECOVERY_TIMEOUT:g}s: members {group.pods}, "
+                                f"last answers {latest}")
             else:
                 record.recovered, record.new_pod, record.new_token = found.received, found.pod, found.token
         except CampaignError as exc:
