@@ -79,7 +79,7 @@ docker-build: ## build the image with Docker where an engine runs, else `make im
 		$(MAKE) --no-print-directory image; \
 	fi
 
-# No engine, no registry: buildah builds the Dockerfile on a stand-in for its base made here
+# No engine, no registry: buildah builds the Dockerfile on a local copy of its base made here
 # from Debian packages (mmdebstrap), and exports an OCI archive for `ctr images import`;
 # cached by content in ~/.cache/singleton/images (singleton_testbed.images).
 image: venv ## build the Dockerfile with buildah into an OCI archive; prints its path, reference, size

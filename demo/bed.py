@@ -12,7 +12,7 @@ nothing behind.
 
 Why one process of our own, not ``singleton-testbed up``: the node's lock
 (``/run/singleton-node/lock``) is held by the process that started the node, the node must
-import the image, and PostgreSQL must admit the node's pod network rather than the stand-in's.
+import the image, and PostgreSQL must admit the node's pod network.
 
 Progress goes to ``bed.json`` in the state folder (written atomically): ``phase`` (a line for
 the user), ``ready``, ``error`` (with ``busy`` when another real node holds the lock), and the

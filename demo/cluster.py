@@ -155,9 +155,8 @@ class State:
         return Path(work) if work else None
 
     def running(self) -> list[str]:
-        """Names of the recorded processes that still run ("kubelet": a stand-in kubelet
-        recorded by an older demo, still stopped by ``down``)."""
-        return [key for key in ("runner", "testbed", "kubelet", "operator")
+        """Names of the recorded processes that still run."""
+        return [key for key in ("runner", "testbed", "operator")
                 if (proc := self.proc(key)) is not None and proc.alive()]
 
     def exports(self) -> list[str]:
@@ -175,7 +174,7 @@ def check_prerequisites() -> None:
     before minutes of building, not after."""
     problems = []
     # The node's own binaries (kubelet, kube-proxy, pause) are built with the control plane:
-    # stand-ins that exist let this check the machine alone; they are checked again once built.
+    # placeholder paths let this check the machine alone; they are checked again once built.
     if reason := node_mod.unavailable_reason({name: Path("/") for name in ("kubelet", "kube-proxy", "pause")}):
         problems.append(f"the real node: {reason}")
     if missing := missing_tools():
@@ -552,10 +551,6 @@ def down(folder: Path, say: Say) -> int:
     if operator is not None and operator.alive():
         say(f"stopping the operator (pid {operator.pid})")
         operator.stop(30, group=True)
-    kubelet = state.proc("kubelet")  # the stand-in an older demo ran; it removes its own namespaces
-    if kubelet is not None and kubelet.alive():
-        say(f"stopping the kubelet stand-in of an older demo (pid {kubelet.pid})")
-        kubelet.stop(40)
     _stop_bed(state, say)
     shutil.rmtree(folder, ignore_errors=True)
     say("the demo is stopped and its files are removed")

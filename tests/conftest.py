@@ -171,7 +171,7 @@ def cluster(testbed_binaries: dict[str, Path], real_node_reason: str | None) -> 
         return
     # The real node's pods reach the API server through the `kubernetes` Service, whose endpoint
     # is the advertised address: the node IP when a node may join (started on first use), so
-    # that the control plane need not restart for it; the stand-in's pods never use it.
+    # that the control plane need not restart for it.
     from singleton_testbed.node_config import NodeLayout
 
     advertise = NodeLayout().node_ip if real_node_reason is None else None
@@ -219,7 +219,7 @@ def singleton_crd(cluster: Cluster) -> Path:
 
 REAL_NODE_TAINT = {"key": "singleton.dev/real-node", "value": "session", "effect": "NoSchedule"}
 """The session's real node carries it, so that the pods other tests leave to the scheduler (and
-which expect a stand-in, or no kubelet at all) never land on it."""
+which expect no kubelet at all) never land on it."""
 REAL_NODE_TOLERATION = {"key": REAL_NODE_TAINT["key"], "operator": "Exists", "effect": "NoSchedule"}
 """What a pod meant for the real node carries (with a nodeSelector on its hostname)."""
 NODE_BUSY_WAIT = float(os.environ.get("SINGLETON_NODE_WAIT", "300"))

@@ -1,7 +1,7 @@
 """The operator process against the real API server (and controller-manager where owned
 objects must be garbage-collected): owned objects, status from pods, bad inputs, HA.
 
-Pods do not run here (that is the end-to-end suite with the kubelet stand-in): the tests
+Pods do not run here (that is the end-to-end suite on the real node): the tests
 play the sidecars by writing their annotations on the pods the Deployment created."""
 
 from __future__ import annotations

@@ -7,10 +7,7 @@ containerd + kubelet + kube-proxy, Node ``singleton-node``; ``--no-node`` skips 
 project's image into it (built with buildah when not cached; ``--no-image`` skips it), prints
 how to import more images, and exports ``SINGLETON_E2E_POD_DSN``, the PostgreSQL DSN its pods
 use (``make e2e-existing``). ``down`` stops it and removes its folders, and removes what a
-killed real node left behind; ``status`` tells whether it runs. ``kubelet --node NAME --state-dir DIR``
-runs a stand-in kubelet in the foreground (root only) so pods of that node run as local
-processes; ``--kubeconfig`` defaults to the running test bed's (see
-``singleton_testbed.kubelet`` for all options). ``image`` builds the project's image with
+killed real node left behind; ``status`` tells whether it runs. ``image`` builds the project's image with
 buildah (no Docker engine, no registry) and prints the OCI archive's path, its reference and
 its size (``singleton_testbed.images``; ``make image``).
 """
@@ -203,31 +200,17 @@ def _status() -> int:
     return 0
 
 
-def _kubelet(argv: list[str]) -> int:
-    from singleton_testbed import kubelet
-
-    if "--kubeconfig" not in argv and not {"-h", "--help"} & set(argv):
-        state = _read_state()
-        if state is None:
-            print("the test bed is not running: start it with `make testbed-up` or pass --kubeconfig", file=sys.stderr)
-            return 1
-        argv = ["--kubeconfig", state["KUBECONFIG"], *argv]
-    return kubelet.main(argv)
-
-
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if argv[:1] == ["image"]:
         from singleton_testbed import images  # only this command needs it
 
         return images.main(argv[1:])
-    if argv[:1] == ["kubelet"]:
-        return _kubelet(argv[1:])
     parser = argparse.ArgumentParser(prog="singleton-testbed", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("command", choices=["up", "down", "status", "serve", "kubelet"],
+    parser.add_argument("command", choices=["up", "down", "status", "serve"],
                         help="up: start in the background; down: stop; status: print exports; "
-                             "serve: run in the foreground; kubelet: run a stand-in kubelet (root)")
+                             "serve: run in the foreground")
     parser.add_argument("--no-node", action="store_true", help="up/serve: do not start the real node")
     parser.add_argument("--no-image", action="store_true",
                         help="up/serve: do not build and import the project's image into the real node")

@@ -6,15 +6,11 @@ static admin token (``system:masters``), and a serving certificate from a CA mad
 for the session; the written kubeconfig verifies it. Everything lives in one
 temporary folder that is removed on stop.
 
-Pods run by the stand-in kubelet (``singleton_testbed.kubelet``) reach the API server at
-the pod network's API address (10.213.0.2 by default, see ``netns``): the certificate always
-names the bridge's addresses, and when running as root (the stand-in needs root) the API
-server binds every address instead of loopback only (``serve_pods``). It still requires TLS
-and a token.
-
 The real node (``singleton_testbed.node``) needs ``advertise_address`` set to its node IP (the
-``kubernetes`` Service's endpoint, reached by pods through kube-proxy); the API server always
-presents a client certificate (``system:masters``) to kubelets, for ``kubectl logs``/``exec``.
+``kubernetes`` Service's endpoint, reached by pods through kube-proxy): the API server then
+binds every address instead of loopback only, and its certificate names the node IP. It still
+requires TLS and a token. The API server always presents a client certificate
+(``system:masters``) to kubelets, for ``kubectl logs``/``exec``.
 """
 
 from __future__ import annotations
@@ -34,7 +30,6 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from singleton_testbed.netns import DEFAULT_NETWORK
 from singleton_testbed.procs import Process, free_port, wait_until
 
 log = logging.getLogger(__name__)
@@ -103,18 +98,15 @@ def write_kubeconfig(path: Path, *, server: str, ca_file: Path, token: str, user
 
 class ControlPlane:
     def __init__(self, binaries: dict[str, Path], workdir: Path | None = None, *,
-                 serve_pods: bool | None = None, pod_addresses: Sequence[str] = DEFAULT_NETWORK.host_addresses,
                  advertise_address: str | None = None) -> None:
-        """``serve_pods``: bind the API server on all addresses so pods can reach it (default: when
-        root); ``pod_addresses``: the addresses pods use, named in the serving certificate;
-        ``advertise_address``: the endpoint of the ``kubernetes`` Service (default 127.0.0.1, which
-        only the stand-in's pods can do without); a real node (``node``) needs its node IP here,
-        so that kube-proxy sends pods' ClusterIP traffic somewhere they can reach. Setting it
-        implies ``serve_pods`` and names the address in the serving certificate."""
+        """``advertise_address``: the endpoint of the ``kubernetes`` Service (default 127.0.0.1:
+        no pod can reach it); a real node (``node``) needs its node IP here, so that kube-proxy
+        sends pods' ClusterIP traffic somewhere they can reach. Setting it binds the API server on
+        every address (``serve_pods``) and names the address in the serving certificate."""
         self.binaries = binaries
         self.advertise_address = advertise_address
-        self.serve_pods = (os.geteuid() == 0 if serve_pods is None else serve_pods) or advertise_address is not None
-        self.pod_addresses = tuple(pod_addresses) + ((advertise_address,) if advertise_address else ())
+        self.serve_pods = advertise_address is not None
+        self.pod_addresses: tuple[str, ...] = (advertise_address,) if advertise_address else ()
         self._own_workdir = workdir is None
         self.workdir = workdir or Path(tempfile.mkdtemp(prefix="singleton-k8s-"))
         self.pki = self.workdir / "pki"

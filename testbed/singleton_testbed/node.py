@@ -1,8 +1,7 @@
 """A real Kubernetes node for the test bed: containerd + runc + CNI bridge, kubelet and
 kube-proxy (iptables mode), joined to a started ``ControlPlane``.
 
-The stand-in kubelet (``singleton_testbed.kubelet``) runs pods as local processes; this node
-runs them as real containers, so images, securityContext, probes, native sidecars,
+Pods run as real containers, so images, securityContext, probes, native sidecars,
 ``kubectl logs``/``exec`` and Services behave as in production. It needs root, the machine's
 containerd 1.6, runc and CNI plugins, and the test bed's own kubelet, kube-proxy and pause
 binaries (``testbed/build.sh``). Nothing is pulled from a registry: the sandbox image and

@@ -21,8 +21,7 @@ built locally (``oci``) from the test bed's own pause binary, never pulled."""
 class NodeLayout:
     """Names and addresses of the real node; each is the node's own, so clean-up can find it.
 
-    The defaults avoid the stand-in's pod network (10.213.0.0/16, bridge ``sgltb0``) and the
-    Service range (10.0.0.0/24)."""
+    The defaults avoid the Service range (10.0.0.0/24)."""
 
     name: str = "singleton-node"
     bridge: str = "sgl-cni0"
@@ -129,7 +128,7 @@ disabled_plugins = ["io.containerd.snapshotter.v1.aufs", "io.containerd.snapshot
   # fails with "can't get final child's PID from pipe": clamp it instead.
   restrict_oom_score_adj = true
   # Pod network namespaces under our state folder, not /run/netns: found (and unmounted)
-  # by path when a killed run is cleaned up, and never confused with the stand-in's.
+  # by path when a killed run is cleaned up, and never confused with another tool's.
   netns_mounts_under_state_dir = true
   stream_server_address = "127.0.0.1"
   stream_server_port = "0"

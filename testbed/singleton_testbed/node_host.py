@@ -2,9 +2,9 @@
 iptables chains and sysctls, found and removed by the node's own names and paths only.
 
 Everything here takes the names to act on as arguments, so a clean-up never touches what
-another test bed (the stand-in's ``sgltb*`` bridge and namespaces, a campaign's servers)
-made. The one exception is iptables: kube-proxy's ``KUBE-*`` chains are machine-global by
-design, which is why ``node`` allows only one real node per machine (a lock file).
+another test bed (a campaign's servers, another session's PostgreSQL) made. The one exception
+is iptables: kube-proxy's ``KUBE-*`` chains are machine-global by design, which is why ``node``
+allows only one real node per machine (a lock file).
 """
 
 from __future__ import annotations

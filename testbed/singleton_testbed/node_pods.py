@@ -1,7 +1,6 @@
 """Faults on the containers of the real node (``singleton_testbed.node``), from pod objects.
 
-What the stand-in kubelet's control endpoint (``kubelet_control``) does for its local
-processes, done here to real containers, from outside, by the kernel's own handles:
+Faults done to real containers from outside, by the kernel's own handles:
 
 - ``container_pids`` / ``signal_container``: the processes of one container, found in its
   cgroup, and a signal to all of them (SIGKILL, SIGSTOP, SIGCONT of the sidecar alone);
@@ -255,7 +254,7 @@ def _rules(target: str, mode: str, port: int | None = None) -> list[list[str]]:
         return [["OUTPUT", "-d", address, *to_port, *mark, "-j", "DROP"],
                 ["INPUT", "-s", address, *from_port, *mark, "-j", "DROP"]]
     if mode == "reject":
-        # Connects fail at once with EHOSTUNREACH, as with the stand-in's unreachable route.
+        # Connects fail at once with EHOSTUNREACH, as with an unreachable route.
         return [["OUTPUT", "-d", address, *to_port, *mark, "-j", "REJECT", "--reject-with", "icmp-host-unreachable"]]
     raise ValueError(f"partition mode must be 'drop' or 'reject', not {mode!r}")
 

@@ -4,13 +4,12 @@
 a non-superuser role (``singleton``) for the code under test. When run as root (CI is),
 the server runs as the ``postgres`` system user, since PostgreSQL refuses root.
 
-Pods of the stand-in kubelet reach the server at the pod network's ``postgres_ip``
-(10.213.0.3 by default), pods of the real node (``node``) at the node IP (10.216.0.1): with
+Pods of the real node (``node``) reach the server at the node IP (10.216.0.1): with
 ``serve_pods`` (the default when root) it listens on every IPv4 address and ``pg_hba.conf``
-admits both pod networks and the node IP with a password (``scram-sha-256``), so only the
+admits the node's pod network and the node IP with a password (``scram-sha-256``), so only the
 ``singleton`` role can log in from pods; other networks match no rule and are refused.
-For a pod's DSN: ``dataclasses.replace(server.info, host=PodNetworkConfig().postgres_ip).dsn``
-(stand-in) or ``host=NodeLayout().node_ip`` (real node; this machine can use that DSN too).
+For a pod's DSN: ``dataclasses.replace(server.info, host=NodeLayout().node_ip).dsn`` (this
+machine can use that DSN too).
 """
 
 from __future__ import annotations
@@ -24,17 +23,16 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from singleton_testbed.netns import DEFAULT_NETWORK
 from singleton_testbed.node_config import NodeLayout
 from singleton_testbed.procs import Process, free_port, wait_until
 
 APP_ROLE = "singleton"
 APP_PASSWORD = "singleton-test-password"
 DATABASE = "singleton"
-POD_NETWORKS = (DEFAULT_NETWORK.cidr, NodeLayout().pod_cidr, f"{NodeLayout().node_ip}/32")
-"""Admitted when serving pods: the stand-in's pod network, the real node's pod network, and the
-node IP itself (what this machine's own connections to the node IP come from: an operator run
-on the host checks the DSN its pods get)."""
+POD_NETWORKS = (NodeLayout().pod_cidr, f"{NodeLayout().node_ip}/32")
+"""Admitted when serving pods: the real node's pod network, and the node IP itself (what this
+machine's own connections to the node IP come from: an operator run on the host checks the DSN
+its pods get)."""
 
 
 def find_pg_bin() -> Path:
@@ -116,7 +114,7 @@ class PostgresServer:
         for cidr in self.pod_cidrs:
             rule = f"host all {APP_ROLE} {cidr} scram-sha-256\n"
             if rule not in text:
-                text += "# pods (stand-in kubelet or real node)\n" + rule
+                text += "# pods of the real node\n" + rule
         hba.write_text(text)
 
     def _start_process(self) -> None:
