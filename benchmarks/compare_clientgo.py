@@ -10,9 +10,10 @@ measures groups of 3 of each peer:
 - client-go with our timings (9 s / 7.5 s / 6 s).
 Per peer: graceful handover (SIGTERM to the leader -> another member's /readyz 200),
 SIGKILL failover (same, after SIGKILL), API requests/s of the group at rest (distinct
-auditIDs in the audit log by user agent), RSS and CPU at rest; with root and ``ip netns``,
-partition failover (``benchmarks/compare_partition.py``: groups of 3 pods on a stand-in
-kubelet, the leader's pod cut off from the API server). Then the SIGSTOP safety
+auditIDs in the audit log by user agent), RSS and CPU at rest; with root, partition failover
+(``benchmarks/compare_partition.py``: groups of 3 pods on the test bed's real node, started for
+them on this control plane, which then advertises the node IP; the leader's pod cut off from
+the API server by iptables in its network namespace). Then the SIGSTOP safety
 scenario with short timings (2 s / 1.5 s / 0.5 s) for both, like with like: each member has
 a worker that appends to a PostgreSQL ledger while its elector says it leads and logs every
 act before doing it (the act protocol of singleton_testbed.actlog; ours: the exec gate with
@@ -52,8 +53,11 @@ from benchmarks.clientgo.unfenced_worker import term_of
 from benchmarks.compare_partition import PartitionRun, PodPeer, partition_runs
 from benchmarks.failover import Bench, Starter, bench_servers, cpu_seconds, percentile, rss_mb, running, summary
 from singleton_sidecar.core.timings import BACKEND_DEFAULTS
+from singleton_testbed.binaries import find_all
 from singleton_testbed.controlplane import ControlPlane
 from singleton_testbed.ledger import LedgerReport, check_ledger
+from singleton_testbed.node import busy_reason, unavailable_reason
+from singleton_testbed.node_config import NodeLayout
 
 Timings = tuple[float, float, float]  # lease duration, renew deadline, retry period (s)
 OURS_DEFAULTS: Timings = (BACKEND_DEFAULTS["lease"].lease_duration, BACKEND_DEFAULTS["lease"].renew_deadline,
@@ -70,7 +74,8 @@ def fmt_timings(timings: Timings) -> str:
 
 def ms(seconds: float) -> str:
     value = seconds * 1000
-    return f"{value:.1f} ms" if value < 1000 else f"{value / 1000:.2f} s"
+    # By magnitude: a margin of -4.4 s (an overlap) reads as seconds, like +4.4 s.
+    return f"{value:.1f} ms" if abs(value) < 1000 else f"{value / 1000:.2f} s"
 
 
 @dataclass
@@ -555,7 +560,8 @@ def main() -> int:
                         help="how long to watch idle groups (default 300: at least the sidecars' watch timeouts, "
                              "so the re-opened watches are counted)")
     parser.add_argument("--partition-runs", type=int, default=5,
-                        help="partitions per peer, needs root and ip netns (default 5; 0 skips them)")
+                        help="partitions per peer, on the test bed's real node: needs root, containerd and "
+                             "the node lock (default 5; 0 skips them)")
     parser.add_argument("--sigstop-runs", type=int, default=10, help="SIGSTOP runs per peer (default 10)")
     parser.add_argument("--sigstop-peers", nargs="*", choices=STOP_PEERS, default=list(STOP_PEERS),
                         help="peers of the SIGSTOP scenario (default: all four)")
@@ -574,8 +580,22 @@ def main() -> int:
         for path in plot([r for r in saved if r.graceful or r.kill or r.partition], args.plots):
             print(f"plot: {path} ({path.stat().st_size // 1024} KB)")
         return 0
+    advertise = None
+    if args.partition_runs > 0:
+        # Checked before anything starts: the partition runs come last, after half an hour of
+        # other figures. The lock is checked again (for real) when the node starts.
+        if (reason := unavailable_reason(find_all())) is not None:
+            print(f"partition runs skipped: {reason}", flush=True)
+            args.partition_runs = 0
+        elif (busy := busy_reason()) is not None:
+            print(f"compare_clientgo: error: {busy} (or pass --partition-runs 0)", file=sys.stderr)
+            return 2
+        else:
+            # The pods reach the API server through the `kubernetes` Service, whose endpoint is
+            # the advertised address: it must be the node IP.
+            advertise = NodeLayout().node_ip
     binary = build()
-    with bench_servers("singleton-bench-clientgo-") as (dsn, control_plane, workdir):
+    with bench_servers("singleton-bench-clientgo-", advertise_address=advertise) as (dsn, control_plane, workdir):
         measure(args, binary, dsn, workdir, control_plane)
     return 0
 

@@ -465,9 +465,10 @@ def main() -> int:
 
 
 @contextmanager
-def bench_servers(prefix: str) -> Iterator[tuple[str, ControlPlane, Path]]:
+def bench_servers(prefix: str, *, advertise_address: str | None = None) -> Iterator[tuple[str, ControlPlane, Path]]:
     """PostgreSQL (or SINGLETON_TEST_DSN's), etcd + kube-apiserver with a ``bench`` namespace,
-    and a work folder: (dsn, control plane, folder). Stopped on exit."""
+    and a work folder: (dsn, control plane, folder). Stopped on exit. ``advertise_address``:
+    the ``kubernetes`` Service's endpoint (a real node's IP, for pods to reach the API server)."""
     server, control_plane = None, None
     dsn = os.environ.get("SINGLETON_TEST_DSN")
     workdir = Path(tempfile.mkdtemp(prefix=prefix))
@@ -477,7 +478,7 @@ def bench_servers(prefix: str) -> Iterator[tuple[str, ControlPlane, Path]]:
             dsn = server.start().dsn
         binaries = find_all()
         add_to_path(binaries)
-        control_plane = ControlPlane(binaries)
+        control_plane = ControlPlane(binaries, advertise_address=advertise_address)
         control_plane.start()
         control_plane.kubectl("create", "namespace", "bench")
         control_plane.kubectl("create", "serviceaccount", "default", "-n", "bench")  # no controller-manager here

@@ -17,11 +17,10 @@ from pathlib import Path
 import pytest
 from benchmarks.clientgo.elector import USER_AGENT, BuildError, ClientGoProcess, build, one_clientgo_leader
 from benchmarks.clientgo.unfenced_worker import term_of
-from benchmarks.compare_partition import PodPeer, partition_runs
+from benchmarks.compare_partition import OnNode, PodPeer, partition_runs
 
 from singleton_testbed.ledger import check_ledger, read_acts
-from singleton_testbed.netns import netns_supported
-from tests.conftest import Cluster
+from tests.conftest import REAL_NODE_TOLERATION, Cluster, RealNode
 from tests.kubehelpers import get_json
 from tests.sidecars import SidecarProcess, wait_for, wait_serving
 
@@ -108,20 +107,18 @@ def test_requests_are_counted_by_user_agent(electors: Factory, cluster: Cluster)
 
 
 @pytest.mark.timeout(240)
-def test_partition_failover_is_measured_for_both_peers(cluster: Cluster, clientgo_binary: Path,
-                                                      tmp_path: Path) -> None:
-    """``benchmarks/compare_partition.py`` on the stand-in kubelet: each peer's leader pod is cut
-    off from the API server, another member takes over, and the margin between the old
+def test_partition_failover_is_measured_for_both_peers(real_node: RealNode, project_image: str,
+                                                      clientgo_binary: Path, tmp_path: Path) -> None:
+    """``benchmarks/compare_partition.py`` on the session's real node: each peer's leader pod is
+    cut off from the API server, another member takes over, and the margin between the old
     leader's last ready answer and the new one's first is measured (ours must be positive:
     our leader stops at its renew deadline, before the lease can expire)."""
-    if cluster.control_plane is None:
-        pytest.skip("the stand-in kubelet runs on the test bed")
-    if (reason := netns_supported()) is not None:
-        pytest.skip(f"partitions need network namespaces: {reason}")
+    assert real_node.cluster.control_plane is not None
     peers = [PodPeer("ours", "ours", FAST, FAST[2]), PodPeer("clientgo", "client-go", FAST, FAST[2] * 2.2,
                                                             clientgo_binary)]
-    runs = partition_runs(cluster.control_plane, tmp_path, peers, runs=1, rng=random.Random(1),
-                          progress=lambda _text: None)
+    runs = partition_runs(real_node.cluster.control_plane, tmp_path, peers, runs=1, rng=random.Random(1),
+                          progress=lambda _text: None,
+                          on_node=OnNode(real_node.node, project_image, [REAL_NODE_TOLERATION]))
     (ours,), (clientgo,) = runs["ours"], runs["clientgo"]
     for run in (ours, clientgo):
         assert run.new_pod != run.old_pod
