@@ -17,10 +17,14 @@ import socket
 import sys
 import uuid
 from collections.abc import Mapping, Sequence
+from typing import TYPE_CHECKING
 
-from singleton_operator.runtime import OperatorConfig, run_operator
 from singleton_sidecar.config import ConfigError, Listen, _listen
+from singleton_sidecar.early_stop import stop_on_sigterm_until_started
 from singleton_sidecar.logs import setup_logging
+
+if TYPE_CHECKING:
+    from singleton_operator.runtime import OperatorConfig
 
 PROG = "singleton-operator"
 DEFAULT_SIDECAR_IMAGE = "ghcr.io/singleton-dev/singleton:0.1.0"
@@ -51,6 +55,8 @@ def parser() -> argparse.ArgumentParser:
 
 
 def load(args: argparse.Namespace, environ: Mapping[str, str]) -> OperatorConfig:
+    from singleton_operator.runtime import OperatorConfig  # kopf and aiohttp: after the early SIGTERM handler
+
     namespaces = args.namespace or [n for n in environ.get("SINGLETON_WATCH_NAMESPACES", "").split(",") if n]
     for namespace in namespaces:
         if not _DNS1123.match(namespace):
@@ -74,6 +80,7 @@ def load(args: argparse.Namespace, environ: Mapping[str, str]) -> OperatorConfig
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    stop_on_sigterm_until_started(PROG)
     args = parser().parse_args(argv)
     try:
         config = load(args, os.environ)
@@ -82,6 +89,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 2
     setup_logging(args.log_format or os.environ.get("SINGLETON_LOG_FORMAT", "json"),  # type: ignore[arg-type]
                   getattr(logging, (args.log_level or "info").upper()))
+    from singleton_operator.runtime import run_operator
+
     return asyncio.run(run_operator(config))
 
 

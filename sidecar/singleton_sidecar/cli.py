@@ -22,6 +22,7 @@ from importlib import resources
 
 from singleton_sidecar import contract
 from singleton_sidecar.config import ConfigError, add_run_arguments, load_config
+from singleton_sidecar.early_stop import stop_on_sigterm_until_started
 
 PROG = "singleton-sidecar"
 
@@ -62,6 +63,7 @@ def _control_call(control: str | None, method: str, path: str, timeout: float) -
 
 
 def main(argv: list[str] | None = None) -> int:  # noqa: PLR0911 - one exit per command
+    stop_on_sigterm_until_started(PROG)
     args = _parser().parse_args(argv)
     if args.action == "gate-script":
         sys.stdout.write(resources.files("singleton_sidecar").joinpath("gate.sh").read_text())
