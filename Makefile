@@ -27,7 +27,7 @@ lint: venv
 	$(BIN)/lint-imports --no-logo --no-cache  # the layer contracts: [tool.importlinter] in pyproject.toml
 
 test: venv testbed lint
-	$(BIN)/pytest -ra $(PYTEST_ARGS)
+	$(BIN)/pytest -ra --durations=12 $(PYTEST_ARGS)
 
 unit: venv ## fast tests that need no server
 	$(BIN)/pytest -ra -m "not k8s and not postgres and not image" $(PYTEST_ARGS)
