@@ -34,7 +34,8 @@ graceful deletion. The exit status is 0 on PASS.
 
 ``--quick`` (CI): as many faults per backend as kinds apply to it (12, 12 and 15), in two
 segments (exec gate and file gate on every backend, fenced and unfenced on every gate): each
-kind dealt once per backend it applies to, as far as the leaders allow.
+kind dealt once per backend it applies to; a kind whose leader never came (``drain-timeout``
+needs the slow pod to lead) is dealt in further faults, up to twice the count.
 ``--faults N`` is the total over the backends, ``--duration S`` the total seconds of injecting;
 with both, whichever ends first. ``--variants`` limits the segments to these variants (``exec`` or
 ``file``, ``/fenced`` or ``/unfenced``); ``--fence off`` runs every segment unfenced.
@@ -183,11 +184,24 @@ def run_backend(bed: Bed, poller: Poller, backend: str, *, count: int | None, du
     started = time.monotonic()
     deadline = None if duration is None else started + duration
     done = 0
-    while kinds and (count is None or done < count) and (deadline is None or time.monotonic() < deadline):
+
+    def wanted() -> int | None:
+        """Faults still to inject; quick mode goes on (up to twice its count) until every kind
+        was dealt, since who leads, which decides what may be dealt, is up to the run."""
+        if count is None:
+            return None
+        if options.quick and options.faults is None and deck.undealt and done < 2 * count:
+            return max(count - done, len(deck.undealt))
+        return count - done
+
+    while kinds:
+        left = wanted()
+        if (left is not None and left <= 0) or (deadline is not None and time.monotonic() >= deadline):
+            break
         variant = variant_for(backend_index, len(result.segments), options.variants)
         if not options.fence:
             variant = Variant(variant.gate, False)
-        faults = per_segment if count is None else min(per_segment, count - done)
+        faults = per_segment if left is None else min(per_segment, left)
         segment = run_segment(bed, poller, backend, variant, len(result.segments), faults=faults, deadline=deadline,
                               rng=rng, deck=deck, seed=seed, options=options, total=count, before=done)
         result.segments.append(segment)

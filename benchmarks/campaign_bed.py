@@ -48,7 +48,7 @@ import time
 import urllib.error
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import asyncpg
 from tests.kubehelpers import AdminApi, save_pod_logs
@@ -87,6 +87,7 @@ CHILDREN_MAX = 2
 GRACE = 8
 REPLICAS = 3
 DSN_SECRET = "ledger-db"
+T = TypeVar("T")
 THAW_STAGGER = 0.1
 """A frozen pod's app is thawed this long before its sidecar and gate (``campaign_pods``)."""
 
@@ -460,31 +461,36 @@ class Group:
         """The pod as the API server has it now (container IDs change with restarts)."""
         return self.bed.call("GET", f"/api/v1/namespaces/{self.namespace}/pods/{pod}")
 
+    def on_pod(self, pod: str, action: Callable[[dict[str, Any]], T], what: str, timeout: float = 3.0) -> T:
+        """``action`` on the pod object, read again and retried for ``timeout`` seconds while the
+        node has no such container: the group settles by its sidecars' answers, and the API's
+        container IDs can lag a container restart by a moment."""
+        deadline = time.monotonic() + timeout
+        while True:
+            try:
+                return action(self.pod_object(pod))
+            except (LookupError, OSError) as exc:  # node_pods.NotOnThisNode is a LookupError
+                if time.monotonic() > deadline:
+                    raise CampaignError(f"pod {pod}: cannot {what}: {exc}") from exc
+                time.sleep(0.1)
+
     def containers(self) -> list[str]:
         """The pod's containers, sidecar first."""
         return [CONTAINER] if self.variant.gate == "exec" else [resources.SIDECAR_CONTAINER, APP_CONTAINER]
 
     def sidecar_pid(self, pod: str) -> int:
         """The host PID of the sidecar process (its container's main process)."""
-        try:
-            return node_pods.container_main_pid(self.pod_object(pod), self.sidecar_container, layout=self.bed.layout)
-        except (LookupError, OSError) as exc:
-            raise CampaignError(f"pod {pod}: its sidecar is not running: {exc}") from exc
+        return self.on_pod(pod, lambda found: node_pods.container_main_pid(found, self.sidecar_container,
+                                                                           layout=self.bed.layout), "find its sidecar")
 
     def kill_sidecar(self, pod: str) -> None:
         """SIGKILL of every process of the sidecar's container; the kubelet restarts it."""
-        try:
-            node_pods.signal_container(self.pod_object(pod), self.sidecar_container, signal.SIGKILL,
-                                       layout=self.bed.layout)
-        except (LookupError, OSError) as exc:
-            raise CampaignError(f"pod {pod}: cannot kill its sidecar: {exc}") from exc
+        self.on_pod(pod, lambda found: node_pods.signal_container(found, self.sidecar_container, signal.SIGKILL,
+                                                                  layout=self.bed.layout), "kill its sidecar")
 
     def freeze(self, pod: str) -> Frozen:
         """Freeze the whole pod (its freezer cgroup); ``thaw`` undoes it."""
-        try:
-            return freeze_pod(self.pod_object(pod), self.containers(), self.bed.layout)
-        except (LookupError, OSError, TimeoutError) as exc:
-            raise CampaignError(f"pod {pod}: cannot freeze it: {exc}") from exc
+        return self.on_pod(pod, lambda found: freeze_pod(found, self.containers(), self.bed.layout), "freeze it")
 
     def thaw(self, frozen: Frozen) -> None:
         """Thaw the pod: its app first, its sidecar and gate ``THAW_STAGGER`` later."""
@@ -497,23 +503,21 @@ class Group:
         try:
             for address, port in targets:
                 node_pods.partition(found, address, port=port, layout=self.bed.layout)
-        except (LookupError, OSError, RuntimeError) as exc:
-            self.heal(found, targets)
+        except (LookupError, OSError, RuntimeError, subprocess.SubprocessError) as exc:
+            self.heal(found, targets)  # no half-made cut left behind
             raise CampaignError(f"pod {pod}: cannot cut it off: {exc}") from exc
         return found
 
     def heal(self, found: dict[str, Any], targets: list[tuple[str, int | None]]) -> None:
         for address, port in targets:
             # A pod gone meanwhile took its rules with its network namespace.
-            with contextlib.suppress(LookupError, OSError, RuntimeError):
+            with contextlib.suppress(LookupError, OSError, RuntimeError, subprocess.SubprocessError):
                 node_pods.heal(found, address, port=port, layout=self.bed.layout)
 
     def step_down(self, pod: str) -> tuple[int, str]:
         """``POST /step-down`` on the sidecar's control port, on the pod's loopback."""
-        try:
-            netns = node_pods.pod_netns(self.pod_object(pod), layout=self.bed.layout)
-        except LookupError as exc:
-            raise CampaignError(f"pod {pod} has no network namespace here: {exc}") from exc
+        netns = self.on_pod(pod, lambda found: node_pods.pod_netns(found, layout=self.bed.layout),
+                            "find its network namespace")
         return loopback_request(netns, CONTROL_PORT, "POST", "/step-down?reason=campaign")
 
     def drain_timeouts(self, pod: str) -> int:
@@ -544,7 +548,7 @@ class Group:
                     "SELECT token FROM ledger WHERE group_name = $1 ORDER BY id DESC LIMIT 1", self.name)
                 if written is not None and written >= leader.token:
                     return leader
-            time.sleep(0.05)
+            time.sleep(0.1)  # each round may list the pods and opens a database connection
         latest = {pod: (s.status, s.token) for pod, s in self.poller.latest().items()}
         raise CampaignError(f"group {self.name} did not settle within {timeout:g}s: members {self.pods}, "
                             f"last answers {latest}")

@@ -58,6 +58,7 @@ import io
 import os
 import random
 import signal
+import subprocess
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -141,6 +142,8 @@ class FaultRecord:
     new_pod: str | None = None
     new_token: int | None = None
     error: str | None = None
+    not_injected: bool = False
+    """The fault could not be done (``error`` says why): no failover to time."""
 
     @property
     def failover(self) -> float | None:
@@ -153,7 +156,8 @@ class FaultRecord:
     def describe(self) -> str:
         detail = f" [{self.detail}]" if self.detail else ""
         if self.failover is None:
-            return f"{self.kind:<17} {self.pod} token {self.old_token}{detail}: NOT RECOVERED ({self.error})"
+            what = "NOT INJECTED" if self.not_injected else "NOT RECOVERED"
+            return f"{self.kind:<17} {self.pod} token {self.old_token}{detail}: {what} ({self.error})"
         same = "same pod, " if self.new_pod == self.pod else ""
         return (f"{self.kind:<17} {self.pod} token {self.old_token}{detail} -> {self.new_pod} token "
                 f"{self.new_token} ({same}{self.failover * 1000:.0f} ms; {self.path})")
@@ -167,6 +171,12 @@ class Deck:
     def __init__(self, kinds: tuple[str, ...], rng: random.Random) -> None:
         self.kinds, self.rng = kinds, rng
         self._hand: list[str] = []  # the next card is the last
+        self.dealt: set[str] = set()
+
+    @property
+    def undealt(self) -> set[str]:
+        """Kinds never dealt yet (one whose leader never came, say: the slow pod's)."""
+        return set(self.kinds) - self.dealt
 
     def __repr__(self) -> str:
         return f"<Deck {self.kinds} hand={self._hand}>"
@@ -183,10 +193,16 @@ class Deck:
         for _ in range(2):
             fits = [i for i in reversed(range(len(self._hand))) if applies(self._hand[i])]
             only_now = [i for i in fits if slow_leader and self._hand[i] in SLOW_LEADER_ONLY]
+            new = [i for i in fits if self._hand[i] not in self.dealt]  # a kind skipped in an earlier round
             if fits:
-                return self._hand.pop((only_now or fits)[0])
+                return self._take((only_now or new or fits)[0])
             self._round()
-        return self._hand.pop()  # nothing the deck holds applies to this leader (a --kinds run)
+        return self._take(len(self._hand) - 1)  # nothing the deck holds applies to this leader (a --kinds run)
+
+    def _take(self, index: int) -> str:
+        kind = self._hand.pop(index)
+        self.dealt.add(kind)
+        return kind
 
 
 @dataclass
@@ -216,9 +232,18 @@ class Injector:
         above = None if kind in SERVER_RESTARTS else leader.token
         self.poller.set_fast(True)
         try:
-            after = self._act(kind, record)
+            try:
+                after = self._act(kind, record)
+            except CampaignError as exc:
+                record.not_injected = True
+                raise CampaignError(f"not injected: {exc}") from exc
+            except (OSError, subprocess.SubprocessError, TimeoutError, RuntimeError, LookupError) as exc:
+                record.not_injected = True
+                raise CampaignError(f"not injected: {type(exc).__name__}: {exc}") from exc
             record.injected = time.time()
-            found = self._wait_recovered(after, above, record.t0 + RECOVERY_TIMEOUT)
+            # A restart's own length does not count against the recovery (it is reported apart).
+            start = max(record.t0, after) if kind in SERVER_RESTARTS else record.t0
+            found = self._wait_recovered(after, above, start + RECOVERY_TIMEOUT)
             if found is None:
                 latest = {pod: (s.status, s.token) for pod, s in self.poller.latest().items()}
                 record.error = (f"no new ready leader within {RECOVERY_TIMEOUT:g}s: members {group.pods}, "

@@ -64,13 +64,14 @@ def _signal(pids: tuple[int, ...], signum: int) -> None:
 def freeze_pod(pod: node_pods.Pod, containers: list[str], layout: NodeLayout) -> Frozen:
     """Freeze every process of ``pod``; ``containers``: the containers whose main processes'
     process groups are the gates (thawed last)."""
-    node_pods.freeze_pod(pod, layout=layout)
     try:
+        node_pods.freeze_pod(pod, layout=layout)
         groups = {_pgid(node_pods.container_main_pid(pod, name, layout=layout)) for name in containers}
-    except node_pods.NotOnThisNode:  # a container not running: no freeze to go on with
-        node_pods.thaw_pod(pod, layout=layout)
+        everything = node_pods.pod_pids(pod, layout=layout)
+    except BaseException:  # never leave it frozen (or stuck FREEZING): a frozen pod cannot end
+        with contextlib.suppress(node_pods.NotOnThisNode, TimeoutError, OSError):
+            node_pods.thaw_pod(pod, layout=layout)
         raise
-    everything = node_pods.pod_pids(pod, layout=layout)
     gates = tuple(pid for pid in everything if _pgid(pid) in groups)
     return Frozen(pod, gates, len(everything))
 

@@ -405,8 +405,10 @@ class CampaignResult:
             regressions = sum(s.regressions for s in b.stats.values())
             if regressions:
                 found.append(f"{b.backend}: {regressions} regressions")
-            if b.unrecovered:
-                found.append(f"{b.backend}: {len(b.unrecovered)} faults without a new ready leader")
+            for failed, what in ((True, "faults not injected"), (False, "faults without a new ready leader")):
+                if records := [f for f in b.unrecovered if f.not_injected is failed]:
+                    found.append(f"{b.backend}: {len(records)} {what} ("
+                                 + "; ".join(f"{f.kind} #{f.index}: {f.error}" for f in records) + ")")
             if b.lost_at_graceful_deletion():
                 found.append(f"{b.backend}: {b.lost_at_graceful_deletion()} items lost at graceful deletion")
         return found

@@ -5,7 +5,8 @@ for. The event loop's own SIGTERM handler comes only after the imports (about a 
 a busy node), so a SIGTERM in between (a pod deleted while starting, ``helm uninstall`` right
 after ``install``) would be lost, and the kubelet would wait out the whole grace period before
 SIGKILL. Until the loop installs its handler (``loop.add_signal_handler`` replaces this one), a
-SIGTERM ends the program at once: nothing has been started that needs stopping.
+SIGTERM ends the program at once: no term has been campaigned for yet, and what little was set
+up (a file gate's script in its shared folder, the subreaper flag) needs no undoing.
 """
 
 from __future__ import annotations

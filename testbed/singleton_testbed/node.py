@@ -22,6 +22,7 @@ first, so a later ``start`` or ``cleanup_stale`` removes what a killed run left 
 from __future__ import annotations
 
 import contextlib
+import datetime
 import fcntl
 import hashlib
 import json
@@ -255,20 +256,38 @@ class Node:
 
     def restart_kubelet(self) -> None:
         """Stop the kubelet (SIGTERM) and start it again with the same configuration, as a node
-        agent upgrade or crash would: running containers are the runtime's, and run on."""
+        agent upgrade or crash would: running containers are the runtime's, and run on. Returns
+        once the new kubelet has reported the Node Ready (a heartbeat after the restart began:
+        the old Ready condition outlives the stopped kubelet for the node's grace period)."""
         assert self.kubelet is not None, "the node is not running"
+        began = int(time.time())  # heartbeats have whole seconds
         self.kubelet.stop()
         self.kubelet.start()
-        wait_until(self.ready, timeout=60, what="the Node to be Ready again", proc=self.kubelet)
+        wait_until(lambda: self._ready_since(began), timeout=60, what="the restarted kubelet's Ready heartbeat",
+                   proc=self.kubelet)
+
+    def _ready_since(self, moment: int) -> bool:
+        """The Node's Ready condition is True with a heartbeat after the second ``moment``."""
+        for condition in ((self.node_object() or {}).get("status") or {}).get("conditions") or []:
+            if condition.get("type") == "Ready":
+                heartbeat = datetime.datetime.fromisoformat(str(condition.get("lastHeartbeatTime")))
+                return condition.get("status") == "True" and heartbeat.timestamp() > moment
+        return False
 
     def restart_containerd(self) -> None:
         """Stop containerd (SIGTERM) and start it again: the containers' shims are not its
-        children (they re-parent at start), so the containers run on, as with a runtime upgrade."""
+        children (they re-parent at start), so the containers run on, as with a runtime upgrade.
+        Returns once its CRI plugin (what the kubelet talks to) is loaded again."""
         assert self.containerd is not None, "the node is not running"
         self.containerd.stop()
         self.containerd.start()
-        wait_until(lambda: self._ctr("version", check=False).returncode == 0, timeout=30,
-                   what="containerd", proc=self.containerd)
+        wait_until(self._cri_ready, timeout=30, what="containerd's CRI plugin", proc=self.containerd)
+
+    def _cri_ready(self) -> bool:
+        listed = self._ctr("plugins", "ls", check=False, timeout=10)
+        return listed.returncode == 0 and any(
+            line.split()[:2] == ["io.containerd.grpc.v1", "cri"] and line.split()[-1] == "ok"
+            for line in listed.stdout.splitlines())
 
     def node_object(self) -> dict[str, Any] | None:
         result = self.control_plane.kubectl("get", "node", self.layout.name, "-o", "json", check=False)
