@@ -13,6 +13,14 @@ MIN_CLOCK_MARGIN = 0.5
 stepping-down leader has to stop its work, and the slack for clock-rate drift."""
 
 
+def _nanoseconds(seconds: float) -> int:
+    """Whole nanoseconds. The rules compare these, not the floats: timings come from durations
+    exact to the nanosecond (the CRD's, compared exactly at admission), and in floats
+    0.7 - 0.2 < 0.5, so a sidecar would refuse 700ms/200ms that admission accepted. Exact for
+    any duration below 10^6 s (the float is within 0.1 ns of it)."""
+    return round(seconds * 1_000_000_000)
+
+
 class TimingError(ValueError):
     """Timings that cannot keep the no-overlap invariant; the message names the field."""
 
@@ -41,12 +49,14 @@ class Timings:
             numeric = isinstance(value, int | float) and not isinstance(value, bool)
             if not numeric or not (value > 0 and math.isfinite(value)):
                 raise TimingError(f"{name} must be a positive number of seconds, got {value!r}")
-        if self.lease_duration - self.renew_deadline < MIN_CLOCK_MARGIN:
+        lease, renew, retry = (_nanoseconds(v) for v in (self.lease_duration, self.renew_deadline,
+                                                         self.retry_period))
+        if lease - renew < _nanoseconds(MIN_CLOCK_MARGIN):
             raise TimingError(
                 f"lease_duration ({self.lease_duration:g}s) must exceed renew_deadline "
                 f"({self.renew_deadline:g}s) by at least {MIN_CLOCK_MARGIN:g}s"
             )
-        if self.renew_deadline <= JITTER_FACTOR * self.retry_period:
+        if renew * 5 <= retry * 6:  # renew <= JITTER_FACTOR (6/5) x retry, in integers
             raise TimingError(
                 f"renew_deadline ({self.renew_deadline:g}s) must exceed {JITTER_FACTOR:g} x retry_period "
                 f"({self.retry_period:g}s) = {JITTER_FACTOR * self.retry_period:g}s"
