@@ -2,15 +2,29 @@
 
 from __future__ import annotations
 
+import argparse
 import datetime as dt
+import decimal
+import re
 from typing import Any
 
 import pytest
 
 from singleton_operator import resources
-from singleton_operator.spec import SpecError, parse_duration, read_spec
+from singleton_operator.spec import (
+    SpecError,
+    format_seconds,
+    is_label_value,
+    is_qualified_name,
+    parse_duration,
+    parse_quantity,
+    read_spec,
+)
 from singleton_operator.status import Observed, compute_status, find_leader, status_changed
 from singleton_sidecar import contract
+from singleton_sidecar.config import SidecarConfig, load_config
+from singleton_sidecar.core.timings import TimingError, Timings
+from tests.test_crd import INVALID, VALID, duration_boundary_cases, edited, full, minimal
 
 IMAGE = "registry.example/singleton:1"
 
@@ -21,15 +35,33 @@ def body(**spec: Any) -> dict[str, Any]:
                                                              "command": ["python", "poll.py"]}]}}, **spec}}
 
 
-@pytest.mark.parametrize(("text", "seconds"), [("6s", 6), ("1500ms", 1.5), ("1m30s", 90), ("0.5s", 0.5), ("1h", 3600)])
-def test_durations(text: str, seconds: float) -> None:
-    assert parse_duration("x", text) == seconds
+@pytest.mark.parametrize(("text", "nanoseconds"), [
+    ("6s", 6_000_000_000), ("1500ms", 1_500_000_000), ("1m30s", 90_000_000_000), ("0.5s", 500_000_000),
+    ("1h", 3_600_000_000_000), ("1.5s", 1_500_000_000), ("0.0005s", 500_000), ("1.5ms", 1_500_000),
+    ("0.000000001s", 1), ("0.0000000019s", 1),  # digits past the nanosecond are dropped, as Go does
+    ("0.0000000009s", 0), ("00010s", 10_000_000_000), ("1s1s", 2_000_000_000), ("1h0.5m", 3_630_000_000_000),
+    ("0.1234567890123456789012345s", 123_456_789),  # Go stops reading a fraction at 19 digits
+    ("2562047h47m16.854775807s", 2**63 - 1),  # the longest Go duration
+])
+def test_durations_are_read_to_the_nanosecond_as_go_reads_them(text: str, nanoseconds: int) -> None:
+    assert parse_duration("x", text) == nanoseconds
 
 
-@pytest.mark.parametrize("text", ["", "6", "6 s", "-1s", "1d", "s"])
-def test_bad_durations_name_the_field(text: str) -> None:
+@pytest.mark.parametrize("text", [
+    "", "6", "6 s", "-1s", "+1s", "1d", "s", "1500us", "1500µs", "6000000ns", ".5s", "5.s", "1e3s", "1S", "1sm",
+    "\u0661s",  # an Arabic-Indic digit: Python's \d would take it, the CRD's [0-9] does not
+    "1" * 31 + "ms",  # 33 characters: the CRD's maxLength is 32
+    "2562047h47m16.854775808s",  # one nanosecond past what Go can hold
+])
+def test_durations_the_crd_refuses_are_refused_naming_the_field(text: str) -> None:
     with pytest.raises(SpecError, match=r"^spec\.drain\.timeout: "):
         parse_duration("spec.drain.timeout", text)
+
+
+@pytest.mark.parametrize(("nanoseconds", "text"), [
+    (7_000_000_000, "7"), (2_400_000_000, "2.4"), (2_400_000_001, "2.400000001"), (1, "0.000000001"), (0, "0")])
+def test_the_sidecar_gets_exact_seconds(nanoseconds: int, text: str) -> None:
+    assert format_seconds(nanoseconds) == text
 
 
 @pytest.mark.parametrize(("backend", "expected"), [("lease", (9.0, 7.5, 6.0)), ("postgres", (6.0, 4.0, 2.0))])
@@ -175,3 +207,235 @@ def test_terminating_pods_do_not_count_as_standbys() -> None:
     status = compute_status(spec, Observed([pod("a", "leader", 3), pod("b", "standby", deleting=True)],
                                            READY_DEPLOYMENT), {}, NOW)
     assert status["readyStandbys"] == 0 and status["phase"] == "Degraded"
+
+
+# --- the operator agrees with admission (tests/test_crd.py) ------------------------------------
+
+
+def admitted(obj: dict[str, Any]) -> dict[str, Any]:
+    """An object of the admission tests as the operator receives it (namespace and uid set)."""
+    return {**obj, "metadata": {**obj["metadata"], "namespace": "ns", "uid": "u-1"}}
+
+
+def sidecar_config(spec: Any) -> SidecarConfig:
+    """The configuration the sidecar of the operator's pods loads from the environment the
+    operator gives it (downward-API and Secret values filled in as the kubelet would)."""
+    sidecar = resources.deployment(spec)["spec"]["template"]["spec"]["initContainers"][0]
+    from_pod = {"metadata.namespace": "ns", "metadata.name": "feed-7d9f-abcde", "metadata.uid": "0b1c"}
+    environ = {}
+    for entry in sidecar["env"]:
+        source = entry.get("valueFrom") or {}
+        if "fieldRef" in source:
+            environ[entry["name"]] = from_pod[source["fieldRef"]["fieldPath"]]
+        elif "secretKeyRef" in source:
+            environ[entry["name"]] = "postgresql://app:pw@db.example/app"
+        else:
+            environ[entry["name"]] = entry["value"]
+    return load_config(argparse.Namespace(command=[]), environ)
+
+
+VARIANTS = [pytest.param(minimal(), id="minimal"), pytest.param(full(), id="full"),
+            *(pytest.param(edited(minimal(), p.values[0]), id=p.id) for p in VALID)]
+
+
+@pytest.mark.parametrize("obj", VARIANTS)
+def test_every_admitted_variant_is_read_and_its_sidecar_accepts_its_settings(obj: dict[str, Any]) -> None:
+    """The property the admission tests' valid variants (each on the boundary of a rule) stand
+    for: what the API server admits, the operator builds, and its sidecar starts with."""
+    spec = read_spec(admitted(obj), default_sidecar_image=IMAGE)
+    config = sidecar_config(spec)
+    assert (config.timings, config.drain_timeout) == (spec.timings, spec.drain_timeout)
+    assert config.control_listen.port == spec.sidecar_port + 1 <= 65535
+
+
+@pytest.mark.parametrize(("label", "edits"), duration_boundary_cases())
+def test_near_the_duration_rules_whatever_the_operator_accepts_its_sidecar_accepts(
+        label: str, edits: dict[str, Any]) -> None:
+    """The cases on which tests/test_crd.py compares the API server's verdict with read_spec's:
+    the settings of an accepted one are exact enough for the sidecar's own rules."""
+    try:
+        spec = read_spec(admitted(edited(minimal(), edits)), default_sidecar_image=IMAGE)
+    except SpecError:
+        return
+    assert sidecar_config(spec).timings == spec.timings, label
+
+
+OPERATOR_REFUSES = {
+    # id in tests/test_crd.py's INVALID: the field read_spec names. These are what the operator
+    # cannot build (or build into a working group); the others of INVALID are pure schema
+    # (types, enums, patterns of fields it does not build from) or are refused at admission only
+    # to avoid a surprise (see spec.py's docstring).
+    "timings-renew-equals-lease": "spec.timings.renewDeadline",
+    "timings-renew-within-500ms-of-lease": "spec.timings.renewDeadline",
+    "timings-retry-equals-renew": "spec.timings.retryPeriod",
+    "timings-renew-under-1.2x-retry": "spec.timings.renewDeadline",
+    "timings-retry-under-100ms": "spec.timings.retryPeriod",
+    "timings-lease-over-5m": "spec.timings.leaseDuration",
+    "duration-words": "spec.timings.leaseDuration",
+    "drain-duration-bad-unit": "spec.drain.timeout",
+    "timings-renew-1.2x-retry-in-ms-only": "spec.timings.renewDeadline",
+    "timings-renew-exactly-1.2x-retry": "spec.timings.renewDeadline",
+    "timings-margin-1ns-short": "spec.timings.renewDeadline",
+    "timings-retry-1ns-under-100ms": "spec.timings.retryPeriod",
+    "timings-lease-1ns-over-5m": "spec.timings.leaseDuration",
+    "duration-microseconds": "spec.timings.leaseDuration",
+    "duration-leading-dot": "spec.timings.leaseDuration",
+    "duration-33-chars": "spec.timings.leaseDuration",
+    "duration-beyond-int64-nanoseconds": "spec.timings.leaseDuration",
+    "postgres-without-postgres": "spec.postgres.secretRef.name",
+    "both-without-postgres": "spec.postgres.secretRef.name",
+    "secret-key-.": "spec.postgres.secretRef.key",
+    "secret-key-..": "spec.postgres.secretRef.key",
+    "secret-key-..dsn": "spec.postgres.secretRef.key",
+    "drain-equals-grace": "spec.drain.timeout",
+    "drain-within-2s-of-grace": "spec.drain.timeout",
+    "drain-1ns-over-grace-less-2s": "spec.drain.timeout",
+    "drain-0s": "spec.drain.timeout",
+    "drain-under-1ns-is-0": "spec.drain.timeout",
+    "grace-2-leaves-no-drain": "spec.drain.timeout",
+    "hook-not-loopback": "spec.drain.hookURL",
+    "hook-https": "spec.drain.hookURL",
+    "hook-port-0": "spec.drain.hookURL",
+    "hook-port-65536": "spec.drain.hookURL",
+    "hook-port-99999": "spec.drain.hookURL",
+    "hook-on-sidecar-port": "spec.drain.hookURL",
+    "hook-on-control-port": "spec.drain.hookURL",
+    "hook-default-port-80-is-control-port": "spec.drain.hookURL",
+    "main-not-in-tmpl": "spec.mainContainer",
+    "container-names-duplicate": "spec.template.spec.containers",
+    "container-name-reserved": "spec.template.spec.containers",
+    "init-container-name-reserved": "spec.template.spec.initContainers",
+    "init-container-name-clash": "spec.template.spec.containers",
+    "init-container-names-duplicate": "spec.template.spec.initContainers",
+    "init-container-without-image": "spec.template.spec.initContainers[0].image",
+    "init-container-empty-image": "spec.template.spec.initContainers[0].image",
+    "container-empty-image": "spec.template.spec.containers[0].image",
+    "container-image-trailing-space": "spec.template.spec.containers[0].image",
+    "container-image-leading-ideographic-space": "spec.template.spec.containers[0].image",
+    "init-container-image-leading-tab": "spec.template.spec.initContainers[0].image",
+    "port-name-without-letter": "spec.template.spec.containers[0].ports[0].name",
+    "port-name-double-dash": "spec.template.spec.initContainers[0].ports[0].name",
+    "port-name-16-chars": "spec.template.spec.containers[0].ports[0].name",
+    "file-gate-mount-path-taken": "spec.gating.mode",
+    "label-value-64-chars": "spec.template.metadata.labels",
+    "label-value-leading-dash": "spec.template.metadata.labels",
+    "label-key-with-space": "spec.template.metadata.labels",
+    "label-key-name-64-chars": "spec.template.metadata.labels",
+    "label-key-prefix-254-chars": "spec.template.metadata.labels",
+    "annotation-key-two-slashes": "spec.template.metadata.annotations",
+    "target-port-0": "spec.service.ports[0].targetPort",
+    "target-port-65536": "spec.service.ports[0].targetPort",
+    "target-port-digits-as-string": "spec.service.ports[0].targetPort",
+    "target-port-name-undeclared": "spec.service.ports[0].targetPort",
+    "target-port-is-control-port": "spec.service.ports[0]",
+    "service-port-is-control-port": "spec.service.ports[0]",
+    "service-annotation-key-invalid": "spec.service.annotations",
+    "sidecar-port-0": "spec.sidecar.port",
+    "sidecar-port-65536": "spec.sidecar.port",
+    "sidecar-port-65535": "spec.sidecar.port",
+    "sidecar-port-clashes-with-container": "spec.sidecar.port",
+    "control-port-clashes-with-container": "spec.sidecar.port",
+    "sidecar-port-clashes-with-init-container": "spec.sidecar.port",
+    "control-port-clashes-with-init-container": "spec.sidecar.port",
+    "sidecar-image-trailing-space": "spec.sidecar.image",
+    "request-not-quantity": "spec.sidecar.resources.requests[cpu]",
+    "request-negative": "spec.sidecar.resources.requests[memory]",
+    "limit-not-quantity": "spec.sidecar.resources.limits[memory]",
+    "request-over-limit": "spec.sidecar.resources.requests",
+    "sidecar-resource-not-allowed": "spec.sidecar.resources.limits",
+}
+
+
+def test_every_refusal_listed_for_the_operator_is_an_admission_test_case() -> None:
+    assert set(OPERATOR_REFUSES) <= {p.id for p in INVALID}
+
+
+@pytest.mark.parametrize(("edits", "field"), [pytest.param(p.values[0], OPERATOR_REFUSES[p.id], id=p.id)
+                                              for p in INVALID if p.id in OPERATOR_REFUSES])
+def test_what_the_operator_cannot_build_it_refuses_naming_the_field(edits: dict[str, Any], field: str) -> None:
+    with pytest.raises(SpecError, match="^" + re.escape(field) + r"(: |\[)"):
+        read_spec(admitted(edited(minimal(), edits)), default_sidecar_image=IMAGE)
+
+
+def test_a_name_starting_with_a_digit_is_refused_only_with_a_leader_service() -> None:
+    """Admission refuses such names for new groups; one admitted before runs, without a
+    leader Service (whose name would start with the digit)."""
+    legacy = body()
+    legacy["metadata"]["name"] = "1st-feed"
+    assert read_spec(legacy, default_sidecar_image=IMAGE).name == "1st-feed"
+    legacy["spec"]["service"] = {"ports": [{"port": 80}]}
+    with pytest.raises(SpecError, match=r"^metadata\.name: must start with a letter"):
+        read_spec(legacy, default_sidecar_image=IMAGE)
+
+
+def test_the_template_grace_period_is_replaced_not_refused() -> None:
+    """Refused at admission so that it is not silently ignored; an older object that has one
+    still runs, with spec.terminationGracePeriodSeconds."""
+    raw = body(terminationGracePeriodSeconds=40)
+    raw["spec"]["template"]["spec"]["terminationGracePeriodSeconds"] = 600
+    pod = resources.deployment(read_spec(raw, default_sidecar_image=IMAGE))["spec"]["template"]["spec"]
+    assert pod["terminationGracePeriodSeconds"] == 40
+
+
+def test_the_names_the_operator_derives_from_the_longest_name_are_valid() -> None:
+    """52 characters (the CRD's limit), starting with a letter: every derived name is valid."""
+    spec = read_spec(admitted(edited(minimal(), {"metadata.name": "a" * 52,
+                                                 "spec.service": {"ports": [{"port": 80}]}})),
+                     default_sidecar_image=IMAGE)
+    dns1035_label = re.compile(r"[a-z]([-a-z0-9]{0,61}[a-z0-9])?")
+    dns1123_subdomain = re.compile(r"[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*")
+    service = resources.leader_service(spec)
+    assert service is not None and dns1035_label.fullmatch(service["metadata"]["name"])
+    for obj in (resources.deployment(spec), resources.service_account(spec), resources.role(spec),
+                resources.role_binding(spec), resources.pod_disruption_budget(spec)):
+        assert obj is not None
+        name = obj["metadata"]["name"]
+        assert len(name) <= 253 and dns1123_subdomain.fullmatch(name), name
+        assert all(is_qualified_name(k) and is_label_value(v) for k, v in obj["metadata"]["labels"].items())
+    pod_labels = resources.deployment(spec)["spec"]["template"]["metadata"]["labels"]
+    assert all(is_label_value(v) for v in pod_labels.values())
+
+
+def test_the_operator_env_of_the_main_container_comes_first_and_cannot_be_overridden() -> None:
+    raw = body()
+    raw["spec"]["template"]["spec"]["containers"][0]["env"] = [
+        {"name": "MY_URL", "value": "$(SINGLETON_LEADER_URL)?watch=1"},
+        {"name": "SINGLETON_LEADER_URL", "value": "http://elsewhere:1/leader"},
+        {"name": "SINGLETON_GROUP", "value": "other"}]
+    pod = resources.deployment(read_spec(raw, default_sidecar_image=IMAGE))["spec"]["template"]["spec"]
+    main = pod["containers"][0]
+    names = [e["name"] for e in main["env"]]
+    # $(SINGLETON_LEADER_URL) expands only to a variable defined before it in the list
+    assert names == ["SINGLETON_LEADER_URL", "SINGLETON_CONTROL_URL", contract.ENV_GROUP, "MY_URL"]
+    assert env_of(main)["SINGLETON_LEADER_URL"] == "http://127.0.0.1:9090/leader"
+    assert env_of(main)[contract.ENV_GROUP] == "feed"
+
+
+def test_timings_reach_the_sidecar_exactly() -> None:
+    spec = read_spec(body(timings={"leaseDuration": "700ms", "renewDeadline": "200ms", "retryPeriod": "100ms"},
+                          drain={"timeout": "27.999999999s"}), default_sidecar_image=IMAGE)
+    env = env_of(resources.deployment(spec)["spec"]["template"]["spec"]["initContainers"][0])
+    assert [env[contract.ENV_LEASE_DURATION], env[contract.ENV_RENEW_DEADLINE], env[contract.ENV_RETRY_PERIOD],
+            env[contract.ENV_DRAIN_TIMEOUT]] == ["0.7", "0.2", "0.1", "27.999999999"]
+
+
+def test_the_sidecar_compares_its_timings_exactly() -> None:
+    """In floats 0.7 - 0.2 < 0.5: the sidecar would refuse the 500ms margin admission accepts."""
+    assert Timings(lease_duration=0.7, renew_deadline=0.2, retry_period=0.1).stop_margin > 0
+    with pytest.raises(TimingError, match="renew_deadline"):
+        Timings(lease_duration=4, renew_deadline=2.40108, retry_period=2.0009)  # exactly 1.2 x
+    Timings(lease_duration=4, renew_deadline=2.401080001, retry_period=2.0009)
+
+
+@pytest.mark.parametrize(("text", "value"), [
+    ("10m", "0.01"), ("0.5", "0.5"), ("64Mi", "67108864"), ("1G", "1000000000"), ("1e3", "1000"), ("1E3", "1000"),
+    ("1E", "1000000000000000000"), ("2k", "2000"), ("500u", "0.0005"), ("1n", "0.000000001"), (".5", "0.5"),
+    ("5.", "5"), ("+1", "1"), ("-1", "-1"), ("0", "0"), ("1.5Ki", "1536"),
+])
+def test_quantities(text: str, value: str) -> None:
+    assert parse_quantity(text) == decimal.Decimal(value)
+
+
+@pytest.mark.parametrize("text", ["", "lots", "1 Gi", "1K", "1gi", "1e", "1e1.5", "Mi", "-", ".", "1Mi1", "0x10"])
+def test_not_quantities(text: str) -> None:
+    assert parse_quantity(text) is None

@@ -18,12 +18,15 @@ from __future__ import annotations
 import copy
 from typing import Any
 
-from singleton_operator.spec import GroupSpec
+from singleton_operator import spec as specs
+from singleton_operator.spec import GroupSpec, format_seconds, seconds_to_ns
 from singleton_sidecar import contract
 
-SIDECAR_CONTAINER = "singleton-sidecar"
-GATE_VOLUME = "singleton-gate"
-GATE_DIR = "/var/run/singleton"
+# The names the operator injects live with the rules that reserve them (spec.py).
+SIDECAR_CONTAINER = specs.SIDECAR_CONTAINER
+GATE_VOLUME = specs.GATE_VOLUME
+GATE_DIR = specs.GATE_DIR
+
 FIELD_MANAGER = "singleton-operator"
 LABEL_MANAGED_BY = "app.kubernetes.io/managed-by"
 LABEL_INSTANCE = "app.kubernetes.io/instance"
@@ -84,7 +87,9 @@ def _field_env(name: str, path: str) -> dict[str, Any]:
 
 
 def _seconds(value: float) -> str:
-    return f"{value:g}"
+    # Exact to the nanosecond, as the spec gave it: a rounded figure (":g" keeps 6 digits, so
+    # 2.4000001 became 2.4) could break a timing rule the sidecar checks again at start.
+    return format_seconds(seconds_to_ns(value))
 
 
 def sidecar_env(spec: GroupSpec) -> list[dict[str, Any]]:
@@ -131,7 +136,7 @@ def sidecar_container(spec: GroupSpec) -> dict[str, Any]:
         "command": ["singleton-sidecar", "run"],
         "restartPolicy": "Always",
         "env": sidecar_env(spec),
-        "ports": [{"name": "singleton", "containerPort": spec.sidecar_port, "protocol": "TCP"}],
+        "ports": [{"name": specs.SIDECAR_PORT_NAME, "containerPort": spec.sidecar_port, "protocol": "TCP"}],
         # A starved node answers late: a probe that times out restarts the sidecar (liveness) or
         # takes the pod out of the rollout's count (readiness), so timeouts are generous; /livez
         # itself fails fast when the election loop stalls, and /candidate says 503 at once on drain.
@@ -159,12 +164,15 @@ def _gated_command(command: list[str]) -> list[str]:
 
 def _main_container(spec: GroupSpec, container: dict[str, Any]) -> dict[str, Any]:
     main = copy.deepcopy(container)
-    ours = ("SINGLETON_LEADER_URL", "SINGLETON_CONTROL_URL", contract.ENV_GROUP)
-    env = [e for e in main.get("env") or [] if e.get("name") not in ours]
-    env += [{"name": "SINGLETON_LEADER_URL", "value": f"http://127.0.0.1:{spec.sidecar_port}/leader"},
+    # Ours replace the user's entries of the same names, so the app always reaches its own
+    # sidecar (an explicit env entry also beats any envFrom). They come first, so the user's
+    # entries can refer to them as $(SINGLETON_LEADER_URL): Kubernetes expands a reference
+    # only to a variable defined earlier in the list.
+    ours = [{"name": "SINGLETON_LEADER_URL", "value": f"http://127.0.0.1:{spec.sidecar_port}/leader"},
             {"name": "SINGLETON_CONTROL_URL", "value": f"http://127.0.0.1:{spec.sidecar_port + 1}"},
             {"name": contract.ENV_GROUP, "value": spec.name}]
-    main["env"] = env
+    names = {e["name"] for e in ours}
+    main["env"] = [*ours, *(e for e in main.get("env") or [] if e.get("name") not in names)]
     if "readinessProbe" not in main:
         # Ready to take over, not "leading": see the module docstring.
         main["readinessProbe"] = _probe("/candidate", spec.sidecar_port, period=1, failures=1, timeout=2)
