@@ -77,3 +77,15 @@ def test_postgres_outside_kubernetes_needs_an_explicit_lock_key() -> None:
 def test_a_malformed_lock_key_is_refused(bad: str) -> None:
     with pytest.raises(ConfigError, match=r"^SINGLETON_LOCK_KEY \(--lock-key\): must be 1 to 253 printable"):
         load(SINGLETON_BACKEND="postgres", SINGLETON_POSTGRES_DSN="postgres://h/d", SINGLETON_LOCK_KEY=bad)
+
+
+@pytest.mark.parametrize("url", ["http://127.0.0.1:0/drain", "http://127.0.0.1:65536/drain", "http://[::1]:99999/"])
+def test_a_drain_url_with_a_port_out_of_range_is_refused_at_start(url: str) -> None:
+    """Not when the drain POSTs it: the HTTP client would raise ValueError there, mid-drain."""
+    with pytest.raises(ConfigError, match=r"^SINGLETON_DRAIN_URL \(--drain-url\): the port must be from 1 to 65535"):
+        load(SINGLETON_BACKEND="lease", SINGLETON_NAMESPACE="ns", SINGLETON_DRAIN_URL=url)
+
+
+@pytest.mark.parametrize("url", ["http://127.0.0.1:65535/drain", "http://localhost/drain", "https://[::1]:1"])
+def test_a_drain_url_with_a_usable_port_is_kept(url: str) -> None:
+    assert load(SINGLETON_BACKEND="lease", SINGLETON_NAMESPACE="ns", SINGLETON_DRAIN_URL=url).drain_url == url

@@ -8,6 +8,7 @@ from __future__ import annotations
 import argparse
 import ipaddress
 import re
+import urllib.parse
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -279,6 +280,15 @@ def load_config(args: argparse.Namespace, environ: Mapping[str, str]) -> Sidecar
     drain_url = raw.get("drain_url") or None
     if drain_url is not None and not drain_url.startswith(("http://", "https://")):
         raise ConfigError(f"{label('drain_url')}: must be an http:// or https:// URL, got {drain_url!r}")
+    if drain_url is not None:
+        # Checked now: the HTTP client raises ValueError for a port above 65535 only when the
+        # drain POSTs, and port 0 cannot be connected to.
+        try:
+            drain_port = urllib.parse.urlsplit(drain_url).port
+        except ValueError:
+            drain_port = 0
+        if drain_port == 0:
+            raise ConfigError(f"{label('drain_url')}: the port must be from 1 to 65535, got {drain_url!r}")
 
     command = tuple(args.command[1:] if args.command and args.command[0] == "--" else args.command or ())
     log_format = raw.get("log_format", "json")
