@@ -17,6 +17,7 @@ from typing import Protocol
 import pytest
 
 from singleton_sidecar import keeper
+from singleton_testbed.procs import process_alive
 
 KEEPER = keeper.__file__
 # The app: records its pid and those of its children, ignores nothing unless told.
@@ -56,14 +57,6 @@ class Kept:
         os.write(self.control, f"{line}\n".encode())
 
 
-def alive(pid: int) -> bool:
-    try:
-        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
-    except (OSError, IndexError):
-        return False
-    return state != "Z"
-
-
 class Start(Protocol):
     def __call__(self, *, deadline_in: float, kill_grace: float, mode: str = ...) -> Kept: ...
 
@@ -92,7 +85,7 @@ def start(tmp_path: Path) -> Iterator[Start]:
             kept.proc.kill()
             kept.proc.wait()
         for pid in kept.pids() if kept.pids_file.exists() else []:
-            if alive(pid):
+            if process_alive(pid):
                 os.kill(pid, signal.SIGKILL)
 
 
@@ -103,7 +96,7 @@ def test_the_deadline_stops_the_whole_group_without_the_sidecar(start: Start, tm
     assert float((tmp_path / "deadline").read_text()) > time.monotonic()
     assert kept.proc.wait(10) == 128 + signal.SIGKILL  # deaf to SIGTERM: killed after the grace
     assert 1.45 < time.monotonic() - began < 3.0, "SIGKILL at the deadline plus the kill grace"
-    assert not any(alive(pid) for pid in pids), "a process of the group (or an escaped child) survived"
+    assert not any(process_alive(pid) for pid in pids), "a process of the group (or an escaped child) survived"
 
 
 def test_renewals_move_the_deadline(start: Start) -> None:
@@ -124,7 +117,7 @@ def test_a_closed_pipe_kills_at_once(start: Start) -> None:
     os.close(kept.control)  # the sidecar died
     kept.proc.wait(5)
     assert time.monotonic() - began < 0.5, "the kill grace applies only when the sidecar is alive"
-    assert not any(alive(pid) for pid in pids)
+    assert not any(process_alive(pid) for pid in pids)
 
 
 def test_a_graceful_stop_waits_for_the_app(start: Start) -> None:
@@ -133,17 +126,17 @@ def test_a_graceful_stop_waits_for_the_app(start: Start) -> None:
     kept.tell("stop inf")
     time.sleep(1.0)
     # The app ended on SIGTERM; its SIGTERM-deaf child is not killed while the drain lasts.
-    assert kept.proc.poll() is None and alive(pids[1])
+    assert kept.proc.poll() is None and process_alive(pids[1])
     kept.tell("stop 0")
     kept.proc.wait(5)
-    assert not any(alive(pid) for pid in pids)
+    assert not any(process_alive(pid) for pid in pids)
 
 
 def test_an_app_that_exits_takes_what_it_left_with_it(start: Start) -> None:
     kept = start(deadline_in=30, kill_grace=0.3, mode="exit")
     pids = kept.pids()
     assert kept.proc.wait(5) == 7  # the app's own status
-    assert not any(alive(pid) for pid in pids)
+    assert not any(process_alive(pid) for pid in pids)
 
 
 def test_a_signal_to_the_sidecars_group_does_not_stop_the_keeper(start: Start, tmp_path: Path) -> None:
@@ -152,7 +145,7 @@ def test_a_signal_to_the_sidecars_group_does_not_stop_the_keeper(start: Start, t
     kept.proc.send_signal(signal.SIGTERM)
     kept.proc.send_signal(signal.SIGINT)
     time.sleep(0.5)
-    assert kept.proc.poll() is None and alive(pids[0])
+    assert kept.proc.poll() is None and process_alive(pids[0])
     kept.tell("ended")
     time.sleep(0.2)
     assert float((tmp_path / "deadline").read_text()) == 0.0, "an ended term tells the app at once"
