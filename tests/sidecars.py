@@ -217,7 +217,14 @@ def one_leader(sidecars: Sequence[S], timeout: float = 10.0) -> S:
 def wait_serving(sidecars: Sequence[SidecarProcess], timeout: float = 10.0) -> None:
     """Wait until every sidecar answers on its probe port."""
     for sidecar in sidecars:
-        wait_for(lambda s=sidecar: s.leader_doc() is not None, timeout, f"{sidecar.name} to serve")
+        def serving(s: SidecarProcess = sidecar) -> bool:
+            assert s.alive(), f"{s.name} exited (code {s.popen and s.popen.returncode}) before serving"
+            return s.leader_doc() is not None
+
+        try:
+            wait_for(serving, timeout, f"{sidecar.name} to serve")
+        except AssertionError as exc:
+            raise AssertionError(f"{exc}\n--- its log ---\n{sidecar.log()[-3000:]}") from None
 
 
 async def last_row(dsn: str, group: str) -> tuple[int, str] | None:

@@ -7,6 +7,7 @@ import contextlib
 import ctypes
 import logging
 import os
+import random
 import signal
 import socket
 import subprocess
@@ -41,10 +42,29 @@ def _as_user(user: str | None) -> Callable[[], None]:
     return prepare
 
 
+# Ports handed out are drawn below the kernel's ephemeral range (32768 and up by default) and
+# above the Kubernetes components' own (10248-10259): a port the kernel picks for an outgoing
+# connection (a sidecar's to PostgreSQL, say) can never be one handed to a server that has
+# not bound it yet. With bind(0) that happened: the server then failed with EADDRINUSE.
+_PORTS = range(20000, 30000)
+_handed: set[int] = set()
+_random = random.Random()
+
+
 def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
+    """A TCP port free on 127.0.0.1 now, never handed out before by this process."""
+    for _ in range(1000):
+        port = _random.choice(_PORTS)
+        if port in _handed:
+            continue
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+            try:
+                sock.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+        _handed.add(port)
+        return port
+    raise RuntimeError(f"no free TCP port in {_PORTS.start}-{_PORTS.stop - 1} on 127.0.0.1")
 
 
 class Process:
