@@ -54,7 +54,7 @@ ROOT = Path(__file__).resolve().parent.parent
 CRD = ROOT / "crds" / "singleton.dev_singletonservices.yaml"
 FAULTS = ("delete-pod", "sidecar-kill", "partition")
 NAMESPACE = "bench"
-SIDECAR_PORT = 9090
+SIDECAR_PORT = 7450
 POLL = 0.003
 
 

@@ -85,7 +85,7 @@ def full(name: str = "feed-poller") -> Obj:
             },
             "sidecar": {
                 "image": "ghcr.io/acme/singleton-sidecar:0.1.0",
-                "port": 9091,
+                "port": 7460,
                 "resources": {"requests": {"cpu": "10m", "memory": "32Mi"}},
                 "logLevel": "debug",
             },
@@ -188,7 +188,7 @@ def test_minimal_object_gets_defaults(cluster: Cluster, ns: str) -> None:
     assert spec["drain"] == {"timeout": "20s"}
     assert spec["terminationGracePeriodSeconds"] == 30
     assert spec["gating"] == {"mode": "cooperative"}
-    assert spec["sidecar"] == {"port": 9090, "logLevel": "info"}
+    assert spec["sidecar"] == {"port": 7450, "logLevel": "info"}
     assert spec["podDisruptionBudget"] == {"enabled": True}
     assert "postgres" not in spec
     assert "service" not in spec
@@ -210,7 +210,7 @@ def test_partial_objects_get_field_defaults(cluster: Cluster, ns: str) -> None:
     assert code == 0, err
     spec = get(cluster, ns, name)["spec"]
     assert spec["postgres"] == {"secretRef": {"name": "db", "key": "dsn"}}
-    assert spec["sidecar"] == {"image": "", "port": 9090, "logLevel": "info"}
+    assert spec["sidecar"] == {"image": "", "port": 7450, "logLevel": "info"}
     assert spec["service"] == {"type": "ClusterIP", "ports": [{"port": 80, "protocol": "TCP"}]}
 
 
@@ -269,8 +269,8 @@ VALID: list[Any] = [
     pytest.param({"spec.drain.hookURL": "http://[::1]:8000/drain?wait=1"}, id="hook-ipv6-loopback"),
     pytest.param({"spec.drain.hookURL": "http://127.0.0.1:65535/drain"}, id="hook-port-65535"),
     pytest.param({"spec.drain.hookURL": "http://127.0.0.1:1"}, id="hook-port-1"),
-    pytest.param({"spec.drain.hookURL": "http://127.0.0.1:9089/drain"}, id="hook-port-below-sidecar"),
-    pytest.param({"spec.drain.hookURL": "http://127.0.0.1:9092/drain"}, id="hook-port-above-control"),
+    pytest.param({"spec.drain.hookURL": "http://127.0.0.1:7449/drain"}, id="hook-port-below-sidecar"),
+    pytest.param({"spec.drain.hookURL": "http://127.0.0.1:7452/drain"}, id="hook-port-above-control"),
     pytest.param(FILE_GATE, id="file-gate"),
     pytest.param(
         {**FILE_GATE, "spec.template.spec.containers.0.volumeMounts": [{"name": "d", "mountPath": "/var/run/data"}],
@@ -284,7 +284,7 @@ VALID: list[Any] = [
     ),
     pytest.param({"spec.service": {"ports": [{"port": 80, "targetPort": 8080}]}}, id="one-unnamed-port"),
     pytest.param({"spec.service": {"ports": [{"port": 80, "targetPort": 65535}]}}, id="target-port-65535"),
-    pytest.param({"spec.service": {"ports": [{"port": 80, "targetPort": 9090}]}}, id="target-port-of-sidecar"),
+    pytest.param({"spec.service": {"ports": [{"port": 80, "targetPort": 7450}]}}, id="target-port-of-sidecar"),
     pytest.param({"spec.service": {"ports": [{"port": 80, "targetPort": "singleton"}]}}, id="target-port-singleton"),
     pytest.param(
         {"spec.service": {"ports": [{"port": 80, "targetPort": "metrics-http15"}]},
@@ -296,8 +296,8 @@ VALID: list[Any] = [
         {"spec.service": {"ports": [{"port": 80}], "annotations": {"service.beta.kubernetes.io/aws-lb": "x" * 500}}},
         id="service-annotation",
     ),
-    pytest.param({"spec.template.spec.containers.0.ports": [{"containerPort": 9089}]}, id="container-port-9089"),
-    pytest.param({"spec.template.spec.containers.0.ports": [{"containerPort": 9092}]}, id="container-port-9092"),
+    pytest.param({"spec.template.spec.containers.0.ports": [{"containerPort": 7449}]}, id="container-port-7449"),
+    pytest.param({"spec.template.spec.containers.0.ports": [{"containerPort": 7452}]}, id="container-port-7452"),
     pytest.param({"spec.sidecar": {"port": 65534}}, id="sidecar-port-65534"),
     pytest.param({"spec.sidecar": {"port": 1}}, id="sidecar-port-1"),
     pytest.param({"spec.sidecar": {"image": ""}}, id="sidecar-image-empty"),
@@ -498,9 +498,9 @@ INVALID: list[Any] = [
                  id="hook-port-65536"),
     pytest.param({"spec.drain.hookURL": "http://localhost:99999"}, ["spec.drain.hookURL", HOOK_PORT_MSG],
                  id="hook-port-99999"),
-    pytest.param({"spec.drain.hookURL": "http://127.0.0.1:9090/drain"}, ["spec.drain.hookURL", HOOK_SELF_MSG],
+    pytest.param({"spec.drain.hookURL": "http://127.0.0.1:7450/drain"}, ["spec.drain.hookURL", HOOK_SELF_MSG],
                  id="hook-on-sidecar-port"),
-    pytest.param({"spec.drain.hookURL": "http://localhost:9091/drain"}, ["spec.drain.hookURL", HOOK_SELF_MSG],
+    pytest.param({"spec.drain.hookURL": "http://localhost:7451/drain"}, ["spec.drain.hookURL", HOOK_SELF_MSG],
                  id="hook-on-control-port"),
     pytest.param({"spec.drain.hookURL": "http://localhost/drain", "spec.sidecar": {"port": 79}},
                  ["spec.drain.hookURL", HOOK_SELF_MSG], id="hook-default-port-80-is-control-port"),
@@ -688,9 +688,9 @@ INVALID: list[Any] = [
                  ["spec.service.ports[0].targetPort", TARGET_PORT_MSG], id="target-port-digits-as-string"),
     pytest.param({"spec.service": {"ports": [{"port": 80, "targetPort": "web"}]}},
                  ["spec.service.ports", NAMED_TARGET_MSG], id="target-port-name-undeclared"),
-    pytest.param({"spec.service": {"ports": [{"port": 80, "targetPort": 9091}]}},
+    pytest.param({"spec.service": {"ports": [{"port": 80, "targetPort": 7451}]}},
                  ["spec.service.ports", CONTROL_TARGET_MSG], id="target-port-is-control-port"),
-    pytest.param({"spec.service": {"ports": [{"port": 9091}]}},
+    pytest.param({"spec.service": {"ports": [{"port": 7451}]}},
                  ["spec.service.ports", CONTROL_TARGET_MSG], id="service-port-is-control-port"),
     pytest.param({"spec.service": {"ports": [{"port": 80}], "annotations": {"-lb": "x"}}},
                  ["spec.service.annotations", KEYS_MSG.format("spec.service.annotations")],
@@ -700,13 +700,13 @@ INVALID: list[Any] = [
     pytest.param({"spec.sidecar": {"port": 65536}}, ["spec.sidecar.port"], id="sidecar-port-65536"),
     pytest.param({"spec.sidecar": {"port": 65535}}, ["spec.sidecar.port", SIDECAR_PORT_MSG], id="sidecar-port-65535"),
     pytest.param(
-        {"spec.template.spec.containers.0.ports": [{"containerPort": 80}, {"containerPort": 9090}]},
+        {"spec.template.spec.containers.0.ports": [{"containerPort": 80}, {"containerPort": 7450}]},
         ["spec.sidecar.port", PORT_CLASH_MSG],
         id="sidecar-port-clashes-with-container",
     ),
-    pytest.param({"spec.template.spec.containers.0.ports": [{"containerPort": 9091}]},
+    pytest.param({"spec.template.spec.containers.0.ports": [{"containerPort": 7451}]},
                  ["spec.sidecar.port", PORT_CLASH_MSG], id="control-port-clashes-with-container"),
-    pytest.param({"spec.template.spec.initContainers": [{**INIT, "ports": [{"containerPort": 9090}]}]},
+    pytest.param({"spec.template.spec.initContainers": [{**INIT, "ports": [{"containerPort": 7450}]}]},
                  ["spec.sidecar.port", PORT_CLASH_MSG], id="sidecar-port-clashes-with-init-container"),
     pytest.param({"spec.sidecar": {"port": 8000},
                   "spec.template.spec.initContainers": [{**INIT, "ports": [{"containerPort": 8001}]}]},
@@ -853,7 +853,7 @@ BAD_UPDATES: list[Any] = [
     pytest.param({"spec": {"mainContainer": "web"}}, "spec.mainContainer", id="main-container-unknown"),
     pytest.param({"spec": {"replicas": 0}}, "spec.replicas", id="replicas-0"),
     pytest.param({"spec": {"sidecar": {"port": 65535}}}, "spec.sidecar.port", id="sidecar-port-65535"),
-    pytest.param({"spec": {"drain": {"hookURL": "http://127.0.0.1:9091/drain"}}}, "spec.drain.hookURL",
+    pytest.param({"spec": {"drain": {"hookURL": "http://127.0.0.1:7451/drain"}}}, "spec.drain.hookURL",
                  id="hook-on-control-port"),
     pytest.param(
         {"spec": {"template": {"metadata": {"labels": {"singleton.dev/role": "leader"}}}}},

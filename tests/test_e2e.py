@@ -120,7 +120,7 @@ def group_manifest(bed: Bed, extra_env: dict[str, str] | None = None) -> str:
             "spec": {"replicas": 3, "backend": BACKEND,
                      **({"postgres": {"secretRef": {"name": "ledger-db"}}} if BACKEND == "postgres" else {}),
                      "timings": FAST, "drain": {"timeout": "5s"}, "terminationGracePeriodSeconds": 10,
-                     "service": {"ports": [{"port": 80, "targetPort": 9090}]},
+                     "service": {"ports": [{"port": 80, "targetPort": 7450}]},
                      "template": {"spec": {**bed.placement, "containers": [
                          {"name": "poller", "image": bed.image,
                           "command": ["singleton-sample-poller"], "env": env}]}}}}

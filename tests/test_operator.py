@@ -257,3 +257,109 @@ def test_rbac_denied_is_reported_and_nothing_is_created(cluster: Cluster, namesp
     finally:
         op.stop()
         cluster.kubectl("delete", *cluster_scoped, "--ignore-not-found", check=False)
+
+
+def pods_of(cluster: Cluster, namespace: str, name: str) -> list[dict[str, Any]]:
+    return list(get_json(cluster, "pods", "-n", namespace, "-l", f"{contract.LABEL_GROUP}={name}")["items"])
+
+
+def play_ready(cluster: Cluster, namespace: str, pod: str) -> None:
+    """What the kubelet would report for a running pod whose probes pass (no kubelet here)."""
+    status = {"status": {"phase": "Running", "conditions": [{"type": "Ready", "status": "True"}]}}
+    cluster.kubectl("patch", "pod", pod, "-n", namespace, "--subresource=status", "--type=strategic", "-p",
+                    json.dumps(status))
+
+
+def kubectl_wait_ready(cluster: Cluster, namespace: str, name: str, timeout: str) -> Any:
+    return cluster.kubectl("wait", "--for=condition=Ready", f"sgl/{name}", "-n", namespace, f"--timeout={timeout}",
+                           check=False)
+
+
+def test_ready_for_kubectl_wait_only_with_the_generation_rolled_out_and_a_ready_leader_and_kubectl_scale(
+    controllers: Cluster, namespace: str, operators: Factory
+) -> None:
+    cluster = controllers
+    operators()
+    name = "rdy-" + uuid.uuid4().hex[:4]
+    cluster.apply(service(name), namespace=namespace)
+    pods = wait_for(lambda: len(items := pods_of(cluster, namespace, name)) == 2
+                    and [p["metadata"]["name"] for p in items], 30, "two pods", 0.2)
+    # Leaderless, pods not Ready: Reconciling, and kubectl wait times out.
+    reconciling = wait_for(lambda: (c := condition(cr(cluster, namespace, name), "Reconciling")) and
+                           c["status"] == "True" and c, 20, "Reconciling=True", 0.2)
+    assert reconciling["reason"] in ("RollingOut", "NoLeader"), reconciling
+    assert (condition(cr(cluster, namespace, name), "Ready") or {}).get("status") == "False"
+    assert kubectl_wait_ready(cluster, namespace, name, "2s").returncode != 0
+    # A leader, but no pod Ready yet: still not Ready.
+    play_sidecar(cluster, namespace, pods[0], "leader", 5)
+    play_sidecar(cluster, namespace, pods[1], "standby", None)
+    wait_for(lambda: cr(cluster, namespace, name).get("status", {}).get("leader") == pods[0], 10, "the leader", 0.1)
+    assert (condition(cr(cluster, namespace, name), "Ready") or {}).get("status") == "False"
+    for pod in pods:
+        play_ready(cluster, namespace, pod)
+    waited = kubectl_wait_ready(cluster, namespace, name, "30s")
+    assert waited.returncode == 0, waited.stderr
+    obj = cr(cluster, namespace, name)
+    assert obj["status"]["observedGeneration"] == obj["metadata"]["generation"]
+    assert (condition(obj, "Reconciling") or {}).get("status") == "False"
+    assert (condition(obj, "Stalled") or {}).get("status") == "False"
+    # kubectl scale through the scale subresource: a new generation, rolled out by the operator.
+    cluster.kubectl("scale", f"sgl/{name}", "-n", namespace, "--replicas=3")
+    wait_for(lambda: get_json(cluster, "deployment", name, "-n", namespace)["spec"]["replicas"] == 3, 20,
+             "the Deployment to get 3 replicas", 0.2)
+    not_ready = wait_for(lambda: (c := condition(cr(cluster, namespace, name), "Ready")) and
+                         c["status"] == "False" and c, 20, "Ready=False while scaling", 0.2)
+    assert not_ready["reason"] == "RollingOut", not_ready
+    scale = json.loads(cluster.kubectl("get", "--raw", f"/apis/singleton.dev/v1alpha1/namespaces/{namespace}/"
+                                       f"singletonservices/{name}/scale").stdout)
+    assert scale["spec"]["replicas"] == 3
+    assert scale["status"]["selector"] == f"{contract.LABEL_GROUP}={name}"
+    third = wait_for(lambda: len(items := pods_of(cluster, namespace, name)) == 3
+                     and next(p["metadata"]["name"] for p in items if p["metadata"]["name"] not in pods),
+                     30, "a third pod", 0.2)
+    play_sidecar(cluster, namespace, third, "standby", None)
+    play_ready(cluster, namespace, third)
+    waited = kubectl_wait_ready(cluster, namespace, name, "30s")
+    assert waited.returncode == 0, waited.stderr
+    assert get_json(cluster, "sgl", name, "-n", namespace)["status"]["replicas"] == 3
+
+
+def test_a_typo_in_the_template_is_stalled_as_invalid_template_and_keeps_the_older_generation(
+    cluster: Cluster, namespace: str, operators: Factory
+) -> None:
+    """Server-side apply with strict field validation: an unknown field is refused by the API
+    server (not dropped), the group is Stalled, and observedGeneration stays at the last
+    generation that was applied."""
+    operators()
+    name = "typo-" + uuid.uuid4().hex[:4]
+    cluster.apply(service(name), namespace=namespace)
+    wait_for(lambda: cr(cluster, namespace, name).get("status", {}).get("observedGeneration") == 1, 20,
+             "generation 1 applied", 0.2)
+    typo = {"spec": {"template": {"spec": {"containers": [
+        {"name": "app", "image": "example.invalid/app:2", "command": ["sleep", "infinity"],
+         "imagePullPolicyy": "Always"}]}}}}
+    cluster.kubectl("patch", "sgl", name, "-n", namespace, "--type=merge", "-p", json.dumps(typo))
+    stalled = wait_for(lambda: (c := condition(cr(cluster, namespace, name), "Stalled")) and
+                       c["status"] == "True" and c, 20, "Stalled=True", 0.2)
+    assert stalled["reason"] == "InvalidTemplate"
+    assert stalled["message"].startswith(f"the API server refused Deployment {name}: "), stalled
+    assert '.spec.template.spec.containers[name="app"].imagePullPolicyy: field not declared' in stalled["message"]
+    obj = cr(cluster, namespace, name)
+    assert obj["metadata"]["generation"] == 2 and obj["status"]["observedGeneration"] == 1
+    assert (condition(obj, "Ready") or {}).get("reason") == "InvalidTemplate"
+    assert (condition(obj, "Reconciling") or {}).get("status") == "False"
+    # Nothing of generation 2 reached the Deployment (not even its valid image change).
+    deployment = get_json(cluster, "deployment", name, "-n", namespace)
+    assert deployment["spec"]["template"]["spec"]["containers"][0]["image"] == "example.invalid/app:1"
+    events = get_json(cluster, "events", "-n", namespace, "--field-selector", f"involvedObject.name={name}")
+    assert "InvalidTemplate" in {e["reason"] for e in events["items"] if e["type"] == "Warning"}
+    # Fixed: generation 3 applied, the problem gone.
+    fixed = {"spec": {"template": {"spec": {"containers": [
+        {"name": "app", "image": "example.invalid/app:2", "command": ["sleep", "infinity"],
+         "imagePullPolicy": "Always"}]}}}}
+    cluster.kubectl("patch", "sgl", name, "-n", namespace, "--type=merge", "-p", json.dumps(fixed))
+    wait_for(lambda: cr(cluster, namespace, name).get("status", {}).get("observedGeneration") == 3, 20,
+             "generation 3 applied", 0.2)
+    assert (condition(cr(cluster, namespace, name), "Stalled") or {}).get("status") == "False"
+    container = get_json(cluster, "deployment", name, "-n", namespace)["spec"]["template"]["spec"]["containers"][0]
+    assert (container["image"], container["imagePullPolicy"]) == ("example.invalid/app:2", "Always")

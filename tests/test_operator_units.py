@@ -20,7 +20,7 @@ from singleton_operator.spec import (
     parse_quantity,
     read_spec,
 )
-from singleton_operator.status import Observed, compute_status, find_leader, status_changed
+from singleton_operator.status import Observed, compute_status, find_leader, spec_error_status, status_changed
 from singleton_sidecar import contract
 from singleton_sidecar.config import SidecarConfig, load_config
 from singleton_sidecar.core.timings import TimingError, Timings
@@ -104,7 +104,7 @@ def test_deployment_injects_a_native_sidecar_with_downward_env_and_secret() -> N
     assert pod["terminationGracePeriodSeconds"] == 40
     assert pod["serviceAccountName"] == "singleton-sidecar-feed"
     main = pod["containers"][0]
-    assert main["readinessProbe"]["httpGet"] == {"path": "/candidate", "port": 9090}
+    assert main["readinessProbe"]["httpGet"] == {"path": "/candidate", "port": 7450}
     assert main["command"] == ["python", "poll.py"]
     assert deployment["metadata"]["ownerReferences"][0]["uid"] == "u-1"
     assert deployment["spec"]["selector"]["matchLabels"] == {contract.LABEL_GROUP: "feed"}
@@ -170,12 +170,75 @@ def test_a_stale_leader_annotation_loses_to_the_greater_token() -> None:
 def test_status_running_with_leader_and_standbys() -> None:
     spec = read_spec(body(replicas=3), default_sidecar_image=IMAGE)
     observed = Observed(pods=[pod("a", "leader", 7), pod("b", "standby"), pod("c", "standby")],
-                        deployment=READY_DEPLOYMENT)
+                        deployment=READY_DEPLOYMENT, applied_generation=3)
     status = compute_status(spec, observed, {}, NOW)
     assert (status["leader"], status["token"], status["readyStandbys"], status["phase"]) == ("a", 7, 2, "Running")
     conditions = {c["type"]: c["status"] for c in status["conditions"]}
-    assert conditions == {"Available": "True", "LeaderElected": "True", "Progressing": "False", "Degraded": "False"}
+    assert conditions == {"Ready": "True", "Reconciling": "False", "Stalled": "False", "Available": "True",
+                          "LeaderElected": "True", "Progressing": "False", "Degraded": "False"}
     assert status["observedGeneration"] == 3
+
+
+def gitops(status: dict[str, Any]) -> dict[str, tuple[str, str]]:
+    """(status, reason) of Ready, Reconciling and Stalled."""
+    return {c["type"]: (c["status"], c["reason"]) for c in status["conditions"]
+            if c["type"] in ("Ready", "Reconciling", "Stalled")}
+
+
+RUNNING = [pod("a", "leader", 7), pod("b", "standby"), pod("c", "standby")]
+
+
+@pytest.mark.parametrize(("observed", "previous", "ready", "reconciling", "stalled", "generation"), [
+    pytest.param(Observed(RUNNING, READY_DEPLOYMENT, applied_generation=3), {}, ("True", "Ready"),
+                 ("False", "Ready"), ("False", "AsExpected"), 3, id="applied-rolled-out-leading"),
+    # Not applied yet (the operator just started): the older observedGeneration stays.
+    pytest.param(Observed(RUNNING, READY_DEPLOYMENT), {"observedGeneration": 2}, ("False", "Applying"),
+                 ("True", "Applying"), ("False", "AsExpected"), 2, id="not-applied-yet"),
+    pytest.param(Observed(RUNNING, READY_DEPLOYMENT, applied_generation=2), {"observedGeneration": 2},
+                 ("False", "Applying"), ("True", "Applying"), ("False", "AsExpected"), 2, id="older-applied"),
+    # This generation's apply failed: Stalled with its reason, observedGeneration not stamped.
+    pytest.param(Observed(RUNNING, READY_DEPLOYMENT, problem="the API server rejected the workload",
+                          problem_reason="InvalidTemplate", applied_generation=2), {"observedGeneration": 2},
+                 ("False", "InvalidTemplate"), ("False", "Stalled"), ("True", "InvalidTemplate"), 2,
+                 id="apply-failed"),
+    pytest.param(Observed([], None, problem="Secret ns/db does not exist", problem_reason="SecretNotFound"), {},
+                 ("False", "SecretNotFound"), ("False", "Stalled"), ("True", "SecretNotFound"), None,
+                 id="new-group-missing-secret"),
+    pytest.param(Observed(RUNNING, {**READY_DEPLOYMENT, "status": {**READY_DEPLOYMENT["status"],
+                                                                   "updatedReplicas": 1}}, applied_generation=3),
+                 {}, ("False", "RollingOut"), ("True", "RollingOut"), ("False", "AsExpected"), 3, id="rolling-out"),
+    pytest.param(Observed([pod("a", "standby"), pod("b", "standby")], READY_DEPLOYMENT, applied_generation=3), {},
+                 ("False", "NoLeader"), ("True", "NoLeader"), ("False", "AsExpected"), 3, id="leaderless"),
+    pytest.param(Observed([pod("a", "leader", 7, ready=False), pod("b", "standby")], READY_DEPLOYMENT,
+                          applied_generation=3), {},
+                 ("False", "LeaderNotReady"), ("True", "LeaderNotReady"), ("False", "AsExpected"), 3,
+                 id="leader-not-ready"),
+    pytest.param(Observed(RUNNING, {**READY_DEPLOYMENT, "status": {
+        **READY_DEPLOYMENT["status"], "updatedReplicas": 1, "conditions": [
+            {"type": "Progressing", "status": "False", "reason": "ProgressDeadlineExceeded",
+             "message": "ReplicaSet \"feed-1\" has timed out progressing."}]}}, applied_generation=3), {},
+                 ("False", "ProgressDeadlineExceeded"), ("False", "Stalled"), ("True", "ProgressDeadlineExceeded"), 3,
+                 id="rollout-deadline-exceeded"),
+])
+def test_gitops_conditions_follow_the_kstatus_convention(
+    *, observed: Observed, previous: dict[str, Any], ready: tuple[str, str], reconciling: tuple[str, str],
+    stalled: tuple[str, str], generation: int | None,
+) -> None:
+    spec = read_spec(body(replicas=3), default_sidecar_image=IMAGE)
+    status = compute_status(spec, observed, previous, NOW)
+    assert gitops(status) == {"Ready": ready, "Reconciling": reconciling, "Stalled": stalled}
+    assert status.get("observedGeneration") == generation
+
+
+def test_a_spec_the_operator_cannot_read_is_stalled_and_keeps_the_rest() -> None:
+    spec = read_spec(body(replicas=3), default_sidecar_image=IMAGE)
+    running = compute_status(spec, Observed(RUNNING, READY_DEPLOYMENT, applied_generation=3), {}, NOW)
+    status = spec_error_status(4, "InvalidSpec", "spec.sidecar.port: must be from 1 to 65534", running, NOW)
+    assert gitops(status) == {"Ready": ("False", "InvalidSpec"), "Reconciling": ("False", "Stalled"),
+                              "Stalled": ("True", "InvalidSpec")}
+    assert (status["phase"], status["observedGeneration"], status["leader"]) == ("Failed", 3, "a")
+    assert [c["type"] for c in status["conditions"]] == [
+        "Ready", "Reconciling", "Stalled", "Available", "LeaderElected", "Progressing", "Degraded"]
 
 
 def test_status_counts_leader_changes_and_keeps_transition_times() -> None:
@@ -407,7 +470,7 @@ def test_the_operator_env_of_the_main_container_comes_first_and_cannot_be_overri
     names = [e["name"] for e in main["env"]]
     # $(SINGLETON_LEADER_URL) expands only to a variable defined before it in the list
     assert names == ["SINGLETON_LEADER_URL", "SINGLETON_CONTROL_URL", contract.ENV_GROUP, "MY_URL"]
-    assert env_of(main)["SINGLETON_LEADER_URL"] == "http://127.0.0.1:9090/leader"
+    assert env_of(main)["SINGLETON_LEADER_URL"] == "http://127.0.0.1:7450/leader"
     assert env_of(main)[contract.ENV_GROUP] == "feed"
 
 
@@ -439,3 +502,80 @@ def test_quantities(text: str, value: str) -> None:
 @pytest.mark.parametrize("text", ["", "lots", "1 Gi", "1K", "1gi", "1e", "1e1.5", "Mi", "-", ".", "1Mi1", "0x10"])
 def test_not_quantities(text: str) -> None:
     assert parse_quantity(text) is None
+
+
+def test_the_default_sidecar_ports_are_the_ones_the_docs_and_the_crd_state() -> None:
+    from pathlib import Path
+
+    import yaml
+
+    from singleton_operator.spec import DEFAULT_SIDECAR_PORT
+
+    repo = Path(__file__).resolve().parent.parent
+    readme = repo.joinpath("README.md").read_text()
+    stated = re.search(r"`spec\.sidecar\.port` \(default \*\*(\d+)\*\*\).*?loopback; (\d+) by default\)", readme,
+                       re.DOTALL)
+    assert stated is not None, "README's Ports paragraph no longer states the default"
+    assert (int(stated.group(1)), int(stated.group(2))) == (DEFAULT_SIDECAR_PORT, DEFAULT_SIDECAR_PORT + 1)
+    crd = yaml.safe_load(repo.joinpath("crds", "singleton.dev_singletonservices.yaml").read_text())
+    sidecar = crd["spec"]["versions"][0]["schema"]["openAPIV3Schema"]["properties"]["spec"]["properties"]["sidecar"]
+    assert sidecar["default"]["port"] == sidecar["properties"]["port"]["default"] == DEFAULT_SIDECAR_PORT
+    assert read_spec(body(), default_sidecar_image=IMAGE).sidecar_port == DEFAULT_SIDECAR_PORT
+    assert DEFAULT_SIDECAR_PORT not in (9090, 9091) and DEFAULT_SIDECAR_PORT + 1 not in (9090, 9091)
+
+
+def test_the_users_part_of_and_instance_win_on_pods_ours_are_defaults() -> None:
+    own = read_spec(body(template={"metadata": {"labels": {"app.kubernetes.io/part-of": "billing",
+                                                           "app.kubernetes.io/instance": "billing-eu",
+                                                           "app.kubernetes.io/managed-by": "helm",
+                                                           contract.LABEL_GROUP: "other"}},
+                                   "spec": {"containers": [{"name": "app", "image": "app:1"}]}}),
+                    default_sidecar_image=IMAGE)
+    labels = resources.deployment(own)["spec"]["template"]["metadata"]["labels"]
+    assert labels["app.kubernetes.io/part-of"] == "billing"
+    assert labels["app.kubernetes.io/instance"] == "billing-eu"
+    # The operator finds its pods by these, and the Deployment selects them: always ours.
+    assert labels["app.kubernetes.io/managed-by"] == "singleton-operator"
+    assert labels[contract.LABEL_GROUP] == "feed"
+    defaults = resources.deployment(read_spec(body(), default_sidecar_image=IMAGE))["spec"]["template"]["metadata"]
+    assert (defaults["labels"]["app.kubernetes.io/part-of"], defaults["labels"]["app.kubernetes.io/instance"]) == (
+        "singleton", "feed")
+
+
+def owned(**metadata: Any) -> list[dict[str, Any]]:
+    obj = body(service={"ports": [{"port": 80}], "annotations": {"lb.example.com/internal": "true"}})
+    obj["metadata"].update(metadata)
+    spec = read_spec(obj, default_sidecar_image=IMAGE)
+    return [resources.service_account(spec), resources.role(spec), resources.role_binding(spec),
+            resources.deployment(spec), resources.leader_service(spec) or {}, resources.pod_disruption_budget(spec)
+            or {}]
+
+
+def test_the_groups_labels_and_the_annotations_it_names_reach_its_objects_not_its_pods() -> None:
+    objects = owned(
+        labels={"team": "payments", "app.kubernetes.io/part-of": "billing", "app.kubernetes.io/instance": "argo-app",
+                "argocd.argoproj.io/instance": "x", "kustomize.toolkit.fluxcd.io/name": "apps",
+                "app.kubernetes.io/managed-by": "Helm", contract.LABEL_GROUP: "other"},
+        annotations={resources.ANNOTATION_PROPAGATE: "owner.example.com/team, cost.example.com/*, "
+                                                     "argocd.argoproj.io/*",
+                     "owner.example.com/team": "payments", "cost.example.com/center": "42",
+                     "cost.example.com/budget": "7", "not-named": "x", "argocd.argoproj.io/tracking-id": "app:x",
+                     "kubectl.kubernetes.io/last-applied-configuration": "{}"})
+    assert len(objects) == 6 and all(objects)
+    for obj in objects:
+        labels, annotations = obj["metadata"]["labels"], obj["metadata"].get("annotations") or {}
+        assert labels == {"team": "payments", "app.kubernetes.io/part-of": "billing",
+                          "app.kubernetes.io/instance": "feed", "app.kubernetes.io/managed-by": "singleton-operator",
+                          contract.LABEL_GROUP: "feed"}, obj["kind"]
+        expected = {"owner.example.com/team": "payments", "cost.example.com/center": "42",
+                    "cost.example.com/budget": "7"}
+        if obj["kind"] == "Service":
+            expected["lb.example.com/internal"] = "true"
+        assert annotations == expected, obj["kind"]
+    # Pods are the template's: a label edit of the group must not roll out (and hand over).
+    template = objects[3]["spec"]["template"]["metadata"]
+    assert "team" not in template["labels"] and "annotations" not in template
+    # Nothing named: no annotations but the Service's own.
+    plain = owned(labels={"team": "payments"})
+    assert [o["metadata"].get("annotations") for o in plain] == [None, None, None, None,
+                                                                 {"lb.example.com/internal": "true"}, None]

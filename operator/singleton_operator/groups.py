@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from singleton_operator.metrics import OperatorMetrics
-from singleton_operator.reconcile import ReconcileProblem, cr_path, observe, reconcile, write_status
+from singleton_operator.reconcile import ReconcileProblem, cr_path, observe, reconcile, write_spec_error, write_status
 from singleton_operator.spec import GroupSpec, SpecError, read_spec
 from singleton_sidecar import contract
 from singleton_sidecar.kube import KubeClient, KubeError, KubeNotFound
@@ -33,6 +33,8 @@ class Groups:
     sidecar_image: str
     metrics: OperatorMetrics
     problems: dict[GroupKey, ReconcileProblem] = field(default_factory=dict)
+    applied: dict[GroupKey, int] = field(default_factory=dict)
+    """The newest generation of each group whose objects were all applied (for observedGeneration)."""
     _dirty: set[GroupKey] = field(default_factory=set)
     _wake: asyncio.Event = field(default_factory=asyncio.Event)
 
@@ -60,6 +62,7 @@ class Groups:
         finally:
             self.mark(*key)
         self.problems.pop(key, None)
+        self.applied[key] = spec.generation
 
     async def repair(self, namespace: str, name: str) -> None:
         """Re-apply a group whose owned object vanished (if the group still exists)."""
@@ -76,6 +79,7 @@ class Groups:
 
     def forget(self, namespace: str, name: str) -> None:
         self.problems.pop((namespace, name), None)
+        self.applied.pop((namespace, name), None)
         self._dirty.discard((namespace, name))
 
     def mark(self, namespace: str, name: str) -> None:
@@ -123,8 +127,12 @@ class Groups:
             return
         try:
             spec = self.spec_of(body)
-        except SpecError:
+        except SpecError as exc:
+            # Admission refuses such specs; one an older CRD let through is reported as Stalled.
+            if await write_spec_error(self.client, body, str(exc)):
+                self.metrics.status_updates.inc()
             return
-        observed = await observe(self.client, spec, self.problems.get((namespace, name)))
+        observed = await observe(self.client, spec, self.problems.get((namespace, name)),
+                                 self.applied.get((namespace, name)))
         if await write_status(self.client, spec, body.get("status") or {}, observed):
             self.metrics.status_updates.inc()

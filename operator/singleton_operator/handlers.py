@@ -46,7 +46,9 @@ def registry(kube_config: KubeConfig) -> kopf.OperatorRegistry:
 
     @kopf.on.resume(*resource, registry=reg)
     @kopf.on.create(*resource, registry=reg)
-    @kopf.on.update(*resource, field="spec", registry=reg)
+    # Any change of the essence (spec, labels, annotations; never status): the owned objects
+    # carry the group's labels and the annotations it names.
+    @kopf.on.update(*resource, registry=reg)
     async def reconcile(body: kopf.Body, memo: Any, **_: Any) -> None:
         groups: Groups = memo["groups"]
         try:

@@ -17,7 +17,7 @@ import asyncpg
 
 from singleton_operator import resources
 from singleton_operator.spec import GroupSpec
-from singleton_operator.status import Observed, compute_status, status_changed
+from singleton_operator.status import Observed, compute_status, spec_error_status, status_changed
 from singleton_sidecar import contract
 from singleton_sidecar.kube import KubeClient, KubeError, KubeForbidden, KubeNotFound, event_body
 
@@ -58,8 +58,23 @@ def cr_path(namespace: str, name: str) -> str:
 async def apply(client: KubeClient, obj: dict[str, Any]) -> dict[str, Any]:
     path = object_path(obj["apiVersion"], obj["kind"], obj["metadata"]["namespace"], obj["metadata"]["name"])
     return await client.request("PATCH", path, body=obj, content_type="application/apply-patch+yaml",
-                                params={"fieldManager": resources.FIELD_MANAGER, "force": "true"},
+                                # Strict: an unknown or duplicate field (a typo in the template) is
+                                # refused, never dropped (see is_refused_object for how it is refused).
+                                params={"fieldManager": resources.FIELD_MANAGER, "force": "true",
+                                        "fieldValidation": "Strict"},
                                 timeout=CALL_TIMEOUT)
+
+
+TYPED_PATCH_ERROR = "failed to create typed patch object"
+
+
+def is_refused_object(exc: KubeError) -> bool:
+    """Whether the API server refused the object itself (so retrying cannot help): 422 for an
+    invalid value; 400 for what strict field validation finds; and a 500 whose message says
+    the apply patch does not fit the type's schema, which is how kube-apiserver (1.34) answers
+    an unknown field (a typo) or a wrongly typed value in a server-side apply, whatever
+    fieldValidation says."""
+    return exc.status in (400, 422) or (exc.status == 500 and TYPED_PATCH_ERROR in exc.message)
 
 
 async def delete_if_present(client: KubeClient, api_version: str, kind: str, namespace: str, name: str) -> None:
@@ -143,8 +158,10 @@ async def reconcile(client: KubeClient, spec: GroupSpec) -> None:
         await check_postgres(client, spec)
     objects = desired_objects(spec)
     await check_access(client, spec, objects)
+    current = "the workload"
     try:
         for obj in objects:
+            current = f"{obj['kind']} {obj['metadata']['name']}"
             await apply(client, obj)
         if resources.leader_service(spec) is None:
             await delete_if_present(client, "v1", "Service", spec.namespace, resources.leader_service_name(spec))
@@ -153,12 +170,13 @@ async def reconcile(client: KubeClient, spec: GroupSpec) -> None:
     except KubeForbidden as exc:
         raise ReconcileProblem("RBACDenied", f"the operator was refused: {exc}") from None
     except KubeError as exc:
-        if exc.status == 422:
-            raise ReconcileProblem("InvalidTemplate", f"the API server rejected the workload: {exc}") from None
+        if is_refused_object(exc):
+            raise ReconcileProblem("InvalidTemplate", f"the API server refused {current}: {exc.message}") from None
         raise
 
 
-async def observe(client: KubeClient, spec: GroupSpec, problem: ReconcileProblem | None = None) -> Observed:
+async def observe(client: KubeClient, spec: GroupSpec, problem: ReconcileProblem | None = None,
+                  applied_generation: int | None = None) -> Observed:
     selector = ",".join(f"{k}={v}" for k, v in resources.selector_labels(spec).items())
     pods, deployment = await asyncio.gather(
         client.request("GET", f"/api/v1/namespaces/{spec.namespace}/pods", params={"labelSelector": selector},
@@ -167,7 +185,8 @@ async def observe(client: KubeClient, spec: GroupSpec, problem: ReconcileProblem
     )
     return Observed(pods=pods.get("items") or [], deployment=deployment,
                     problem=problem.message if problem else None,
-                    problem_reason=problem.reason if problem else "ReconcileFailed")
+                    problem_reason=problem.reason if problem else "ReconcileFailed",
+                    applied_generation=applied_generation)
 
 
 async def _get_or_none(client: KubeClient, path: str) -> dict[str, Any] | None:
@@ -192,6 +211,19 @@ async def write_status(client: KubeClient, spec: GroupSpec, current: dict[str, A
         await post_event(client, spec, "LeaderChanged", message)
     if new["phase"] == "Failed" and current.get("phase") != "Failed":
         await post_event(client, spec, observed.problem_reason, new["message"], warning=True)
+    return True
+
+
+async def write_spec_error(client: KubeClient, body: dict[str, Any], message: str) -> bool:
+    """Report a spec the operator cannot read as Stalled (reason InvalidSpec). Returns whether
+    anything was written."""
+    metadata = body["metadata"]
+    current = body.get("status") or {}
+    new = spec_error_status(int(metadata.get("generation", 0)), "InvalidSpec", message, current)
+    if not status_changed(current, new):
+        return False
+    await client.request("PATCH", cr_path(metadata["namespace"], metadata["name"]) + "/status",
+                         body={"status": new}, content_type="application/merge-patch+json", timeout=CALL_TIMEOUT)
     return True
 
 

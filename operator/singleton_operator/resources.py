@@ -48,8 +48,48 @@ def selector_labels(spec: GroupSpec) -> dict[str, str]:
     return {contract.LABEL_GROUP: spec.name}
 
 
+ANNOTATION_PROPAGATE = f"{contract.API_GROUP}/propagate-annotations"
+"""On a SingletonService: the annotation keys (comma-separated; ``prefix/*`` for every key of a
+prefix) copied from it to the objects it owns."""
+NOT_PROPAGATED_PREFIXES = ("argocd.argoproj.io/", "kustomize.toolkit.fluxcd.io/", "helm.toolkit.fluxcd.io/",
+                           "kubectl.kubernetes.io/", f"operator.{contract.API_GROUP}/")
+"""Keys that say which tool applied the SingletonService (or hold that tool's state): true of it,
+false of what the operator makes, and a GitOps tool that found them on our objects would claim,
+report as out of sync, or prune them."""
+
+
+def default_labels(spec: GroupSpec) -> dict[str, str]:
+    """Recommended labels that the user's own values override."""
+    return {LABEL_INSTANCE: spec.name, LABEL_PART_OF: "singleton"}
+
+
 def common_labels(spec: GroupSpec) -> dict[str, str]:
-    return {LABEL_MANAGED_BY: MANAGED_BY, LABEL_INSTANCE: spec.name, LABEL_PART_OF: "singleton"}
+    return {**default_labels(spec), LABEL_MANAGED_BY: MANAGED_BY}
+
+
+def propagated_labels(spec: GroupSpec) -> dict[str, str]:
+    """The SingletonService's labels that its objects get: all but GitOps tools' tracking labels
+    and ``app.kubernetes.io/instance``, which Argo CD's label tracking uses (the objects keep
+    ours, the group's name). Ours (managed-by, group) are not overridable: the operator finds
+    its objects by them."""
+    return {k: v for k, v in spec.labels.items()
+            if not k.startswith(NOT_PROPAGATED_PREFIXES) and k not in (LABEL_INSTANCE, LABEL_MANAGED_BY)
+            and k not in selector_labels(spec)}
+
+
+def propagated_annotations(spec: GroupSpec) -> dict[str, str]:
+    """The annotations named by ``singleton.dev/propagate-annotations`` on the SingletonService."""
+    wanted = [k.strip() for k in spec.annotations.get(ANNOTATION_PROPAGATE, "").split(",") if k.strip()]
+    exact = {k for k in wanted if not k.endswith("/*")}
+    prefixes = tuple(k[:-1] for k in wanted if k.endswith("/*"))
+    return {k: v for k, v in spec.annotations.items()
+            if (k in exact or (prefixes and k.startswith(prefixes)))
+            and k != ANNOTATION_PROPAGATE and not k.startswith(NOT_PROPAGATED_PREFIXES)}
+
+
+def object_labels(spec: GroupSpec) -> dict[str, str]:
+    return {**default_labels(spec), **propagated_labels(spec), LABEL_MANAGED_BY: MANAGED_BY,
+            **selector_labels(spec)}
 
 
 def owner_reference(spec: GroupSpec) -> dict[str, Any]:
@@ -57,9 +97,13 @@ def owner_reference(spec: GroupSpec) -> dict[str, Any]:
             "name": spec.name, "uid": spec.uid, "controller": True, "blockOwnerDeletion": True}
 
 
-def _metadata(spec: GroupSpec, name: str, **extra: Any) -> dict[str, Any]:
-    return {"name": name, "namespace": spec.namespace, "labels": {**common_labels(spec), **selector_labels(spec)},
-            "ownerReferences": [owner_reference(spec)], **extra}
+def _metadata(spec: GroupSpec, name: str, annotations: dict[str, str] | None = None) -> dict[str, Any]:
+    metadata: dict[str, Any] = {"name": name, "namespace": spec.namespace, "labels": object_labels(spec),
+                                "ownerReferences": [owner_reference(spec)]}
+    merged = {**propagated_annotations(spec), **(annotations or {})}
+    if merged:
+        metadata["annotations"] = merged
+    return metadata
 
 
 def service_account(spec: GroupSpec) -> dict[str, Any]:
@@ -185,7 +229,10 @@ def _main_container(spec: GroupSpec, container: dict[str, Any]) -> dict[str, Any
 def pod_template(spec: GroupSpec) -> dict[str, Any]:
     template = copy.deepcopy(spec.template)
     metadata = template.setdefault("metadata", {})
-    metadata["labels"] = {**(metadata.get("labels") or {}), **common_labels(spec), **selector_labels(spec)}
+    # The user's part-of and instance win (defaults only); managed-by and the group label are
+    # ours: the operator watches its pods, and the Deployment selects them, by those.
+    metadata["labels"] = {**default_labels(spec), **(metadata.get("labels") or {}), LABEL_MANAGED_BY: MANAGED_BY,
+                          **selector_labels(spec)}
     pod = template.setdefault("spec", {})
     pod["containers"] = [_main_container(spec, c) if c["name"] == spec.main_container else c
                          for c in pod["containers"]]

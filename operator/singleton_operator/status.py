@@ -3,6 +3,13 @@
 Each sidecar writes its role, token and leader-since on its own pod. The leader is the
 pod that says ``leader`` (or ``draining``) with the greatest token: a pod whose sidecar
 was killed may still say ``leader`` until it restarts, but its token is older.
+
+Beside our own conditions (Available, LeaderElected, Progressing, Degraded), the status
+carries the kstatus ones GitOps tools read (sigs.k8s.io/cli-utils/pkg/kstatus): ``Ready``
+(normal-true: this generation applied, its rollout complete, a Ready leader),
+``Reconciling`` and ``Stalled`` (abnormal-true: present with status True only while the
+group is on its way, or stuck on something the user must fix). ``observedGeneration`` is
+the newest generation whose objects were all applied, never one whose apply failed.
 """
 
 from __future__ import annotations
@@ -11,10 +18,11 @@ import datetime as dt
 from dataclasses import dataclass
 from typing import Any
 
+from singleton_operator.resources import selector_labels
 from singleton_operator.spec import GroupSpec
 from singleton_sidecar import contract
 
-CONDITION_TYPES = ("Available", "LeaderElected", "Progressing", "Degraded")
+CONDITION_TYPES = ("Ready", "Reconciling", "Stalled", "Available", "LeaderElected", "Progressing", "Degraded")
 
 
 @dataclass(frozen=True)
@@ -34,6 +42,9 @@ class Observed:
     problem: str | None = None
     """A configuration or access problem found while reconciling (missing Secret, RBAC...)."""
     problem_reason: str = "ReconcileFailed"
+    applied_generation: int | None = None
+    """The newest generation whose objects were all applied; None while unknown (an operator
+    that just started has not applied anything yet: the status keeps what it said)."""
 
 
 def _ready(pod: dict[str, Any]) -> bool:
@@ -91,6 +102,53 @@ def _rollout(spec: GroupSpec, deployment: dict[str, Any] | None) -> tuple[bool, 
     return False, f"all {spec.replicas} replicas updated and available"
 
 
+def _stalled_rollout(deployment: dict[str, Any] | None) -> str | None:
+    """The Deployment controller's own verdict that the rollout stopped progressing."""
+    if deployment is None:
+        return None
+    status = deployment.get("status") or {}
+    if status.get("observedGeneration", 0) < (deployment.get("metadata") or {}).get("generation", 0):
+        return None
+    for condition in status.get("conditions") or []:
+        if (condition.get("type") == "Progressing" and condition.get("status") == "False"
+                and condition.get("reason") == "ProgressDeadlineExceeded"):
+            return f"the Deployment's rollout stopped progressing: {condition.get('message', '')}"
+    return None
+
+
+def gitops_conditions(spec: GroupSpec, observed: Observed, *, applied: bool, in_rollout: bool,
+                      rollout_message: str, leader: LeaderView | None,
+                      ready_pods: list[dict[str, Any]]) -> list[tuple[str, bool, str, str]]:
+    """(type, true, reason, message) of Ready, Reconciling and Stalled, in that order."""
+    stalled_reason, stalled_message = "AsExpected", "no problem found"
+    if observed.problem is not None:
+        stalled_reason, stalled_message = observed.problem_reason, observed.problem
+    elif applied and (deadline := _stalled_rollout(observed.deployment)) is not None:
+        stalled_reason, stalled_message = "ProgressDeadlineExceeded", deadline
+    stalled = stalled_reason != "AsExpected"
+    leader_ready = leader is not None and any(p["metadata"]["name"] == leader.pod for p in ready_pods)
+    if stalled:
+        why, message = stalled_reason, stalled_message
+    elif not applied:
+        why, message = "Applying", f"generation {spec.generation} is not applied yet"
+    elif in_rollout:
+        why, message = "RollingOut", rollout_message
+    elif leader is None:
+        why, message = "NoLeader", "no replica leads"
+    elif not leader_ready:
+        why, message = "LeaderNotReady", f"pod {leader.pod} leads but is not Ready"
+    else:
+        why, message = "Ready", f"generation {spec.generation} applied and rolled out; pod {leader.pod} leads"
+    ready = why == "Ready"
+    reconciling = not ready and not stalled
+    return [
+        ("Ready", ready, why, message),
+        ("Reconciling", reconciling, why if reconciling else ("Stalled" if stalled else "Ready"),
+         message if reconciling else ("see Stalled" if stalled else "nothing left to do")),
+        ("Stalled", stalled, stalled_reason, stalled_message),
+    ]
+
+
 def compute_status(spec: GroupSpec, observed: Observed, previous: dict[str, Any],
                    now: dt.datetime | None = None) -> dict[str, Any]:
     """The new ``.status``; ``previous`` is the current one (for transitions and times)."""
@@ -106,6 +164,12 @@ def compute_status(spec: GroupSpec, observed: Observed, previous: dict[str, Any]
     in_rollout, rollout_message = _rollout(spec, observed.deployment)
     wanted_standbys = spec.replicas - 1
     old_conditions = {c["type"]: c for c in previous.get("conditions") or []}
+    # Stamped only from a successful apply: a generation whose apply failed leaves the older one.
+    observed_generation = (observed.applied_generation if observed.applied_generation is not None
+                           else previous.get("observedGeneration"))
+    gitops = gitops_conditions(spec, observed, applied=observed_generation == spec.generation,
+                               in_rollout=in_rollout, rollout_message=rollout_message, leader=leader,
+                               ready_pods=ready)
 
     if observed.problem is not None:
         phase, degraded, degraded_reason, degraded_message = "Failed", True, observed.problem_reason, observed.problem
@@ -119,6 +183,8 @@ def compute_status(spec: GroupSpec, observed: Observed, previous: dict[str, Any]
     else:
         phase, degraded, degraded_reason, degraded_message = "Running", False, "AsExpected", "all replicas healthy"
     conditions = [
+        *(_condition(kind, ok, reason, message, spec.generation, previous=old_conditions, now=stamp)
+          for kind, ok, reason, message in gitops),
         _condition("Available", leader is not None and observed.problem is None,
                    "LeaderReady" if leader is not None else "NoLeader",
                    f"pod {leader.pod} leads with token {leader.token}" if leader else "no replica leads",
@@ -138,11 +204,12 @@ def compute_status(spec: GroupSpec, observed: Observed, previous: dict[str, Any]
         "leaderSince": leader.since if leader else None,
         "transitions": transitions,
         "replicas": len(pods),
+        "selector": ",".join(f"{k}={v}" for k, v in sorted(selector_labels(spec).items())),
         "readyReplicas": len(ready),
         "readyStandbys": len(standbys),
         "phase": phase,
         "message": degraded_message if degraded else (f"{leader.pod} leads" if leader else ""),
-        "observedGeneration": spec.generation,
+        "observedGeneration": observed_generation,
         "conditions": conditions,
     }
 
@@ -150,3 +217,20 @@ def compute_status(spec: GroupSpec, observed: Observed, previous: dict[str, Any]
 def status_changed(old: dict[str, Any], new: dict[str, Any]) -> bool:
     """Whether ``new`` says something ``old`` does not (``None`` in ``new`` means absent)."""
     return {k: v for k, v in old.items() if v is not None} != {k: v for k, v in new.items() if v is not None}
+
+
+def spec_error_status(generation: int, reason: str, message: str, previous: dict[str, Any],
+                      now: dt.datetime | None = None) -> dict[str, Any]:
+    """The status of a group whose spec the operator cannot read (an older CRD let it through):
+    Stalled with that reason, the rest of the status as it was (observedGeneration included:
+    nothing of this generation was applied)."""
+    stamp = (now or dt.datetime.now(dt.UTC)).isoformat(timespec="seconds").replace("+00:00", "Z")
+    old_conditions = {c["type"]: c for c in previous.get("conditions") or []}
+    updates = {kind: _condition(kind, ok, why, text, generation, previous=old_conditions, now=stamp)
+               for kind, ok, why, text in (("Ready", False, reason, message),
+                                           ("Reconciling", False, "Stalled", "see Stalled"),
+                                           ("Stalled", True, reason, message),
+                                           ("Degraded", True, reason, message))}
+    conditions = [updates.get(kind) or old_conditions[kind] for kind in CONDITION_TYPES
+                  if kind in updates or kind in old_conditions]
+    return {**previous, "phase": "Failed", "message": message, "conditions": conditions}
