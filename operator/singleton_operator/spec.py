@@ -39,6 +39,9 @@ SIDECAR_CONTAINER = "singleton-sidecar"
 GATE_VOLUME = "singleton-gate"
 GATE_DIR = "/var/run/singleton"
 SIDECAR_PORT_NAME = "singleton"
+DEFAULT_SIDECAR_PORT = 7450
+"""The CRD's default spec.sidecar.port (its control port is 7451): no well-known default of common
+software, unlike 9090/9091 (Prometheus, Pushgateway); README.md (Ports) says why."""
 
 NANOSECONDS = 1_000_000_000
 DURATION_MAX_LENGTH = 32
@@ -172,6 +175,10 @@ class GroupSpec:
     service_ports: tuple[ServicePort, ...] = ()
     service_annotations: dict[str, str] = field(default_factory=dict)
     pdb_enabled: bool = True
+    labels: dict[str, str] = field(default_factory=dict)
+    """The SingletonService's own metadata.labels (passed on to the objects it owns)."""
+    annotations: dict[str, str] = field(default_factory=dict)
+    """The SingletonService's own metadata.annotations (those it names are passed on)."""
 
     @property
     def uses_postgres(self) -> bool:
@@ -421,7 +428,7 @@ def read_spec(body: dict[str, Any], *, default_sidecar_image: str) -> GroupSpec:
     if secret_key == "." or secret_key.startswith(".."):
         raise SpecError("spec.postgres.secretRef.key: must not be '.' or start with '..' (not a valid Secret key)")
     sidecar = spec.get("sidecar") or {}
-    sidecar_port = int(sidecar.get("port", 9090))
+    sidecar_port = int(sidecar.get("port", DEFAULT_SIDECAR_PORT))
     _check_sidecar_port(sidecar_port, pod)
     sidecar_image = sidecar.get("image") or default_sidecar_image
     if has_go_space_around(sidecar_image):
@@ -462,4 +469,6 @@ def read_spec(body: dict[str, Any], *, default_sidecar_image: str) -> GroupSpec:
         service_ports=service_ports,
         service_annotations=service_annotations,
         pdb_enabled=bool((spec.get("podDisruptionBudget") or {}).get("enabled", True)),
+        labels=dict(metadata.get("labels") or {}),
+        annotations=dict(metadata.get("annotations") or {}),
     )
