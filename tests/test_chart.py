@@ -172,7 +172,8 @@ def test_default_render(tmp_path: Path) -> None:
     objects = render(tmp_path)
     kinds = sorted(o["kind"] for o in objects)
     assert kinds == sorted([
-        "ServiceAccount", "ClusterRole", "ClusterRoleBinding", "Role", "RoleBinding", "Deployment",
+        "ServiceAccount", "ClusterRole", "ClusterRole", "ClusterRole", "ClusterRoleBinding", "Role", "RoleBinding",
+        "Deployment",
         "PodDisruptionBudget", "Service", "NetworkPolicy", "ValidatingAdmissionPolicy",
         "ValidatingAdmissionPolicyBinding",
     ])
@@ -271,6 +272,15 @@ def test_values_change_the_render(tmp_path: Path) -> None:
     assert binding["validationActions"] == ["Warn", "Audit"]
     assert binding["matchResources"] == {"namespaceSelector": {"matchLabels": {"singleton": "on"}}}
 
+    pulls = operator_container(render(tmp_path, {"sidecarImagePullPolicy": "Always",
+                                                 "sidecarImagePullSecrets": ["regcred", "mirror.example"]}))
+    pull_env = {e["name"]: e.get("value") for e in pulls["env"]}
+    assert (pull_env["SINGLETON_SIDECAR_IMAGE_PULL_POLICY"], pull_env["SINGLETON_SIDECAR_IMAGE_PULL_SECRETS"]) == (
+        "Always", "regcred,mirror.example")
+    assert not {"SINGLETON_SIDECAR_IMAGE_PULL_POLICY", "SINGLETON_SIDECAR_IMAGE_PULL_SECRETS"} & {
+        e["name"] for e in container["env"]}, "unset by default"
+    assert len(by_kind(render(tmp_path, {"rbac": {"aggregateToDefaultRoles": False}}), "ClusterRole")) == 1
+
     by_digest = operator_container(render(tmp_path, {"image": {"digest": digest}}))
     assert by_digest["image"] == f"ghcr.io/singleton-dev/singleton@{digest}"
 
@@ -312,6 +322,10 @@ BAD_VALUES = [
     pytest.param({"replicaCount": 11}, "/replicaCount", id="replicas-11"),
     pytest.param({"replicaCount": "two"}, "/replicaCount", id="replicas-string"),
     pytest.param({"image": {"pullPolicy": "Sometimes"}}, "/image/pullPolicy", id="pull-policy"),
+    pytest.param({"sidecarImagePullPolicy": "always"}, "/sidecarImagePullPolicy", id="sidecar-pull-policy"),
+    pytest.param({"sidecarImagePullSecrets": ["Bad_Name"]}, "/sidecarImagePullSecrets/0", id="sidecar-pull-secret"),
+    pytest.param({"rbac": {"aggregateToDefaultRoles": "yes"}}, "/rbac/aggregateToDefaultRoles",
+                 id="aggregate-string"),
     pytest.param({"image": {"repository": ""}}, "/image/repository", id="empty-repository"),
     pytest.param({"image": {"tag": 1.2}}, "/image/tag", id="tag-number"),
     pytest.param({"image": {"digest": "latest"}}, "/image/digest", id="digest"),
@@ -437,7 +451,8 @@ def test_install_upgrade_uninstall(cluster: Cluster, singleton_crd: Path, releas
     assert sorted(o["kind"] for o in namespaced) == sorted([
         "Deployment", "ServiceAccount", "Service", "Role", "RoleBinding", "PodDisruptionBudget", "NetworkPolicy"])
     assert sorted(o["kind"] for o in cluster_scoped) == sorted([
-        "ClusterRole", "ClusterRoleBinding", "ValidatingAdmissionPolicy", "ValidatingAdmissionPolicyBinding"])
+        "ClusterRole", "ClusterRole", "ClusterRole", "ClusterRoleBinding", "ValidatingAdmissionPolicy",
+        "ValidatingAdmissionPolicyBinding"])
     for obj in namespaced + cluster_scoped:
         labels = obj["metadata"]["labels"]
         assert all(labels.get(k) for k in STANDARD_LABELS), (obj["kind"], labels)
@@ -474,3 +489,62 @@ def test_install_upgrade_uninstall(cluster: Cluster, singleton_crd: Path, releas
     assert not items(cluster, CLUSTER_SCOPED, "-l", release.selector)
     assert get_json(cluster, "singletonservice", "kept", "-n", namespace)["metadata"]["uid"] == \
         before["metadata"]["uid"], "uninstall keeps the CRD and the user's objects"
+
+
+def can(cluster: Cluster, user: str, namespace: str, *args: str) -> bool:
+    """kubectl auth can-i, impersonating ``user`` (the API server's SubjectAccessReview)."""
+    result = cluster.kubectl("auth", "can-i", *args, "-n", namespace, "--as", user, check=False)
+    return result.stdout.strip() == "yes"
+
+
+@needs_helm
+def test_tenants_bound_to_the_built_in_edit_role_manage_their_groups(
+    controllers: Cluster, singleton_crd: Path, namespace: str, tmp_path: Path
+) -> None:
+    """The chart's aggregated ClusterRoles on the real API server: the controller-manager's
+    clusterrole-aggregation controller folds them into the built-in view, edit and admin roles."""
+    cluster = controllers
+    release = "agg-" + secrets.token_hex(3)
+    objects = [doc for doc in yaml.safe_load_all(helm(
+        "template", release, str(CHART), "--namespace", namespace, "--kube-version", KUBE_VERSION,
+        "--show-only", "templates/clusterrole-aggregated.yaml").stdout) if doc]
+    assert sorted(o["metadata"]["name"] for o in objects) == [f"{release}-singleton-edit", f"{release}-singleton-view"]
+    editor, viewer, admin = f"alice-{release}", f"bob-{release}", f"carol-{release}"
+    for user, role in ((editor, "edit"), (viewer, "view"), (admin, "admin")):
+        cluster.kubectl("create", "rolebinding", f"{user}-{role}", "-n", namespace, f"--clusterrole={role}",
+                        f"--user={user}")
+    # Without the chart's roles the built-in ones know nothing of SingletonServices.
+    assert not can(cluster, editor, namespace, "create", "singletonservices.singleton.dev")
+    cluster.apply(json.dumps({"apiVersion": "v1", "kind": "List", "items": objects}))
+    try:
+        for user in (editor, admin):
+            wait_for_true(lambda u=user: can(cluster, u, namespace, "create", "singletonservices.singleton.dev"),
+                          30, f"{user} to be allowed to create SingletonServices")
+        wait_for_true(lambda: can(cluster, viewer, namespace, "list", "singletonservices.singleton.dev"), 30,
+                      "view to cover SingletonServices")
+        as_editor = ("-n", namespace, "--as", editor)
+        cluster.kubectl("create", *as_editor, "-f", "-", input_text=json.dumps(singleton_service("tenant", namespace)))
+        cluster.kubectl("scale", "sgl/tenant", "--replicas=5", *as_editor)
+        assert get_json(cluster, "sgl", "tenant", "-n", namespace)["spec"]["replicas"] == 5
+        cluster.kubectl("label", "sgl/tenant", "team=payments", *as_editor)
+        status = cluster.kubectl("patch", "sgl/tenant", *as_editor, "--subresource=status", "--type=merge", "-p",
+                                 json.dumps({"status": {"phase": "Running"}}), check=False)
+        assert status.returncode != 0 and "forbidden" in status.stderr, status.stderr
+        as_viewer = ("-n", namespace, "--as", viewer)
+        assert cluster.kubectl("get", "sgl/tenant", *as_viewer, check=False).returncode == 0
+        refused = cluster.kubectl("scale", "sgl/tenant", "--replicas=1", *as_viewer, check=False)
+        assert refused.returncode != 0 and "forbidden" in refused.stderr, refused.stderr
+        # Elsewhere (no binding) nothing.
+        assert not can(cluster, editor, "default", "create", "singletonservices.singleton.dev")
+        cluster.kubectl("delete", "sgl/tenant", *as_editor)
+    finally:
+        cluster.kubectl("delete", *[f"clusterrole/{o['metadata']['name']}" for o in objects], "--ignore-not-found",
+                        check=False)
+
+
+def wait_for_true(predicate: Callable[[], bool], timeout: float, what: str) -> None:
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out after {timeout}s waiting for {what}")
+        time.sleep(0.5)

@@ -363,3 +363,56 @@ def test_a_typo_in_the_template_is_stalled_as_invalid_template_and_keeps_the_old
     assert (condition(cr(cluster, namespace, name), "Stalled") or {}).get("status") == "False"
     container = get_json(cluster, "deployment", name, "-n", namespace)["spec"]["template"]["spec"]["containers"][0]
     assert (container["image"], container["imagePullPolicy"]) == ("example.invalid/app:2", "Always")
+
+
+def test_the_groups_labels_and_named_annotations_reach_its_objects_and_follow_edits(
+    cluster: Cluster, namespace: str, operators: Factory
+) -> None:
+    operators()
+    name = "lbl-" + uuid.uuid4().hex[:4]
+    obj = json.loads(service(name, service={"ports": [{"port": 80}]}))
+    obj["metadata"]["labels"] = {"team": "payments", "app.kubernetes.io/part-of": "billing"}
+    obj["metadata"]["annotations"] = {"singleton.dev/propagate-annotations": "owner.example.com/*",
+                                      "owner.example.com/team": "payments", "unnamed.example.com/x": "1"}
+    obj["spec"]["template"]["metadata"] = {"labels": {"app.kubernetes.io/instance": "billing-eu"}}
+    cluster.apply(json.dumps(obj), namespace=namespace)
+    account = f"singleton-sidecar-{name}"
+    kinds = [("deployment", name), ("serviceaccount", account), ("role", account), ("rolebinding", account),
+             ("service", f"{name}-leader"), ("pdb", name)]
+    for kind, obj_name in kinds:
+        meta = wait_for(lambda k=kind, o=obj_name: exists(cluster, namespace, k, o) and
+                        get_json(cluster, k, o, "-n", namespace)["metadata"], 20, f"{kind} {obj_name}", 0.2)
+        assert (meta["labels"]["team"], meta["labels"]["app.kubernetes.io/part-of"]) == ("payments", "billing")
+        assert meta["annotations"]["owner.example.com/team"] == "payments"
+        assert "unnamed.example.com/x" not in meta["annotations"]
+    template = get_json(cluster, "deployment", name, "-n", namespace)["spec"]["template"]["metadata"]["labels"]
+    assert template["app.kubernetes.io/instance"] == "billing-eu" and "team" not in template
+    # Editing only metadata (no new generation) reaches the objects too.
+    cluster.kubectl("label", "sgl", name, "-n", namespace, "team=ledger", "--overwrite")
+    cluster.kubectl("annotate", "sgl", name, "-n", namespace, "owner.example.com/team=ledger", "--overwrite")
+    for kind, obj_name in kinds:
+        wait_for(lambda k=kind, o=obj_name: (m := get_json(cluster, k, o, "-n", namespace)["metadata"])["labels"]
+                 ["team"] == "ledger" and m["annotations"]["owner.example.com/team"] == "ledger", 20,
+                 f"the edit to reach {kind} {obj_name}", 0.2)
+
+
+def test_sidecar_pull_policy_and_secrets_from_the_operators_environment_reach_every_group(
+    cluster: Cluster, namespace: str, singleton_crd: Path, tmp_path: Path
+) -> None:
+    op = OperatorProcess(cluster.kubeconfig, namespace, tmp_path / "op.log", extra_args=["--namespace", namespace],
+                         env={"SINGLETON_SIDECAR_IMAGE_PULL_POLICY": "Always",
+                              "SINGLETON_SIDECAR_IMAGE_PULL_SECRETS": "regcred,mirror"}).start()
+    try:
+        names = ["pull-" + uuid.uuid4().hex[:4], "pull-" + uuid.uuid4().hex[:4]]
+        for name in names:
+            obj = json.loads(service(name))
+            obj["spec"]["template"]["spec"]["imagePullSecrets"] = [{"name": "app-registry"}]
+            cluster.apply(json.dumps(obj), namespace=namespace)
+        for name in names:
+            pod = wait_for(lambda n=name: exists(cluster, namespace, "deployment", n) and
+                           get_json(cluster, "deployment", n, "-n", namespace)["spec"]["template"]["spec"], 20,
+                           f"Deployment {name}", 0.2)
+            assert pod["imagePullSecrets"] == [{"name": "app-registry"}, {"name": "regcred"}, {"name": "mirror"}]
+            assert pod["initContainers"][0]["imagePullPolicy"] == "Always"
+    finally:
+        op.stop()

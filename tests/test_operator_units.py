@@ -22,7 +22,7 @@ from singleton_operator.spec import (
 )
 from singleton_operator.status import Observed, compute_status, find_leader, spec_error_status, status_changed
 from singleton_sidecar import contract
-from singleton_sidecar.config import SidecarConfig, load_config
+from singleton_sidecar.config import ConfigError, SidecarConfig, load_config
 from singleton_sidecar.core.timings import TimingError, Timings
 from tests.test_crd import INVALID, VALID, duration_boundary_cases, edited, full, minimal
 
@@ -579,3 +579,34 @@ def test_the_groups_labels_and_the_annotations_it_names_reach_its_objects_not_it
     plain = owned(labels={"team": "payments"})
     assert [o["metadata"].get("annotations") for o in plain] == [None, None, None, None,
                                                                  {"lb.example.com/internal": "true"}, None]
+
+
+def test_sidecar_pull_policy_and_pull_secrets_set_once_for_every_groups_pods() -> None:
+    import dataclasses
+
+    from singleton_operator.cli import load, parser
+
+    environ = {"SINGLETON_SIDECAR_IMAGE_PULL_POLICY": "Always",
+               "SINGLETON_SIDECAR_IMAGE_PULL_SECRETS": "regcred, mirror.example,regcred"}
+    config = load(parser().parse_args(["run"]), environ)
+    assert (config.sidecar_pull_policy, config.image_pull_secrets) == ("Always", ("regcred", "mirror.example"))
+    flags = load(parser().parse_args(["run", "--sidecar-image-pull-policy", "Never",
+                                      "--sidecar-image-pull-secret", "a"]), environ)
+    assert (flags.sidecar_pull_policy, flags.image_pull_secrets) == ("Never", ("a",))
+    unset = load(parser().parse_args(["run"]), {})
+    assert (unset.sidecar_pull_policy, unset.image_pull_secrets) == (None, ())
+    with pytest.raises(ConfigError, match=r"^--sidecar-image-pull-policy \(SINGLETON_SIDECAR_IMAGE_PULL_POLICY\)"):
+        load(parser().parse_args(["run"]), {"SINGLETON_SIDECAR_IMAGE_PULL_POLICY": "always"})
+    with pytest.raises(ConfigError, match=r"'Bad_Name' is not a Secret name"):
+        load(parser().parse_args(["run"]), {"SINGLETON_SIDECAR_IMAGE_PULL_SECRETS": "Bad_Name"})
+
+    template = {"spec": {"imagePullSecrets": [{"name": "app-registry"}, {"name": "regcred"}],
+                         "containers": [{"name": "app", "image": "app:1"}]}}
+    spec = dataclasses.replace(read_spec(body(template=template), default_sidecar_image=IMAGE),
+                               sidecar_pull_policy="Always", image_pull_secrets=("regcred", "mirror.example"))
+    pod_spec = resources.deployment(spec)["spec"]["template"]["spec"]
+    assert pod_spec["imagePullSecrets"] == [{"name": "app-registry"}, {"name": "regcred"}, {"name": "mirror.example"}]
+    assert pod_spec["initContainers"][0]["imagePullPolicy"] == "Always"
+    assert "imagePullPolicy" not in pod_spec["containers"][0]  # the app's own stays the user's
+    plain = resources.deployment(read_spec(body(), default_sidecar_image=IMAGE))["spec"]["template"]["spec"]
+    assert "imagePullSecrets" not in plain and "imagePullPolicy" not in plain["initContainers"][0]

@@ -29,6 +29,8 @@ if TYPE_CHECKING:
 PROG = "singleton-operator"
 DEFAULT_SIDECAR_IMAGE = "ghcr.io/singleton-dev/singleton:0.1.0"
 _DNS1123 = re.compile(r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$")
+_DNS1123_SUBDOMAIN = re.compile(r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*$")
+PULL_POLICIES = ("Always", "IfNotPresent", "Never")
 
 
 def parser() -> argparse.ArgumentParser:
@@ -43,6 +45,13 @@ def parser() -> argparse.ArgumentParser:
     run.add_argument("--sidecar-image", default=None, metavar="IMAGE",
                      help=f"sidecar image injected into workloads (default {DEFAULT_SIDECAR_IMAGE}) "
                           "[SINGLETON_SIDECAR_IMAGE]")
+    run.add_argument("--sidecar-image-pull-policy", default=None, choices=PULL_POLICIES,
+                     help="imagePullPolicy of the sidecar container in every group's pods (default: unset, "
+                          "Kubernetes' default for the image) [SINGLETON_SIDECAR_IMAGE_PULL_POLICY]")
+    run.add_argument("--sidecar-image-pull-secret", action="append", default=None, metavar="SECRET",
+                     help="a Secret (in each group's namespace) added to every group's pods' imagePullSecrets, "
+                          "for the sidecar's image (repeatable) [SINGLETON_SIDECAR_IMAGE_PULL_SECRETS, "
+                          "comma-separated]")
     run.add_argument("--lease-namespace", default=None, metavar="NS",
                      help="namespace of the operator's own Lease (default: its own namespace) "
                           "[SINGLETON_OPERATOR_NAMESPACE]")
@@ -68,6 +77,16 @@ def load(args: argparse.Namespace, environ: Mapping[str, str]) -> OperatorConfig
     listen_text = args.health_listen or environ.get("SINGLETON_OPERATOR_HEALTH_LISTEN")
     listen = _listen("--health-listen (SINGLETON_OPERATOR_HEALTH_LISTEN)", listen_text) if listen_text else Listen(
         "0.0.0.0", 8080)
+    pull_policy = args.sidecar_image_pull_policy or environ.get("SINGLETON_SIDECAR_IMAGE_PULL_POLICY") or None
+    if pull_policy is not None and pull_policy not in PULL_POLICIES:
+        raise ConfigError(f"--sidecar-image-pull-policy (SINGLETON_SIDECAR_IMAGE_PULL_POLICY): must be Always, "
+                          f"IfNotPresent or Never, got {pull_policy!r}")
+    pull_secrets = args.sidecar_image_pull_secret or [
+        s.strip() for s in environ.get("SINGLETON_SIDECAR_IMAGE_PULL_SECRETS", "").split(",") if s.strip()]
+    for secret in pull_secrets:
+        if len(secret) > 253 or not _DNS1123_SUBDOMAIN.match(secret):
+            raise ConfigError(f"--sidecar-image-pull-secret (SINGLETON_SIDECAR_IMAGE_PULL_SECRETS): {secret!r} is "
+                              "not a Secret name")
     base = args.identity or environ.get("SINGLETON_OPERATOR_POD_NAME") or f"{socket.gethostname()}-{os.getpid()}"
     return OperatorConfig(
         identity=f"{base}/{uuid.uuid4().hex[:8]}",
@@ -76,6 +95,8 @@ def load(args: argparse.Namespace, environ: Mapping[str, str]) -> OperatorConfig
         sidecar_image=args.sidecar_image or environ.get("SINGLETON_SIDECAR_IMAGE") or DEFAULT_SIDECAR_IMAGE,
         health_listen=listen,
         kubeconfig=args.kubeconfig,
+        sidecar_pull_policy=pull_policy,
+        image_pull_secrets=tuple(dict.fromkeys(pull_secrets)),
     )
 
 

@@ -8,6 +8,7 @@ and run within ``REFRESH_DELAY`` of the event, well inside the 1 s the status pr
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 from dataclasses import dataclass, field
 from typing import Any
@@ -32,6 +33,8 @@ class Groups:
     client: KubeClient
     sidecar_image: str
     metrics: OperatorMetrics
+    sidecar_pull_policy: str | None = None
+    image_pull_secrets: tuple[str, ...] = ()
     problems: dict[GroupKey, ReconcileProblem] = field(default_factory=dict)
     applied: dict[GroupKey, int] = field(default_factory=dict)
     """The newest generation of each group whose objects were all applied (for observedGeneration)."""
@@ -39,7 +42,9 @@ class Groups:
     _wake: asyncio.Event = field(default_factory=asyncio.Event)
 
     def spec_of(self, body: dict[str, Any]) -> GroupSpec:
-        return read_spec(body, default_sidecar_image=self.sidecar_image)
+        spec = read_spec(body, default_sidecar_image=self.sidecar_image)
+        return dataclasses.replace(spec, sidecar_pull_policy=self.sidecar_pull_policy,
+                                   image_pull_secrets=self.image_pull_secrets)
 
     async def reconcile(self, body: dict[str, Any]) -> None:
         """Apply the group's objects; remember (and raise) a problem the user must fix."""

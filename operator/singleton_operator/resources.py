@@ -180,6 +180,7 @@ def sidecar_container(spec: GroupSpec) -> dict[str, Any]:
         "command": ["singleton-sidecar", "run"],
         "restartPolicy": "Always",
         "env": sidecar_env(spec),
+        **({"imagePullPolicy": spec.sidecar_pull_policy} if spec.sidecar_pull_policy else {}),
         "ports": [{"name": specs.SIDECAR_PORT_NAME, "containerPort": spec.sidecar_port, "protocol": "TCP"}],
         # A starved node answers late: a probe that times out restarts the sidecar (liveness) or
         # takes the pod out of the rollout's count (readiness), so timeouts are generous; /livez
@@ -238,6 +239,11 @@ def pod_template(spec: GroupSpec) -> dict[str, Any]:
                          for c in pod["containers"]]
     pod["initContainers"] = [sidecar_container(spec), *(pod.get("initContainers") or [])]
     pod.setdefault("serviceAccountName", sidecar_account(spec))
+    if spec.image_pull_secrets:
+        # The operator's, for the sidecar's image, after the user's own (each name once).
+        named = {s.get("name") for s in pod.get("imagePullSecrets") or []}
+        pod["imagePullSecrets"] = [*(pod.get("imagePullSecrets") or []),
+                                   *({"name": n} for n in spec.image_pull_secrets if n not in named)]
     pod["terminationGracePeriodSeconds"] = spec.termination_grace
     if spec.gating == "file":
         pod["volumes"] = [*(pod.get("volumes") or []), {"name": GATE_VOLUME, "emptyDir": {"medium": "Memory"}}]

@@ -45,6 +45,8 @@ class OperatorConfig:
     sidecar_image: str
     health_listen: Listen
     kubeconfig: str | None = None
+    sidecar_pull_policy: str | None = None
+    image_pull_secrets: tuple[str, ...] = ()
 
 
 def health_app(elector: Elector, metrics: OperatorMetrics) -> web.Application:
@@ -134,7 +136,8 @@ async def _first(*events: asyncio.Event) -> asyncio.Event:
 
 async def _run_kopf_while_leading(config: OperatorConfig, client: KubeClient, metrics: OperatorMetrics,
                                   lost: asyncio.Event, stopping: asyncio.Event) -> int:
-    groups = Groups(client=client, sidecar_image=config.sidecar_image, metrics=metrics)
+    groups = Groups(client=client, sidecar_image=config.sidecar_image, metrics=metrics,
+                    sidecar_pull_policy=config.sidecar_pull_policy, image_pull_secrets=config.image_pull_secrets)
     loop = asyncio.get_running_loop()
     stop_flag: asyncio.Future[None] = loop.create_future()
     ready_flag: asyncio.Future[None] = loop.create_future()

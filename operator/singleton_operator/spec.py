@@ -179,6 +179,10 @@ class GroupSpec:
     """The SingletonService's own metadata.labels (passed on to the objects it owns)."""
     annotations: dict[str, str] = field(default_factory=dict)
     """The SingletonService's own metadata.annotations (those it names are passed on)."""
+    sidecar_pull_policy: str | None = None
+    """The operator's --sidecar-image-pull-policy (None: Kubernetes' default for the image)."""
+    image_pull_secrets: tuple[str, ...] = ()
+    """The operator's --sidecar-image-pull-secret names, added to every group's pods."""
 
     @property
     def uses_postgres(self) -> bool:
