@@ -4,6 +4,7 @@
     singletonctl handover GROUP [-n NS] [--to POD] [--timeout S]
     singletonctl release GROUP [-n NS] [--yes]
     singletonctl history GROUP [-n NS] [-o table|json|yaml]
+    singletonctl inject [-f FILE ...] [-n NS] [--sidecar-image IMAGE]   (offline: no cluster)
 
 Uses the usual kubeconfig (``--kubeconfig``, ``$KUBECONFIG``, ``~/.kube/config``, or the
 pod's service account). Errors are one line on stderr and exit status 1 (2 for bad usage).
@@ -22,6 +23,8 @@ import asyncpg
 import yaml
 
 from singleton_ctl.groups import Ctl, CtlError, GroupView
+from singleton_ctl.manifests import inject_files
+from singleton_operator.cli import DEFAULT_SIDECAR_IMAGE
 from singleton_sidecar.kube import (
     KubeClient,
     KubeConfig,
@@ -55,6 +58,19 @@ def parser() -> argparse.ArgumentParser:
     release.add_argument("--yes", action="store_true", help="do not ask for confirmation")
     history = add("history", "recent changes of leader of a group, from Events", group="required")
     history.add_argument("-o", "--output", choices=["table", "json", "yaml"], default="table")
+    inject = sub.add_parser(
+        "inject", help="add the sidecar to the Deployments and StatefulSets that SingletonServices of the input "
+                       "adopt (spec.workloadRef); offline, for GitOps pipelines",
+        description="Reads manifests (YAML, several documents) from the files given, or stdin, and writes them all "
+                    "to stdout, the adopted workloads with the sidecar added exactly as the operator's webhook adds "
+                    "it to their pods. The SingletonServices must be part of the input. Talks to no cluster.")
+    inject.add_argument("-f", "--filename", action="append", default=None, metavar="FILE",
+                        help="a manifest file, or - for stdin (repeatable; default: stdin)")
+    inject.add_argument("-n", "--namespace", default="default",
+                        help="namespace of documents that name none (default: default)")
+    inject.add_argument("--sidecar-image", default=DEFAULT_SIDECAR_IMAGE, metavar="IMAGE",
+                        help="the sidecar image when a SingletonService sets no spec.sidecar.image (default: the "
+                             f"operator's default, {DEFAULT_SIDECAR_IMAGE}; use the operator's --sidecar-image)")
     return top
 
 
@@ -117,6 +133,10 @@ async def run(args: argparse.Namespace, config: KubeConfig, namespace: str) -> i
 def main(argv: Sequence[str] | None = None) -> int:
     args = parser().parse_args(argv)
     try:
+        if args.command == "inject":
+            sys.stdout.write(inject_files(args.filename or ["-"], namespace=args.namespace,
+                                          sidecar_image=args.sidecar_image))
+            return 0
         config = load_kube_config(args.kubeconfig)
         namespace = args.namespace or config.namespace
         if args.command == "release" and not args.yes and not confirmed(namespace, args.group):

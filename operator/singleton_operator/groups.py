@@ -14,7 +14,16 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from singleton_operator.metrics import OperatorMetrics
-from singleton_operator.reconcile import ReconcileProblem, cr_path, observe, reconcile, write_spec_error, write_status
+from singleton_operator.reconcile import (
+    ReconcileProblem,
+    cr_path,
+    observe,
+    read_workload,
+    reconcile,
+    release,
+    write_spec_error,
+    write_status,
+)
 from singleton_operator.spec import GroupSpec, SpecError, read_spec
 from singleton_sidecar import contract
 from singleton_sidecar.kube import KubeClient, KubeError, KubeNotFound
@@ -41,8 +50,9 @@ class Groups:
     _dirty: set[GroupKey] = field(default_factory=set)
     _wake: asyncio.Event = field(default_factory=asyncio.Event)
 
-    def spec_of(self, body: dict[str, Any]) -> GroupSpec:
-        spec = read_spec(body, default_sidecar_image=self.sidecar_image)
+    def spec_of(self, body: dict[str, Any], workload: dict[str, Any] | None = None) -> GroupSpec:
+        """The group's spec; ``workload`` is the adopted workload (``read_workload``), if any."""
+        spec = read_spec(body, default_sidecar_image=self.sidecar_image, workload=workload)
         return dataclasses.replace(spec, sidecar_pull_policy=self.sidecar_pull_policy,
                                    image_pull_secrets=self.image_pull_secrets)
 
@@ -51,8 +61,22 @@ class Groups:
         key = (body["metadata"]["namespace"], body["metadata"]["name"])
         self.metrics.reconciles.inc()
         try:
-            spec = self.spec_of(body)
+            workload = await read_workload(self.client, body)
+        except ReconcileProblem as exc:
+            self.problems[key] = exc
+            self.mark(*key)
+            self.metrics.reconcile_errors.inc()
+            raise
+        try:
+            spec = self.spec_of(body, workload)
         except SpecError as exc:
+            if workload is not None and "(in the adopted " in str(exc):
+                # The workload's owner may fix it without touching the group: retried.
+                problem = ReconcileProblem("InvalidWorkload", str(exc))
+                self.problems[key] = problem
+                self.mark(*key)
+                self.metrics.reconcile_errors.inc()
+                raise problem from None
             self.problems[key] = ReconcileProblem("InvalidSpec", str(exc))
             self.mark(*key)
             self.metrics.reconcile_errors.inc()
@@ -81,6 +105,16 @@ class Groups:
             await self.reconcile(body)
         except (SpecError, ReconcileProblem):
             return
+
+    async def release(self, body: dict[str, Any]) -> None:
+        """The group is being deleted: give its adopted workload back."""
+        try:
+            spec = self.spec_of(body, await read_workload(self.client, body))
+        except (SpecError, ReconcileProblem) as exc:
+            log.warning("group %s/%s: workload not released: %s", body["metadata"]["namespace"],
+                        body["metadata"]["name"], exc)
+            return
+        await release(self.client, spec)
 
     def forget(self, namespace: str, name: str) -> None:
         self.problems.pop((namespace, name), None)
@@ -131,9 +165,10 @@ class Groups:
         if body["metadata"].get("deletionTimestamp"):
             return
         try:
-            spec = self.spec_of(body)
-        except SpecError as exc:
-            # Admission refuses such specs; one an older CRD let through is reported as Stalled.
+            spec = self.spec_of(body, await read_workload(self.client, body))
+        except (SpecError, ReconcileProblem) as exc:
+            # Admission refuses such specs; one an older CRD let through is reported as Stalled,
+            # as is an adopted workload that is missing or that the group's rules refuse.
             if await write_spec_error(self.client, body, str(exc)):
                 self.metrics.status_updates.inc()
             return

@@ -65,7 +65,15 @@ def registry(kube_config: KubeConfig) -> kopf.OperatorRegistry:
         if namespace:
             memo["groups"].forget(namespace, name)
 
-    @kopf.on.event("v1", "pods", labels=OWNED, registry=reg)
+    # Not optional for adopting groups: kopf keeps its finalizer on them until the adopted
+    # workload is given back (the group label off its template), so a deleted group never
+    # leaves a workload whose new pods the webhook would refuse to run without a group.
+    @kopf.on.delete(*resource, registry=reg, when=lambda spec, **_: bool(spec.get("workloadRef")))
+    async def give_back(body: kopf.Body, memo: Any, **_: Any) -> None:
+        await memo["groups"].release(dict(body))
+
+    # Every pod of a group carries the group label: the operator's own and adopted ones.
+    @kopf.on.event("v1", "pods", labels={contract.LABEL_GROUP: kopf.PRESENT}, registry=reg)
     async def pod_changed(labels: kopf.Labels, namespace: str | None, memo: Any, **_: Any) -> None:
         group = labels.get(contract.LABEL_GROUP)
         if group and namespace:

@@ -16,7 +16,7 @@ from typing import Any
 import asyncpg
 
 from singleton_operator import resources
-from singleton_operator.spec import GroupSpec
+from singleton_operator.spec import GroupSpec, workload_ref
 from singleton_operator.status import Observed, compute_status, spec_error_status, status_changed
 from singleton_sidecar import contract
 from singleton_sidecar.kube import KubeClient, KubeError, KubeForbidden, KubeNotFound, event_body
@@ -33,6 +33,7 @@ _PATHS = {
     ("rbac.authorization.k8s.io/v1", "RoleBinding"):
         "/apis/rbac.authorization.k8s.io/v1/namespaces/{ns}/rolebindings",
     ("apps/v1", "Deployment"): "/apis/apps/v1/namespaces/{ns}/deployments",
+    ("apps/v1", "StatefulSet"): "/apis/apps/v1/namespaces/{ns}/statefulsets",
     ("policy/v1", "PodDisruptionBudget"): "/apis/policy/v1/namespaces/{ns}/poddisruptionbudgets",
 }
 
@@ -123,7 +124,7 @@ async def check_access(client: KubeClient, spec: GroupSpec, objects: list[dict[s
     """Ask the API server (SelfSubjectAccessReview) whether we may create and patch every
     object we are about to apply, so a missing permission creates nothing at all."""
     wanted = sorted({(o["apiVersion"].rpartition("/")[0], _PATHS[(o["apiVersion"], o["kind"])].rsplit("/", 1)[1],
-                      verb) for o in objects for verb in ("create", "patch")})
+                      verb) for o in objects for verb in (("patch",) if _is_adopted(spec, o) else ("create", "patch"))})
 
     async def allowed(group: str, resource: str, verb: str) -> bool:
         review = {"apiVersion": "authorization.k8s.io/v1", "kind": "SelfSubjectAccessReview",
@@ -141,9 +142,19 @@ async def check_access(client: KubeClient, spec: GroupSpec, objects: list[dict[s
                                f"{spec.namespace}; nothing was created (grant it, e.g. with the chart's ClusterRole)")
 
 
+def _is_adopted(spec: GroupSpec, obj: dict[str, Any]) -> bool:
+    """Whether ``obj`` is the adopted workload (patched, never created)."""
+    ref = spec.workload_ref
+    return ref is not None and obj["kind"] == ref.kind and obj["metadata"]["name"] == ref.name
+
+
 def desired_objects(spec: GroupSpec) -> list[dict[str, Any]]:
-    objects = [resources.service_account(spec), resources.role(spec), resources.role_binding(spec),
-               resources.deployment(spec)]
+    if spec.workload_ref is None:
+        objects = [resources.service_account(spec), resources.role(spec), resources.role_binding(spec),
+                   resources.deployment(spec)]
+    else:
+        # The RBAC first: the sidecars of the rollout the label starts need it from their start.
+        objects = [resources.role(spec), resources.role_binding(spec), resources.adoption(spec)]
     for optional in (resources.leader_service(spec), resources.pod_disruption_budget(spec)):
         if optional is not None:
             objects.append(optional)
@@ -181,12 +192,43 @@ async def observe(client: KubeClient, spec: GroupSpec, problem: ReconcileProblem
     pods, deployment = await asyncio.gather(
         client.request("GET", f"/api/v1/namespaces/{spec.namespace}/pods", params={"labelSelector": selector},
                        timeout=CALL_TIMEOUT),
-        _get_or_none(client, object_path("apps/v1", "Deployment", spec.namespace, spec.name)),
+        _get_or_none(client, workload_path(spec)),
     )
     return Observed(pods=pods.get("items") or [], deployment=deployment,
                     problem=problem.message if problem else None,
                     problem_reason=problem.reason if problem else "ReconcileFailed",
                     applied_generation=applied_generation)
+
+
+def workload_path(spec: GroupSpec) -> str:
+    """The group's workload: the Deployment the operator made, or the one it adopted."""
+    if spec.workload_ref is None:
+        return object_path("apps/v1", "Deployment", spec.namespace, spec.name)
+    return object_path("apps/v1", spec.workload_ref.kind, spec.namespace, spec.workload_ref.name)
+
+
+async def read_workload(client: KubeClient, body: dict[str, Any]) -> dict[str, Any] | None:
+    """The workload a SingletonService adopts (None for a template group)."""
+    ref = workload_ref(body)
+    if ref is None:
+        return None
+    namespace = body["metadata"]["namespace"]
+    try:
+        return await client.request("GET", object_path("apps/v1", ref.kind, namespace, ref.name),
+                                    timeout=CALL_TIMEOUT)
+    except KubeNotFound:
+        raise ReconcileProblem("WorkloadNotFound", f"spec.workloadRef: {ref.describe(namespace)} does not exist "
+                               "(the group adopts it once it does)") from None
+    except KubeForbidden as exc:
+        raise ReconcileProblem("RBACDenied", f"the operator may not read {ref.describe(namespace)}: {exc}") from None
+
+
+async def release(client: KubeClient, spec: GroupSpec) -> None:
+    """Give an adopted workload back: the group label leaves its template (a rollout without
+    the sidecar follows). Nothing to do if the workload is gone."""
+    # Read first: an apply to a workload that is gone would try to create one.
+    if await _get_or_none(client, workload_path(spec)) is not None:
+        await apply(client, resources.release_adoption(spec))
 
 
 async def _get_or_none(client: KubeClient, path: str) -> dict[str, Any] | None:

@@ -116,10 +116,14 @@ def role(spec: GroupSpec) -> dict[str, Any]:
 
 
 def role_binding(spec: GroupSpec) -> dict[str, Any]:
-    accounts = {sidecar_account(spec)}
     user_account = (spec.template.get("spec") or {}).get("serviceAccountName")
-    if user_account:
-        accounts.add(user_account)
+    if spec.workload_ref is None:
+        accounts = {sidecar_account(spec)}
+        if user_account:
+            accounts.add(user_account)
+    else:
+        # Adopted pods keep the account their workload gives them (the sidecar runs as it).
+        accounts = {user_account or "default"}
     return {"apiVersion": "rbac.authorization.k8s.io/v1", "kind": "RoleBinding",
             "metadata": _metadata(spec, sidecar_account(spec)),
             "roleRef": {"apiGroup": "rbac.authorization.k8s.io", "kind": "Role", "name": sidecar_account(spec)},
@@ -232,18 +236,25 @@ def pod_template(spec: GroupSpec) -> dict[str, Any]:
     metadata = template.setdefault("metadata", {})
     # The user's part-of and instance win (defaults only); managed-by and the group label are
     # ours: the operator watches its pods, and the Deployment selects them, by those.
-    metadata["labels"] = {**default_labels(spec), **(metadata.get("labels") or {}), LABEL_MANAGED_BY: MANAGED_BY,
-                          **selector_labels(spec)}
+    if spec.workload_ref is None:
+        metadata["labels"] = {**default_labels(spec), **(metadata.get("labels") or {}),
+                              LABEL_MANAGED_BY: MANAGED_BY, **selector_labels(spec)}
+    else:
+        # An adopted workload's pods keep their labels (its controller selects them by those,
+        # its chart says who manages them); the group label is the one the group selects by.
+        metadata["labels"] = {**(metadata.get("labels") or {}), **selector_labels(spec)}
     pod = template.setdefault("spec", {})
     pod["containers"] = [_main_container(spec, c) if c["name"] == spec.main_container else c
                          for c in pod["containers"]]
     pod["initContainers"] = [sidecar_container(spec), *(pod.get("initContainers") or [])]
-    pod.setdefault("serviceAccountName", sidecar_account(spec))
+    if spec.workload_ref is None:
+        pod.setdefault("serviceAccountName", sidecar_account(spec))
     if spec.image_pull_secrets:
         # The operator's, for the sidecar's image, after the user's own (each name once).
         named = {s.get("name") for s in pod.get("imagePullSecrets") or []}
         pod["imagePullSecrets"] = [*(pod.get("imagePullSecrets") or []),
                                    *({"name": n} for n in spec.image_pull_secrets if n not in named)]
+    # An adopted pod keeps its own account: the group's RoleBinding names it instead.
     pod["terminationGracePeriodSeconds"] = spec.termination_grace
     if spec.gating == "file":
         pod["volumes"] = [*(pod.get("volumes") or []), {"name": GATE_VOLUME, "emptyDir": {"medium": "Memory"}}]
@@ -263,6 +274,23 @@ def deployment(spec: GroupSpec) -> dict[str, Any]:
             "template": pod_template(spec),
         },
     }
+
+
+def adoption(spec: GroupSpec) -> dict[str, Any]:
+    """The server-side apply of an adopted workload: the group label on its pod template, and
+    nothing else (the workload's owner, a chart or a GitOps tool, keeps all other fields; the
+    operator's field manager owns only this one, so the operator can take it back)."""
+    assert spec.workload_ref is not None
+    return {"apiVersion": "apps/v1", "kind": spec.workload_ref.kind,
+            "metadata": {"name": spec.workload_ref.name, "namespace": spec.namespace},
+            "spec": {"template": {"metadata": {"labels": selector_labels(spec)}}}}
+
+
+def release_adoption(spec: GroupSpec) -> dict[str, Any]:
+    """The apply that gives the workload back: the operator's field manager owns nothing."""
+    assert spec.workload_ref is not None
+    return {"apiVersion": "apps/v1", "kind": spec.workload_ref.kind,
+            "metadata": {"name": spec.workload_ref.name, "namespace": spec.namespace}}
 
 
 def leader_service(spec: GroupSpec) -> dict[str, Any] | None:

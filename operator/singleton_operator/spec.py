@@ -140,6 +140,34 @@ def seconds_to_ns(seconds: float) -> int:
     return round(seconds * NANOSECONDS)
 
 
+WORKLOAD_KINDS = ("Deployment", "StatefulSet")
+_DNS1123_SUBDOMAIN = re.compile(r"[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*", re.ASCII)
+
+
+@dataclass(frozen=True)
+class WorkloadRef:
+    """An existing apps/v1 workload the group adopts (``spec.workloadRef``)."""
+
+    kind: str
+    name: str
+
+    def describe(self, namespace: str) -> str:
+        return f"{self.kind} {namespace}/{self.name}"
+
+
+def workload_ref(body: Mapping[str, Any]) -> WorkloadRef | None:
+    """The workload a SingletonService adopts, or None when it carries a template."""
+    raw = (body.get("spec") or {}).get("workloadRef")
+    if raw is None:
+        return None
+    kind, name = raw.get("kind"), raw.get("name")
+    if kind not in WORKLOAD_KINDS:
+        raise SpecError(f"spec.workloadRef.kind: must be Deployment or StatefulSet, got {kind!r}")
+    if not isinstance(name, str) or len(name) > 253 or not _DNS1123_SUBDOMAIN.fullmatch(name):
+        raise SpecError(f"spec.workloadRef.name: must be the name of a {kind} (a DNS-1123 subdomain), got {name!r}")
+    return WorkloadRef(kind=kind, name=name)
+
+
 @dataclass(frozen=True)
 class ServicePort:
     port: int
@@ -175,6 +203,8 @@ class GroupSpec:
     service_ports: tuple[ServicePort, ...] = ()
     service_annotations: dict[str, str] = field(default_factory=dict)
     pdb_enabled: bool = True
+    workload_ref: WorkloadRef | None = None
+    """Set when the group adopts an existing workload; ``template`` is then that workload's."""
     labels: dict[str, str] = field(default_factory=dict)
     """The SingletonService's own metadata.labels (passed on to the objects it owns)."""
     annotations: dict[str, str] = field(default_factory=dict)
@@ -404,14 +434,44 @@ def _sidecar_resources(raw: Mapping[str, Any] | None) -> dict[str, Any] | None:
     return dict(raw)
 
 
-def read_spec(body: dict[str, Any], *, default_sidecar_image: str) -> GroupSpec:
-    """The resolved spec of a SingletonService object (as the API server returns it)."""
+def read_spec(body: dict[str, Any], *, default_sidecar_image: str,
+              workload: Mapping[str, Any] | None = None) -> GroupSpec:
+    """The resolved spec of a SingletonService object (as the API server returns it).
+
+    A group that adopts a workload (``spec.workloadRef``) is read with that workload as the
+    API server returns it (or the pod being admitted, in the pod's own shape): its pod
+    template takes the place of ``spec.template``, checked by the same rules, and its
+    ``spec.replicas`` is the group's."""
+    spec = body.get("spec") or {}
+    ref = workload_ref(body)
+    if ref is None:
+        if workload is not None:
+            raise ValueError("a workload was given for a group that carries its own template")
+        return _read_spec(body, spec.get("template") or {}, int(spec.get("replicas", 2)), default_sidecar_image,
+                          None)
+    if spec.get("template") is not None:
+        raise SpecError("spec.template: must not be set together with spec.workloadRef (the group runs the adopted "
+                        "workload's own pod template)")
+    where = ref.describe(body["metadata"]["namespace"])
+    if workload is None:
+        raise ValueError(f"{where} must be read before the spec of the group that adopts it")
+    workload_spec = workload.get("spec") or {}
+    try:
+        return _read_spec(body, workload_spec.get("template") or {}, int(workload_spec.get("replicas", 1)),
+                          default_sidecar_image, ref)
+    except SpecError as exc:
+        if "spec.template" in str(exc):
+            raise SpecError(f"{exc} (in the adopted {where})") from None
+        raise
+
+
+def _read_spec(body: dict[str, Any], template: dict[str, Any], replicas: int, default_sidecar_image: str,
+               ref: WorkloadRef | None) -> GroupSpec:
     metadata, spec = body["metadata"], body.get("spec") or {}
     name = metadata["name"]
     backend: Backend = spec.get("backend", "lease")
     if backend not in ("postgres", "lease", "both"):
         raise SpecError(f"spec.backend: must be postgres, lease or both, got {backend!r}")
-    template = spec.get("template") or {}
     pod = template.get("spec") or {}
     containers = pod.get("containers") or []
     if not containers:
@@ -454,7 +514,7 @@ def read_spec(body: dict[str, Any], *, default_sidecar_image: str) -> GroupSpec:
         namespace=metadata["namespace"],
         uid=metadata["uid"],
         generation=int(metadata.get("generation", 0)),
-        replicas=int(spec.get("replicas", 2)),
+        replicas=replicas,
         backend=backend,
         timings=_timings(backend, spec.get("timings")),
         drain_timeout=_drain_timeout(drain, termination_grace),
@@ -473,6 +533,7 @@ def read_spec(body: dict[str, Any], *, default_sidecar_image: str) -> GroupSpec:
         service_ports=service_ports,
         service_annotations=service_annotations,
         pdb_enabled=bool((spec.get("podDisruptionBudget") or {}).get("enabled", True)),
+        workload_ref=ref,
         labels=dict(metadata.get("labels") or {}),
         annotations=dict(metadata.get("annotations") or {}),
     )

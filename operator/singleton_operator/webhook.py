@@ -1,0 +1,126 @@
+"""The mutating admission webhook: the sidecar for each new pod of an adopted workload.
+
+Served by every operator replica, leader or not (``runtime``): with ``failurePolicy: Fail``
+an adopted workload's pods can be created only while a replica answers, so the answer must
+not wait for an election. What a pod gets is a pure function of its SingletonService and the
+pod itself (``inject.pod_patch``), so any replica answers alike; the group is read from the API
+server on each request, never from a cache that could be older than the group.
+
+Decisions, per pod that reaches us (the MutatingWebhookConfiguration sends only pods with
+the group label, and none the operator made):
+- already has the sidecar: allowed unchanged;
+- its group does not exist, or carries its own template: allowed unchanged, with a warning
+  (the label alone does not make a pod part of a group);
+- its group adopts a workload: allowed with the patch, or refused with the group's rule the
+  pod breaks (its controller shows the message in its Events and retries);
+- the group cannot be read: refused, so no adopted pod ever runs without its sidecar.
+"""
+
+from __future__ import annotations
+
+import base64
+import json
+import logging
+import time
+from collections.abc import Callable
+from typing import Any
+
+from aiohttp import web
+
+from singleton_operator.inject import pod_patch
+from singleton_operator.reconcile import CALL_TIMEOUT, cr_path
+from singleton_operator.spec import GroupSpec, SpecError, workload_ref
+from singleton_sidecar import contract
+from singleton_sidecar.kube import KubeClient, KubeError, KubeNotFound
+
+log = logging.getLogger(__name__)
+
+PATH = "/mutate-pods"
+MAX_BODY = 3 * 1024 * 1024
+"""The API server sends at most its request limit (3 MiB by default) per object."""
+
+SpecReader = Callable[[dict[str, Any], dict[str, Any]], GroupSpec]
+
+
+class Refused(Exception):
+    """The pod must not be created; the message is shown to whoever created it."""
+
+    def __init__(self, message: str, code: int = 403) -> None:
+        super().__init__(message)
+        self.code = code
+
+
+class PodAdmission:
+    """Answers AdmissionReviews of pods (``admission.k8s.io/v1``)."""
+
+    def __init__(self, client: KubeClient, read_spec: SpecReader,
+                 observe: Callable[[float], None] | None = None) -> None:
+        self.client = client
+        self.read_spec = read_spec
+        self.observe = observe or (lambda _seconds: None)
+
+    async def handle(self, request: web.Request) -> web.Response:
+        started = time.perf_counter()
+        try:
+            review = json.loads(await request.read())
+            admission = review["request"]
+            uid = str(admission["uid"])
+        except (ValueError, KeyError, TypeError):
+            return web.json_response({"error": "expected an admission.k8s.io/v1 AdmissionReview with a request"},
+                                     status=400)
+        try:
+            patch, warnings = await self.decide(admission)
+            response: dict[str, Any] = {"uid": uid, "allowed": True}
+            if patch:
+                response["patchType"] = "JSONPatch"
+                response["patch"] = base64.b64encode(json.dumps(patch).encode()).decode()
+        except Refused as exc:
+            warnings = []
+            response = {"uid": uid, "allowed": False, "status": {"code": exc.code, "message": str(exc)}}
+        if warnings:
+            response["warnings"] = warnings
+        elapsed = time.perf_counter() - started
+        self.observe(elapsed)
+        log.info("pod admission namespace=%s group=%s allowed=%s patched=%s seconds=%.4f",
+                 admission.get("namespace"), _group_label(admission.get("object") or {}), response["allowed"],
+                 "patch" in response, elapsed)
+        return web.json_response({"apiVersion": "admission.k8s.io/v1", "kind": "AdmissionReview",
+                                  "response": response})
+
+    async def decide(self, admission: dict[str, Any]) -> tuple[list[dict[str, Any]], list[str]]:
+        """(JSON patch, warnings) for one pod; raises ``Refused``."""
+        pod = admission.get("object") or {}
+        group = _group_label(pod)
+        namespace = str(admission.get("namespace") or (pod.get("metadata") or {}).get("namespace") or "")
+        if admission.get("operation") != "CREATE" or not group or not namespace:
+            return [], []
+        try:
+            body = await self.client.request("GET", cr_path(namespace, group), timeout=CALL_TIMEOUT)
+        except KubeNotFound:
+            return [], [f"label {contract.LABEL_GROUP}={group}: no SingletonService {namespace}/{group}; the pod "
+                        "runs without the singleton sidecar"]
+        except KubeError as exc:
+            raise Refused(f"singleton: cannot read SingletonService {namespace}/{group} to add its sidecar: {exc}",
+                          code=503) from None
+        try:
+            ref = workload_ref(body)
+        except SpecError as exc:
+            raise Refused(f"singleton: SingletonService {namespace}/{group}: {exc}") from None
+        if ref is None:
+            return [], [f"label {contract.LABEL_GROUP}={group}: SingletonService {namespace}/{group} carries its "
+                        "own template, so this pod is not one of its members and gets no sidecar"]
+        as_workload = {"spec": {"template": {"metadata": pod.get("metadata") or {}, "spec": pod.get("spec") or {}}}}
+        try:
+            spec = self.read_spec(body, as_workload)
+        except SpecError as exc:
+            raise Refused(f"singleton: SingletonService {namespace}/{group} cannot run this pod: {exc}") from None
+        return pod_patch(spec, pod), []
+
+    def app(self) -> web.Application:
+        application = web.Application(client_max_size=MAX_BODY)
+        application.router.add_post(PATH, self.handle)
+        return application
+
+
+def _group_label(pod: dict[str, Any]) -> str:
+    return str(((pod.get("metadata") or {}).get("labels") or {}).get(contract.LABEL_GROUP) or "")

@@ -1,0 +1,235 @@
+"""Adopting existing workloads: the injection shared by the webhook and ``singletonctl inject``,
+the CRD's ``spec.workloadRef`` on the real API server, and the operator's part of an adoption
+(the group label on the workload's template, the RBAC for the workload's own account, the
+status from the adopted pods, the label taken back when the group is deleted)."""
+
+from __future__ import annotations
+
+import copy
+import json
+import subprocess
+import sys
+import uuid
+from pathlib import Path
+from typing import Any
+
+import jsonpatch
+import pytest
+import yaml
+
+from singleton_operator.inject import InjectError, Manifest, inject_manifests, is_injected, pod_patch
+from singleton_operator.spec import SpecError, read_spec
+from singleton_sidecar import contract
+from tests.conftest import Cluster
+from tests.kubehelpers import get_json
+from tests.sidecars import wait_for
+from tests.test_operator import Factory, condition, cr, operators  # noqa: F401
+
+IMAGE = "example.invalid/singleton:test"
+
+
+def vendor_deployment(name: str = "poller", **pod: Any) -> dict[str, Any]:
+    """A Deployment as a third party writes it: its own labels, account and probes."""
+    return {"apiVersion": "apps/v1", "kind": "Deployment",
+            "metadata": {"name": name, "labels": {"app.kubernetes.io/managed-by": "Helm",
+                                                  "app.kubernetes.io/instance": "vendor"}},
+            "spec": {"replicas": 3, "selector": {"matchLabels": {"app": name}},
+                     "template": {"metadata": {"labels": {"app": name, "app.kubernetes.io/instance": "vendor"}},
+                                  "spec": {"serviceAccountName": "vendor-poller",
+                                           "containers": [{"name": "poller", "image": "vendor/poller:1",
+                                                           "command": ["/poll"]}], **pod}}}}
+
+
+def adopting(name: str = "poller", kind: str = "Deployment", workload: str = "poller",
+             **spec: Any) -> dict[str, Any]:
+    return {"apiVersion": "singleton.dev/v1alpha1", "kind": "SingletonService", "metadata": {"name": name},
+            "spec": {"workloadRef": {"kind": kind, "name": workload}, **spec}}
+
+
+def inject(*docs: dict[str, Any]) -> list[dict[str, Any]]:
+    return inject_manifests([Manifest(doc=copy.deepcopy(d), source=f"doc{i}") for i, d in enumerate(docs)],
+                            default_namespace="team", default_sidecar_image=IMAGE)
+
+
+def test_inject_adds_the_sidecar_and_keeps_the_workloads_own_fields() -> None:
+    other = {"apiVersion": "v1", "kind": "ConfigMap", "metadata": {"name": "poller"}}
+    out = inject(adopting(gating={"mode": "file"}), vendor_deployment(), other)
+    assert [d["kind"] for d in out] == ["SingletonService", "Deployment", "ConfigMap"]
+    assert out[2] == other
+    deployment = out[1]
+    template = deployment["spec"]["template"]
+    # The workload's own: labels (with the group's added), selector, replicas, account.
+    assert deployment["metadata"]["labels"] == vendor_deployment()["metadata"]["labels"]
+    assert deployment["spec"]["selector"] == {"matchLabels": {"app": "poller"}}
+    assert deployment["spec"]["replicas"] == 3
+    assert template["metadata"]["labels"] == {"app": "poller", "app.kubernetes.io/instance": "vendor",
+                                              contract.LABEL_GROUP: "poller"}
+    assert template["spec"]["serviceAccountName"] == "vendor-poller"
+    sidecar = template["spec"]["initContainers"][0]
+    assert (sidecar["name"], sidecar["image"], sidecar["restartPolicy"]) == ("singleton-sidecar", IMAGE, "Always")
+    env = {e["name"]: e.get("value") for e in sidecar["env"]}
+    assert env[contract.ENV_GROUP] == "poller" and env[contract.ENV_LOCK_KEY] == "team/poller"
+    main = template["spec"]["containers"][0]
+    assert main["command"][-1] == "/poll" and "gate.sh" in main["command"][2]
+    assert {"name": "singleton-gate", "mountPath": "/var/run/singleton"} in main["volumeMounts"]
+
+
+def test_inject_refuses_what_would_be_half_done() -> None:
+    with pytest.raises(InjectError, match=r"no SingletonService with spec.workloadRef"):
+        inject(vendor_deployment())
+    with pytest.raises(InjectError, match=r"adopts Deployment team/poller, which is not in the input"):
+        inject(adopting(), vendor_deployment("other"))
+    with pytest.raises(InjectError, match="adopted by two SingletonServices"):
+        inject(adopting("a"), adopting("b"), vendor_deployment())
+    injected = inject(adopting(), vendor_deployment())[1]
+    with pytest.raises(InjectError, match="already has the singleton-sidecar container"):
+        inject(adopting(), injected)
+    # The group's rules, checked on the workload's template and said to be about it.
+    with pytest.raises(InjectError, match=r"spec.mainContainer: no container named 'app' .*adopted Deployment"):
+        inject(adopting(mainContainer="app"), vendor_deployment())
+    clash = vendor_deployment()
+    clash["spec"]["template"]["spec"]["containers"][0]["ports"] = [{"containerPort": 7451}]
+    with pytest.raises(InjectError, match=r"spec.sidecar.port .* \(in the adopted Deployment team/poller\)"):
+        inject(adopting(), clash)
+    with pytest.raises(InjectError, match=r"spec.workloadRef.kind: must be Deployment or StatefulSet"):
+        inject(adopting(kind="DaemonSet"), vendor_deployment())
+    both = adopting(template={"spec": {"containers": [{"name": "a", "image": "a"}]}})
+    with pytest.raises(InjectError, match=r"spec.template: must not be set together with spec.workloadRef"):
+        inject(both, vendor_deployment())
+
+
+def test_a_statefulset_is_injected_too() -> None:
+    sts = vendor_deployment()
+    sts["kind"] = "StatefulSet"
+    sts["spec"]["serviceName"] = "poller"
+    out = inject(adopting(kind="StatefulSet"), sts)
+    assert is_injected(out[1]["spec"]["template"]["spec"])
+
+
+def test_the_pod_patch_is_the_templates_injection_and_empty_once_injected() -> None:
+    pod = {"metadata": {"generateName": "poller-", "labels": {"app": "poller", contract.LABEL_GROUP: "poller"}},
+           "spec": copy.deepcopy(vendor_deployment()["spec"]["template"]["spec"])}
+    body = {**adopting(), "metadata": {"name": "poller", "namespace": "team", "uid": "u"}}
+    spec = read_spec(body, default_sidecar_image=IMAGE, workload={"spec": {"template": pod}})
+    patch = pod_patch(spec, pod)
+    patched = jsonpatch.apply_patch(pod, patch)
+    assert patched["spec"]["initContainers"][0]["name"] == "singleton-sidecar"
+    assert patched["spec"]["serviceAccountName"] == "vendor-poller"
+    assert patched["metadata"]["generateName"] == "poller-"
+    assert pod_patch(spec, patched) == []
+    with pytest.raises(ValueError, match="must be read before"):
+        read_spec(body, default_sidecar_image=IMAGE)
+    with pytest.raises(SpecError, match=r"spec.workloadRef.name"):
+        read_spec({**body, "spec": {"workloadRef": {"kind": "Deployment", "name": "Bad_Name"}}},
+                  default_sidecar_image=IMAGE, workload={"spec": {"template": pod}})
+
+
+def singletonctl(*args: str, stdin: str = "") -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, "-m", "singleton_ctl.cli", *args], input=stdin, capture_output=True,
+                          text=True, timeout=60, check=False)
+
+
+def test_singletonctl_inject_reads_files_and_stdin_and_writes_everything(tmp_path: Path) -> None:
+    group_file = tmp_path / "group.yaml"
+    group_file.write_text(yaml.safe_dump(adopting()))
+    vendor = yaml.safe_dump_all([vendor_deployment(), {"apiVersion": "v1", "kind": "Service",
+                                                       "metadata": {"name": "poller"}}])
+    result = singletonctl("inject", "-f", str(group_file), "-f", "-", "-n", "team", "--sidecar-image", IMAGE,
+                          stdin="---\n" + vendor)
+    assert result.returncode == 0, result.stderr
+    docs = list(yaml.safe_load_all(result.stdout))
+    assert [d["kind"] for d in docs] == ["SingletonService", "Deployment", "Service"]
+    assert docs[1]["spec"]["template"]["spec"]["initContainers"][0]["image"] == IMAGE
+    # Errors: one line, exit 1, nothing on stdout (no half-written stream).
+    for args, stdin, message in [
+        (["inject"], vendor, "no SingletonService with spec.workloadRef in the input"),
+        (["inject", "-f", str(tmp_path / "missing.yaml")], "", "cannot read"),
+        (["inject", "-f", str(group_file), "-f", "-"], "kind: [unclosed", "stdin: not valid YAML"),
+        (["inject", "-f", str(group_file), "-f", "-"], "- a\n- b\n", "document 1 is not a Kubernetes object"),
+    ]:
+        bad = singletonctl(*args, stdin=stdin)
+        assert bad.returncode == 1, (args, bad.stdout, bad.stderr)
+        assert bad.stdout == ""
+        assert bad.stderr.startswith("singletonctl: error: ") and message in bad.stderr, bad.stderr
+        assert bad.stderr.count("\n") == 1
+
+
+def test_injected_manifests_are_valid_for_the_api_server(cluster: Cluster, singleton_crd: Path, namespace: str,
+                                                         tmp_path: Path) -> None:
+    manifest = tmp_path / "injected.yaml"
+    manifest.write_text(yaml.safe_dump_all(inject(adopting(gating={"mode": "file"}), vendor_deployment())))
+    result = cluster.kubectl("apply", "--dry-run=server", "-n", namespace, "-f", str(manifest), check=False)
+    assert result.returncode == 0, result.stderr
+    assert "deployment.apps/poller created (server dry run)" in result.stdout
+
+
+@pytest.mark.parametrize(("spec", "message"), [
+    ({"workloadRef": {"kind": "Deployment", "name": "x"},
+      "template": {"spec": {"containers": [{"name": "a", "image": "a"}]}}}, "set exactly one of spec.template"),
+    ({}, "set exactly one of spec.template"),
+    ({"workloadRef": {"kind": "DaemonSet", "name": "x"}}, "Unsupported value: \"DaemonSet\""),
+    ({"workloadRef": {"kind": "Deployment", "name": "Not_A_Name"}}, "spec.workloadRef.name"),
+])
+def test_the_crd_admits_exactly_one_of_template_and_workload_ref(cluster: Cluster, singleton_crd: Path,
+                                                                namespace: str, spec: dict[str, Any],
+                                                                message: str) -> None:
+    body = {"apiVersion": "singleton.dev/v1alpha1", "kind": "SingletonService", "metadata": {"name": "g"},
+            "spec": spec}
+    result = cluster.kubectl("apply", "-n", namespace, "-f", "-", input_text=json.dumps(body), check=False)
+    assert result.returncode != 0
+    assert message in result.stderr, result.stderr
+
+
+def test_the_adopted_workload_cannot_be_swapped(cluster: Cluster, singleton_crd: Path, namespace: str) -> None:
+    cluster.apply(json.dumps(adopting()), namespace=namespace)
+    for spec, message in [({"workloadRef": {"kind": "Deployment", "name": "other"}}, "spec.workloadRef cannot change"),
+                          ({"workloadRef": None, "template": {"spec": {"containers": [{"name": "a", "image": "a"}]}}},
+                           "cannot switch between spec.template and spec.workloadRef")]:
+        result = cluster.kubectl("patch", "singletonservice", "poller", "-n", namespace, "--type=merge", "-p",
+                                 json.dumps({"spec": spec}), check=False)
+        assert result.returncode != 0
+        assert message in result.stderr, result.stderr
+
+
+def template_labels(cluster: Cluster, namespace: str, name: str) -> dict[str, str]:
+    deployment = get_json(cluster, "deployment", name, "-n", namespace)
+    labels: dict[str, str] = deployment["spec"]["template"]["metadata"].get("labels") or {}
+    return labels
+
+
+def test_the_operator_adopts_a_deployment_and_gives_it_back(cluster: Cluster, namespace: str,
+                                                            operators: Factory) -> None:  # noqa: F811
+    operators()
+    name = "adopt-" + uuid.uuid4().hex[:4]
+    cluster.apply(json.dumps(adopting(name, workload=name, service={"ports": [{"port": 80}]})), namespace=namespace)
+    # No workload yet: said so, and adopted as soon as it exists.
+    stalled = wait_for(lambda: (c := condition(cr(cluster, namespace, name), "Stalled")) and c["status"] == "True"
+                       and c, 20, "a Stalled condition", 0.2)
+    assert f"Deployment {namespace}/{name} does not exist" in stalled["message"]
+    vendor = vendor_deployment(name)
+    cluster.apply(json.dumps(vendor), namespace=namespace)
+    labels = wait_for(lambda: (found := template_labels(cluster, namespace, name)).get(contract.LABEL_GROUP) and found,
+                      30, "the group label on the template", 0.2)
+    assert labels == {"app": name, "app.kubernetes.io/instance": "vendor", contract.LABEL_GROUP: name}
+    deployment = get_json(cluster, "deployment", name, "-n", namespace, "--show-managed-fields")
+    # Only the label is the operator's; the Deployment is otherwise the vendor's, untouched.
+    assert deployment["metadata"]["labels"] == vendor["metadata"]["labels"]
+    assert "ownerReferences" not in deployment["metadata"]
+    assert "initContainers" not in deployment["spec"]["template"]["spec"]
+    managers = {m["manager"]: m for m in deployment["metadata"]["managedFields"]}
+    assert managers["singleton-operator"]["operation"] == "Apply"
+    binding = get_json(cluster, "rolebinding", f"singleton-sidecar-{name}", "-n", namespace)
+    assert binding["subjects"] == [{"kind": "ServiceAccount", "name": "vendor-poller", "namespace": namespace}]
+    service = get_json(cluster, "service", f"{name}-leader", "-n", namespace)
+    assert service["spec"]["selector"] == {contract.LABEL_GROUP: name, contract.LABEL_ROLE: contract.ROLE_LEADER}
+    # The pods keep the workload's account: the group makes none of its own.
+    assert cluster.kubectl("get", "serviceaccount", f"singleton-sidecar-{name}", "-n", namespace,
+                           check=False).returncode != 0
+    # A helm upgrade (a strategic merge patch that knows nothing of the label) keeps it.
+    cluster.kubectl("patch", "deployment", name, "-n", namespace, "--type=strategic", "-p",
+                    json.dumps({"spec": {"template": {"metadata": {"annotations": {"vendor/version": "2"}}}}}))
+    assert template_labels(cluster, namespace, name)[contract.LABEL_GROUP] == name
+    # Deleted: the workload is given back (the label off its template), then the group goes.
+    cluster.kubectl("delete", "singletonservice", name, "-n", namespace, "--wait=true", "--timeout=30s")
+    assert contract.LABEL_GROUP not in template_labels(cluster, namespace, name)
+    assert template_labels(cluster, namespace, name)["app"] == name
