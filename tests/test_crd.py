@@ -526,7 +526,8 @@ INVALID: list[Any] = [
     pytest.param({"spec.mainContainer": "web"}, ["spec.mainContainer", "must name a container"], id="main-not-in-tmpl"),
     pytest.param({"spec.mainContainer": "App"}, ["spec.mainContainer"], id="main-container-invalid-name"),
     # template
-    pytest.param({"spec.template": DELETE}, ["spec.template", "Required value"], id="template-missing"),
+    pytest.param({"spec.template": DELETE}, ["set exactly one of spec.template", "spec.workloadRef"],
+                 id="template-missing"),
     pytest.param({"spec.template.spec.containers": []}, ["spec.template.spec.containers"], id="containers-empty"),
     pytest.param({"spec.template.spec.containers": DELETE}, ["spec.template.spec.containers"], id="containers-missing"),
     pytest.param(
