@@ -233,3 +233,86 @@ def test_the_operator_adopts_a_deployment_and_gives_it_back(cluster: Cluster, na
     cluster.kubectl("delete", "singletonservice", name, "-n", namespace, "--wait=true", "--timeout=30s")
     assert contract.LABEL_GROUP not in template_labels(cluster, namespace, name)
     assert template_labels(cluster, namespace, name)["app"] == name
+
+
+def webhook_configuration(name: str, namespace: str, port: int) -> dict[str, Any]:
+    """The chart's webhook, pointed at an operator process on this machine by URL, and scoped
+    to this test's namespace."""
+    return {"apiVersion": "admissionregistration.k8s.io/v1", "kind": "MutatingWebhookConfiguration",
+            "metadata": {"name": name},
+            "webhooks": [{"name": "pods.singleton.dev", "admissionReviewVersions": ["v1"], "sideEffects": "None",
+                          "failurePolicy": "Fail", "timeoutSeconds": 5,
+                          "rules": [{"apiGroups": [""], "apiVersions": ["v1"], "operations": ["CREATE"],
+                                     "resources": ["pods"], "scope": "Namespaced"}],
+                          "objectSelector": {"matchExpressions": [
+                              {"key": contract.LABEL_GROUP, "operator": "Exists"},
+                              {"key": "app.kubernetes.io/managed-by", "operator": "NotIn",
+                               "values": ["singleton-operator"]}]},
+                          "namespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name": namespace}},
+                          "clientConfig": {"url": f"https://127.0.0.1:{port}/mutate-pods"}}]}
+
+
+def bare_pod(name: str, group: str | None, **container: Any) -> str:
+    labels = {"app": "x", **({contract.LABEL_GROUP: group} if group else {})}
+    return json.dumps({"apiVersion": "v1", "kind": "Pod", "metadata": {"name": name, "labels": labels},
+                       "spec": {"containers": [{"name": "poller", "image": "vendor/poller:1", "command": ["/poll"],
+                                                **container}]}})
+
+
+def test_the_webhook_injects_adopted_pods_and_refuses_them_while_no_operator_answers(
+        cluster: Cluster, namespace: str, operators: Factory, tmp_path: Path) -> None:  # noqa: F811
+    from singleton_testbed.procs import free_port
+
+    port = free_port()
+    configuration = "singleton-test-" + uuid.uuid4().hex[:6]
+    cluster.apply(json.dumps(webhook_configuration(configuration, namespace, port)))
+    try:
+        operator = operators("hook")
+        operator.extra_args += ["--webhook-listen", f"127.0.0.1:{port}", "--webhook-extra-name", "127.0.0.1",
+                                "--webhook-config", configuration, "--sidecar-image", IMAGE]
+        operator.stop()
+        operator.start()
+        # The operator makes its certificate (a Secret in its namespace) and puts its CA into the
+        # configuration before it answers.
+        secret = wait_for(lambda: cluster.kubectl("get", "secret", "singleton-operator-webhook-tls", "-n", namespace,
+                                                  "-o", "json", check=False).stdout or None, 30, "the TLS Secret", 0.2)
+        assert json.loads(secret)["type"] == "kubernetes.io/tls"
+        wait_for(lambda: (get_json(cluster, "mutatingwebhookconfiguration", configuration)["webhooks"][0]
+                          ["clientConfig"].get("caBundle")), 30, "the caBundle", 0.2)
+        cluster.apply(json.dumps(adopting(gating={"mode": "file"})), namespace=namespace)
+        # A pod of the group is created with the sidecar, keeping its own fields.
+        wait_for(lambda: cluster.kubectl("apply", "-n", namespace, "-f", "-", input_text=bare_pod("p1", "poller"),
+                                         check=False).returncode == 0, 20, "the webhook to admit p1", 0.5)
+        pod = get_json(cluster, "pod", "p1", "-n", namespace)
+        sidecar = pod["spec"]["initContainers"][0]
+        assert (sidecar["name"], sidecar["image"]) == ("singleton-sidecar", IMAGE)
+        assert pod["spec"]["containers"][0]["command"][-1] == "/poll"
+        assert pod["metadata"]["labels"] == {"app": "x", contract.LABEL_GROUP: "poller"}
+        # The sidecar gets the service account token like every container (the API server
+        # runs its ServiceAccount admission again after a webhook changed the pod).
+        assert any(m["mountPath"] == "/var/run/secrets/kubernetes.io/serviceaccount"
+                   for m in sidecar.get("volumeMounts") or []), sidecar
+        # A pod that breaks the group's rules is refused, saying which rule.
+        clash = cluster.kubectl("apply", "-n", namespace, "-f", "-",
+                                input_text=bare_pod("p2", "poller", ports=[{"containerPort": 7450}]), check=False)
+        assert clash.returncode != 0
+        assert "spec.sidecar.port" in clash.stderr and "cannot run this pod" in clash.stderr, clash.stderr
+        # A label for a group that does not exist: created unchanged, with a warning.
+        orphan = cluster.kubectl("apply", "-n", namespace, "-f", "-", input_text=bare_pod("p3", "nobody"))
+        assert "no SingletonService" in orphan.stderr, orphan.stderr
+        assert "initContainers" not in get_json(cluster, "pod", "p3", "-n", namespace)["spec"]
+        # No operator answers: adopted pods are refused, other pods are created as usual.
+        operator.stop()
+        refused = cluster.kubectl("apply", "-n", namespace, "-f", "-", input_text=bare_pod("p4", "poller"),
+                                  check=False)
+        assert refused.returncode != 0
+        assert "failed calling webhook" in refused.stderr and "pods.singleton.dev" in refused.stderr, refused.stderr
+        cluster.kubectl("apply", "-n", namespace, "-f", "-", input_text=bare_pod("p5", None))
+        # Back: the same certificate (the Secret) is served again.
+        operator.start()
+        wait_for(lambda: cluster.kubectl("apply", "-n", namespace, "-f", "-", input_text=bare_pod("p4", "poller"),
+                                         check=False).returncode == 0, 30, "the webhook to admit p4", 0.5)
+        assert json.loads(cluster.kubectl("get", "secret", "singleton-operator-webhook-tls", "-n", namespace,
+                                          "-o", "json").stdout)["data"] == json.loads(secret)["data"]
+    finally:
+        cluster.kubectl("delete", "mutatingwebhookconfiguration", configuration, "--ignore-not-found")

@@ -251,8 +251,8 @@ def test_rbac_denied_is_reported_and_nothing_is_created(cluster: Cluster, namesp
         assert "create poddisruptionbudgets.policy" in degraded["message"], degraded["message"]
         events = get_json(cluster, "events", "-n", namespace, "--field-selector", f"involvedObject.name={name}")
         assert "RBACDenied" in {e["reason"] for e in events["items"]}
-        for kind, obj in [("deployment", name), ("serviceaccount", f"singleton-sidecar-{name}")]:
-            assert not exists(cluster, namespace, kind, obj)
+        for kind, object_name in [("deployment", name), ("serviceaccount", f"singleton-sidecar-{name}")]:
+            assert not exists(cluster, namespace, kind, object_name)
         assert op.alive(), "the operator crashed"
     finally:
         op.stop()

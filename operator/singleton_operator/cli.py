@@ -24,9 +24,11 @@ from singleton_sidecar.early_stop import stop_on_sigterm_until_started
 from singleton_sidecar.logs import setup_logging
 
 if TYPE_CHECKING:
-    from singleton_operator.runtime import OperatorConfig
+    from singleton_operator.runtime import OperatorConfig, WebhookConfig
 
 PROG = "singleton-operator"
+DEFAULT_WEBHOOK_SERVICE = "singleton-operator-webhook"
+DEFAULT_WEBHOOK_SECRET = "singleton-operator-webhook-tls"
 DEFAULT_SIDECAR_IMAGE = "ghcr.io/singleton-dev/singleton:0.1.0"
 _DNS1123 = re.compile(r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$")
 _DNS1123_SUBDOMAIN = re.compile(r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*$")
@@ -58,6 +60,25 @@ def parser() -> argparse.ArgumentParser:
     run.add_argument("--identity", default=None, help="election identity (default: pod name + nonce) "
                                                       "[SINGLETON_OPERATOR_POD_NAME]")
     run.add_argument("--kubeconfig", default=None, help="kubeconfig outside a pod [KUBECONFIG]")
+    hook = run.add_argument_group("pod webhook", "the mutating webhook that adds the sidecar to adopted workloads' "
+                                                 "pods (docs/adoption.md); served by every replica")
+    hook.add_argument("--webhook-listen", default=None, metavar="HOST:PORT",
+                      help="serve the webhook (HTTPS) here; off when unset (the chart sets 0.0.0.0:9443) "
+                           "[SINGLETON_WEBHOOK_LISTEN]")
+    hook.add_argument("--webhook-service", default=None, metavar="NAME",
+                      help=f"the webhook's Service, named in its certificate (default {DEFAULT_WEBHOOK_SERVICE}) "
+                           "[SINGLETON_WEBHOOK_SERVICE]")
+    hook.add_argument("--webhook-secret", default=None, metavar="NAME",
+                      help="Secret (in the operator's namespace) holding the certificate the operator makes "
+                           f"(default {DEFAULT_WEBHOOK_SECRET}) [SINGLETON_WEBHOOK_SECRET]")
+    hook.add_argument("--webhook-config", default=None, metavar="NAME",
+                      help="MutatingWebhookConfiguration whose caBundle the operator keeps (none when unset) "
+                           "[SINGLETON_WEBHOOK_CONFIG]")
+    hook.add_argument("--webhook-cert-dir", default=None, metavar="DIR",
+                      help="read tls.crt and tls.key from here instead (cert-manager), reloaded when they change "
+                           "[SINGLETON_WEBHOOK_CERT_DIR]")
+    hook.add_argument("--webhook-extra-name", action="append", default=None, metavar="NAME",
+                      help="another DNS name or IP address for the certificate (repeatable)")
     run.add_argument("--log-format", default=None, choices=["json", "text"], help="default json")
     run.add_argument("--log-level", default=None, choices=["debug", "info", "warning", "error"], help="default info")
     return top
@@ -88,7 +109,9 @@ def load(args: argparse.Namespace, environ: Mapping[str, str]) -> OperatorConfig
             raise ConfigError(f"--sidecar-image-pull-secret (SINGLETON_SIDECAR_IMAGE_PULL_SECRETS): {secret!r} is "
                               "not a Secret name")
     base = args.identity or environ.get("SINGLETON_OPERATOR_POD_NAME") or f"{socket.gethostname()}-{os.getpid()}"
+    webhook = _webhook(args, environ)
     return OperatorConfig(
+        webhook=webhook,
         identity=f"{base}/{uuid.uuid4().hex[:8]}",
         lease_namespace=lease_namespace,
         namespaces=tuple(namespaces),
@@ -98,6 +121,32 @@ def load(args: argparse.Namespace, environ: Mapping[str, str]) -> OperatorConfig
         sidecar_pull_policy=pull_policy,
         image_pull_secrets=tuple(dict.fromkeys(pull_secrets)),
     )
+
+
+def _webhook(args: argparse.Namespace, environ: Mapping[str, str]) -> WebhookConfig | None:
+    from singleton_operator.runtime import WebhookConfig
+
+    listen_text = args.webhook_listen or environ.get("SINGLETON_WEBHOOK_LISTEN")
+    if not listen_text:
+        return None
+    listen = _listen("--webhook-listen (SINGLETON_WEBHOOK_LISTEN)", listen_text)
+    names = {"--webhook-service (SINGLETON_WEBHOOK_SERVICE)":
+             args.webhook_service or environ.get("SINGLETON_WEBHOOK_SERVICE") or DEFAULT_WEBHOOK_SERVICE,
+             "--webhook-secret (SINGLETON_WEBHOOK_SECRET)":
+             args.webhook_secret or environ.get("SINGLETON_WEBHOOK_SECRET") or DEFAULT_WEBHOOK_SECRET}
+    configuration = args.webhook_config or environ.get("SINGLETON_WEBHOOK_CONFIG") or None
+    if configuration:
+        names["--webhook-config (SINGLETON_WEBHOOK_CONFIG)"] = configuration
+    for flag, value in names.items():
+        if not _DNS1123.match(value) or len(value) > 63:
+            raise ConfigError(f"{flag}: {value!r} is not an object name (a DNS-1123 label)")
+    cert_dir = args.webhook_cert_dir or environ.get("SINGLETON_WEBHOOK_CERT_DIR") or None
+    if cert_dir is not None and not os.path.isdir(cert_dir):
+        raise ConfigError(f"--webhook-cert-dir (SINGLETON_WEBHOOK_CERT_DIR): {cert_dir!r} is not a folder")
+    service, secret = names["--webhook-service (SINGLETON_WEBHOOK_SERVICE)"], names[
+        "--webhook-secret (SINGLETON_WEBHOOK_SECRET)"]
+    return WebhookConfig(listen=listen, service=service, secret=secret, configuration=configuration,
+                         cert_dir=cert_dir, extra_names=tuple(args.webhook_extra_name or ()))
 
 
 def main(argv: Sequence[str] | None = None) -> int:

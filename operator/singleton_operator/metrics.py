@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, generate_latest
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
 
 class OperatorMetrics:
@@ -16,6 +16,9 @@ class OperatorMetrics:
                                         "reconciles that found a problem the user must fix", registry=self.registry)
         self.status_updates = Counter("singleton_operator_status_updates", "status writes to SingletonServices",
                                       registry=self.registry)
+        self.admission_seconds = Histogram(
+            "singleton_operator_pod_admission_seconds", "time to answer one pod AdmissionReview (webhook)",
+            buckets=(0.001, 0.0025, 0.005, 0.01, 0.02, 0.05, 0.1, 0.25, 1.0), registry=self.registry)
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

@@ -15,13 +15,17 @@ import logging
 import signal
 import time
 from dataclasses import dataclass
+from pathlib import Path
 
 import kopf
 from aiohttp import web
 
+from singleton_operator import certs
 from singleton_operator.groups import Groups
 from singleton_operator.handlers import registry
 from singleton_operator.metrics import OperatorMetrics
+from singleton_operator.webhook import PATH as WEBHOOK_PATH
+from singleton_operator.webhook import PodAdmission
 from singleton_sidecar.backends.lease import LeaseBackend
 from singleton_sidecar.config import Listen
 from singleton_sidecar.core.elector import Elector
@@ -38,6 +42,16 @@ KOPF_STOP_GRACE = 2.0
 
 
 @dataclass(frozen=True)
+class WebhookConfig:
+    listen: Listen
+    service: str
+    secret: str
+    configuration: str | None = None
+    cert_dir: str | None = None
+    extra_names: tuple[str, ...] = ()
+
+
+@dataclass(frozen=True)
 class OperatorConfig:
     identity: str
     lease_namespace: str
@@ -47,6 +61,7 @@ class OperatorConfig:
     kubeconfig: str | None = None
     sidecar_pull_policy: str | None = None
     image_pull_secrets: tuple[str, ...] = ()
+    webhook: WebhookConfig | None = None
 
 
 def health_app(elector: Elector, metrics: OperatorMetrics) -> web.Application:
@@ -102,6 +117,8 @@ async def run_operator(config: OperatorConfig) -> int:
     health = web.AppRunner(health_app(elector, metrics), access_log=None)
     await health.setup()
     await web.TCPSite(health, config.health_listen.host, config.health_listen.port).start()
+    # Before the election: every replica answers the webhook, leading or not (webhook.py).
+    webhook = await _start_webhook(config, client, metrics) if config.webhook else None
     election = asyncio.create_task(elector.run(), name="operator-election")
     exit_code = 0
     try:
@@ -119,10 +136,47 @@ async def run_operator(config: OperatorConfig) -> int:
             await asyncio.wait_for(election, timeout=10)
         for signum in (signal.SIGTERM, signal.SIGINT):
             loop.remove_signal_handler(signum)
+        if webhook is not None:
+            await webhook.stop()
         await health.cleanup()
         await backend.close()
         await client.close()
     return exit_code
+
+
+@dataclass
+class RunningWebhook:
+    runner: web.AppRunner
+    certificate_checks: asyncio.Task[None]
+
+    async def stop(self) -> None:
+        self.certificate_checks.cancel()
+        await asyncio.gather(self.certificate_checks, return_exceptions=True)
+        await self.runner.cleanup()
+
+
+async def _start_webhook(config: OperatorConfig, client: KubeClient, metrics: OperatorMetrics) -> RunningWebhook:
+    """Serve the pod webhook with a certificate that is ready before the first request."""
+    hook = config.webhook
+    assert hook is not None
+    source: certs.CertificateSource
+    if hook.cert_dir is not None:
+        source = certs.DirectorySource(Path(hook.cert_dir))
+    else:
+        names = [*certs.service_names(hook.service, config.lease_namespace), *hook.extra_names]
+        source = certs.SecretSource(certs.SecretStore(client, config.lease_namespace, hook.secret, names),
+                                    hook.configuration)
+    serving = certs.ServingContext()
+    await source.refresh(serving)
+    readers = Groups(client=client, sidecar_image=config.sidecar_image, metrics=metrics,
+                     sidecar_pull_policy=config.sidecar_pull_policy, image_pull_secrets=config.image_pull_secrets)
+    admission = PodAdmission(client, readers.spec_of, metrics.admission_seconds.observe)
+    runner = web.AppRunner(admission.app(), access_log=None)
+    await runner.setup()
+    await web.TCPSite(runner, hook.listen.host, hook.listen.port, ssl_context=serving.context).start()
+    log.info("pod webhook serving listen=%s:%d path=%s", hook.listen.host, hook.listen.port, WEBHOOK_PATH)
+    checks = asyncio.create_task(certs.keep_fresh(source, serving), name="webhook-certificate")
+    return RunningWebhook(runner, checks)
 
 
 async def _first(*events: asyncio.Event) -> asyncio.Event:

@@ -1,0 +1,283 @@
+"""The webhook's TLS: a CA and a serving certificate the operator makes, keeps in a Secret,
+renews, and serves without a restart.
+
+Every operator replica serves the webhook, so all serve the same certificate: the first to
+start creates the Secret (a replica that loses that race reads the winner's), each renews it
+when a third of its life is left (one wins the update by ``resourceVersion``; the others read
+it), and each reloads its ``ssl.SSLContext`` in place when the Secret's certificate changes.
+The CA (ten years) goes into the MutatingWebhookConfiguration's ``caBundle``; deleting the
+Secret makes a new CA, which the operator puts there too.
+
+With cert-manager (``--webhook-cert-dir``, the chart's ``webhook.certManager``), the
+certificate comes from a mounted Secret that cert-manager renews; the operator reloads the
+files when they change and leaves ``caBundle`` to cert-manager's CA injector.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import datetime as dt
+import hashlib
+import ipaddress
+import logging
+import os
+import ssl
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from cryptography import x509
+from cryptography.hazmat.primitives import hashes, serialization
+from cryptography.hazmat.primitives.asymmetric import ec
+from cryptography.x509.oid import NameOID
+
+from singleton_sidecar.kube import KubeClient, KubeConflict, KubeError, KubeNotFound
+
+log = logging.getLogger(__name__)
+
+CA_LIFETIME = dt.timedelta(days=3650)
+CERT_LIFETIME = dt.timedelta(days=365)
+RENEW_WHEN_LEFT = 1 / 3
+CHECK_INTERVAL = 3600.0
+CALL_TIMEOUT = 10.0
+CA_KEY = "ca.key"
+
+
+@dataclass(frozen=True)
+class Bundle:
+    """PEM bytes of the CA and of the serving certificate with its key."""
+
+    ca_cert: bytes
+    ca_key: bytes
+    cert: bytes
+    key: bytes
+
+    def as_secret_data(self) -> dict[str, str]:
+        return {k: base64.b64encode(v).decode() for k, v in (("ca.crt", self.ca_cert), (CA_KEY, self.ca_key),
+                                                                 ("tls.crt", self.cert), ("tls.key", self.key))}
+
+    @classmethod
+    def from_secret_data(cls, data: dict[str, str]) -> Bundle:
+        raw = {k: base64.b64decode(v) for k, v in data.items()}
+        return cls(ca_cert=raw["ca.crt"], ca_key=raw[CA_KEY], cert=raw["tls.crt"], key=raw["tls.key"])
+
+
+def service_names(service: str, namespace: str) -> list[str]:
+    """The names the API server may use for a webhook Service."""
+    return [service, f"{service}.{namespace}", f"{service}.{namespace}.svc", f"{service}.{namespace}.svc.cluster.local"]
+
+
+def _pem_key(key: ec.EllipticCurvePrivateKey) -> bytes:
+    return key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8,
+                             serialization.NoEncryption())
+
+
+def new_ca(now: dt.datetime) -> tuple[bytes, bytes]:
+    key = ec.generate_private_key(ec.SECP256R1())
+    name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, "singleton-operator webhook CA")])
+    cert = (x509.CertificateBuilder().subject_name(name).issuer_name(name).public_key(key.public_key())
+            .serial_number(x509.random_serial_number()).not_valid_before(now - dt.timedelta(minutes=5))
+            .not_valid_after(now + CA_LIFETIME)
+            .add_extension(x509.BasicConstraints(ca=True, path_length=0), critical=True)
+            .add_extension(x509.KeyUsage(digital_signature=True, key_cert_sign=True, crl_sign=True,
+                                         content_commitment=False, key_encipherment=False, data_encipherment=False,
+                                         key_agreement=False, encipher_only=False, decipher_only=False), critical=True)
+            .sign(key, hashes.SHA256()))
+    return cert.public_bytes(serialization.Encoding.PEM), _pem_key(key)
+
+
+def issue(ca_cert: bytes, ca_key: bytes, names: list[str], now: dt.datetime) -> tuple[bytes, bytes]:
+    """A serving certificate for ``names`` (DNS names, or IP addresses) signed by the CA."""
+    ca = x509.load_pem_x509_certificate(ca_cert)
+    signer = serialization.load_pem_private_key(ca_key, password=None)
+    assert isinstance(signer, ec.EllipticCurvePrivateKey)
+    key = ec.generate_private_key(ec.SECP256R1())
+    sans: list[x509.GeneralName] = []
+    for name in names:
+        try:
+            sans.append(x509.IPAddress(ipaddress.ip_address(name)))
+        except ValueError:
+            sans.append(x509.DNSName(name))
+    cert = (x509.CertificateBuilder()
+            .subject_name(x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, names[0])]))
+            .issuer_name(ca.subject).public_key(key.public_key()).serial_number(x509.random_serial_number())
+            .not_valid_before(now - dt.timedelta(minutes=5)).not_valid_after(now + CERT_LIFETIME)
+            .add_extension(x509.SubjectAlternativeName(sans), critical=False)
+            .add_extension(x509.BasicConstraints(ca=False, path_length=None), critical=True)
+            .add_extension(x509.ExtendedKeyUsage([x509.oid.ExtendedKeyUsageOID.SERVER_AUTH]), critical=False)
+            .sign(signer, hashes.SHA256()))
+    return cert.public_bytes(serialization.Encoding.PEM), _pem_key(key)
+
+
+def new_bundle(names: list[str], now: dt.datetime) -> Bundle:
+    ca_cert, ca_key = new_ca(now)
+    cert, key = issue(ca_cert, ca_key, names, now)
+    return Bundle(ca_cert=ca_cert, ca_key=ca_key, cert=cert, key=key)
+
+
+def renewal_due(bundle: Bundle, names: list[str], now: dt.datetime) -> bool:
+    """Whether the serving certificate has a third of its life or less left, or lacks a name."""
+    cert = x509.load_pem_x509_certificate(bundle.cert)
+    life = cert.not_valid_after_utc - cert.not_valid_before_utc
+    if cert.not_valid_after_utc - now <= life * RENEW_WHEN_LEFT:
+        return True
+    sans = cert.extensions.get_extension_for_class(x509.SubjectAlternativeName).value
+    present = {str(n) for n in sans.get_values_for_type(x509.DNSName)}
+    present |= {str(n) for n in sans.get_values_for_type(x509.IPAddress)}
+    return not set(names) <= present
+
+
+def renewed(bundle: Bundle, names: list[str], now: dt.datetime) -> Bundle:
+    cert, key = issue(bundle.ca_cert, bundle.ca_key, names, now)
+    return Bundle(ca_cert=bundle.ca_cert, ca_key=bundle.ca_key, cert=cert, key=key)
+
+
+@dataclass
+class SecretStore:
+    """The bundle in a Secret of the operator's namespace, shared by its replicas."""
+
+    client: KubeClient
+    namespace: str
+    name: str
+    names: list[str]
+
+    @property
+    def path(self) -> str:
+        return f"/api/v1/namespaces/{self.namespace}/secrets/{self.name}"
+
+    async def ensure(self, now: dt.datetime | None = None) -> Bundle:
+        """The current bundle: created if there is none, renewed if due."""
+        now = now or dt.datetime.now(dt.UTC)
+        for _ in range(5):
+            try:
+                secret = await self.client.request("GET", self.path, timeout=CALL_TIMEOUT)
+            except KubeNotFound:
+                bundle = new_bundle(self.names, now)
+                body = {"apiVersion": "v1", "kind": "Secret", "type": "kubernetes.io/tls",
+                        "metadata": {"name": self.name, "namespace": self.namespace,
+                                     "labels": {"app.kubernetes.io/managed-by": "singleton-operator"}},
+                        "data": bundle.as_secret_data()}
+                try:
+                    await self.client.request("POST", f"/api/v1/namespaces/{self.namespace}/secrets", body=body,
+                                              timeout=CALL_TIMEOUT)
+                except KubeConflict:
+                    continue  # another replica made it first: use theirs
+                log.info("webhook certificate created secret=%s/%s", self.namespace, self.name)
+                return bundle
+            try:
+                bundle = Bundle.from_secret_data(secret.get("data") or {})
+                due = renewal_due(bundle, self.names, now)
+            except (KeyError, ValueError) as exc:
+                # Not ours, or damaged: made anew (the caBundle follows).
+                log.warning("webhook certificate secret=%s/%s unreadable (%s): making a new one", self.namespace,
+                            self.name, exc)
+                bundle, due = new_bundle(self.names, now), False
+                if not await self._replace(secret, bundle):
+                    continue
+                return bundle
+            if not due:
+                return bundle
+            fresh = renewed(bundle, self.names, now)
+            if await self._replace(secret, fresh):
+                log.info("webhook certificate renewed secret=%s/%s", self.namespace, self.name)
+                return fresh
+        raise KubeConflict(409, "Conflict", f"Secret {self.namespace}/{self.name} kept changing while it was renewed")
+
+    async def _replace(self, secret: dict[str, Any], bundle: Bundle) -> bool:
+        """Write ``bundle`` if the Secret is still the one read (False if another replica won):
+        the PUT carries the ``resourceVersion`` read."""
+        try:
+            await self.client.request("PUT", self.path, body={**secret, "data": bundle.as_secret_data()},
+                                      timeout=CALL_TIMEOUT)
+        except KubeConflict:
+            return False
+        return True
+
+
+async def patch_ca_bundle(client: KubeClient, configuration: str, ca_cert: bytes) -> bool:
+    """Put the CA into every webhook of the MutatingWebhookConfiguration; whether it changed."""
+    path = f"/apis/admissionregistration.k8s.io/v1/mutatingwebhookconfigurations/{configuration}"
+    current = await client.request("GET", path, timeout=CALL_TIMEOUT)
+    wanted = base64.b64encode(ca_cert).decode()
+    webhooks = current.get("webhooks") or []
+    if all((w.get("clientConfig") or {}).get("caBundle") == wanted for w in webhooks):
+        return False
+    patch = [{"op": "replace" if "caBundle" in (w.get("clientConfig") or {}) else "add",
+              "path": f"/webhooks/{index}/clientConfig/caBundle", "value": wanted}
+             for index, w in enumerate(webhooks)]
+    # The test op makes the patch fail (and the next check retry) if the list changed meanwhile.
+    patch.insert(0, {"op": "test", "path": "/metadata/resourceVersion",
+                     "value": current["metadata"]["resourceVersion"]})
+    await client.request("PATCH", path, body=patch, content_type="application/json-patch+json",
+                         timeout=CALL_TIMEOUT)
+    log.info("webhook caBundle set configuration=%s", configuration)
+    return True
+
+
+class ServingContext:
+    """An SSL context for the webhook server whose certificate can be replaced while it serves:
+    ``load_cert_chain`` on the same context applies to every later handshake."""
+
+    def __init__(self) -> None:
+        self.context = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+        self.context.minimum_version = ssl.TLSVersion.TLSv1_2
+        self.fingerprint = ""
+
+    def load(self, cert: bytes, key: bytes) -> bool:
+        """Serve ``cert`` from now on; whether it differs from the one served."""
+        fingerprint = hashlib.sha256(cert).hexdigest()
+        if fingerprint == self.fingerprint:
+            return False
+        # The ssl module loads only from files: a private folder, removed at once.
+        with tempfile.TemporaryDirectory(prefix="singleton-webhook-") as folder:
+            cert_file, key_file = Path(folder, "tls.crt"), Path(folder, "tls.key")
+            for path, data in ((cert_file, cert), (key_file, key)):
+                descriptor = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+                with os.fdopen(descriptor, "wb") as out:
+                    out.write(data)
+            self.context.load_cert_chain(cert_file, key_file)
+        self.fingerprint = fingerprint
+        return True
+
+
+@dataclass
+class SecretSource:
+    """Certificates the operator makes (the default)."""
+
+    store: SecretStore
+    configuration: str | None
+
+    async def refresh(self, serving: ServingContext) -> None:
+        bundle = await self.store.ensure()
+        if serving.load(bundle.cert, bundle.key):
+            log.info("webhook serving certificate loaded secret=%s/%s", self.store.namespace, self.store.name)
+        if self.configuration:
+            await patch_ca_bundle(self.store.client, self.configuration, bundle.ca_cert)
+
+
+@dataclass
+class DirectorySource:
+    """Certificates cert-manager writes into a mounted Secret (``tls.crt``, ``tls.key``)."""
+
+    folder: Path
+
+    async def refresh(self, serving: ServingContext) -> None:
+        cert = (self.folder / "tls.crt").read_bytes()
+        key = (self.folder / "tls.key").read_bytes()
+        if serving.load(cert, key):
+            log.info("webhook serving certificate loaded folder=%s", self.folder)
+
+
+CertificateSource = SecretSource | DirectorySource
+
+
+async def keep_fresh(source: CertificateSource, serving: ServingContext, interval: float = CHECK_INTERVAL) -> None:
+    """Check the certificate every ``interval`` seconds; errors are logged and retried."""
+    while True:
+        await asyncio.sleep(interval)
+        try:
+            await source.refresh(serving)
+        except (KubeError, OSError, ssl.SSLError, ValueError) as exc:
+            log.warning("webhook certificate check failed error=%s; retrying in %.0fs", exc, interval)
