@@ -174,8 +174,8 @@ def test_default_render(tmp_path: Path) -> None:
     assert kinds == sorted([
         "ServiceAccount", "ClusterRole", "ClusterRole", "ClusterRole", "ClusterRoleBinding", "Role", "RoleBinding",
         "Deployment",
-        "PodDisruptionBudget", "Service", "NetworkPolicy", "ValidatingAdmissionPolicy",
-        "ValidatingAdmissionPolicyBinding",
+        "PodDisruptionBudget", "Service", "Service", "NetworkPolicy", "ValidatingAdmissionPolicy",
+        "ValidatingAdmissionPolicyBinding", "MutatingWebhookConfiguration",
     ])
     for obj in objects:
         labels = obj["metadata"]["labels"]
@@ -183,7 +183,7 @@ def test_default_render(tmp_path: Path) -> None:
         assert labels["app.kubernetes.io/instance"] == "demo"
         assert labels["app.kubernetes.io/version"] == chart_meta()["appVersion"]
         if obj["kind"] not in ("ClusterRole", "ClusterRoleBinding", "ValidatingAdmissionPolicy",
-                               "ValidatingAdmissionPolicyBinding"):
+                               "ValidatingAdmissionPolicyBinding", "MutatingWebhookConfiguration"):
             assert obj["metadata"]["namespace"] == "singleton-system", obj["kind"]
 
     deployment = one(objects, "Deployment")
@@ -194,12 +194,16 @@ def test_default_render(tmp_path: Path) -> None:
     container = operator_container(objects)
     assert container["image"] == f"ghcr.io/singleton-dev/singleton:{chart_meta()['appVersion']}"
     assert container["command"] == ["singleton-operator", "run"]
-    assert container["args"] == ["--health-listen=0.0.0.0:8080"]
+    assert container["args"] == ["--health-listen=0.0.0.0:8080", "--webhook-listen=0.0.0.0:9443",
+                                 "--webhook-service=demo-singleton-operator-webhook",
+                                 "--webhook-secret=demo-singleton-operator-webhook-tls",
+                                 "--webhook-config=demo-singleton-operator"]
     env = {e["name"]: e for e in container["env"]}
     assert env["SINGLETON_OPERATOR_NAMESPACE"]["valueFrom"]["fieldRef"]["fieldPath"] == "metadata.namespace"
     assert env["SINGLETON_OPERATOR_POD_NAME"]["valueFrom"]["fieldRef"]["fieldPath"] == "metadata.name"
     assert env["SINGLETON_SIDECAR_IMAGE"]["value"] == container["image"]
-    assert container["ports"] == [{"name": "http", "containerPort": 8080, "protocol": "TCP"}]
+    assert container["ports"] == [{"name": "http", "containerPort": 8080, "protocol": "TCP"},
+                                  {"name": "webhook", "containerPort": 9443, "protocol": "TCP"}]
     assert container["livenessProbe"]["httpGet"] == {"path": "/healthz", "port": "http"}
     assert container["readinessProbe"]["httpGet"] == {"path": "/readyz", "port": "http"}
     assert container["resources"]["requests"] and container["resources"]["limits"]
@@ -216,7 +220,7 @@ def test_default_render(tmp_path: Path) -> None:
     assert pod["spec"]["serviceAccountName"] == one(objects, "ServiceAccount")["metadata"]["name"]
 
     assert one(objects, "PodDisruptionBudget")["spec"]["minAvailable"] == 1
-    service = one(objects, "Service")
+    service = named(objects, "Service", "demo-singleton-operator-metrics")
     assert service["spec"]["ports"] == [{"name": "metrics", "port": 8080, "targetPort": "http", "protocol": "TCP"}]
     assert set(service["spec"]["selector"].items()) <= set(pod["metadata"]["labels"].items())
     role = one(objects, "Role")
@@ -233,12 +237,68 @@ def test_default_render(tmp_path: Path) -> None:
     assert "matchResources" not in binding["spec"]
 
 
+def named(objects: list[Obj], kind: str, name: str) -> Obj:
+    return next(o for o in by_kind(objects, kind) if o["metadata"]["name"] == name)
+
+
+@needs_helm
+def test_the_pod_webhook_renders_scoped_and_fail_closed(tmp_path: Path) -> None:
+    objects = render(tmp_path)
+    hook = one(objects, "MutatingWebhookConfiguration")["webhooks"][0]
+    assert (hook["failurePolicy"], hook["sideEffects"], hook["rules"][0]["operations"]) == ("Fail", "None", ["CREATE"])
+    assert hook["objectSelector"]["matchExpressions"] == [
+        {"key": "singleton.dev/group", "operator": "Exists"},
+        {"key": "app.kubernetes.io/managed-by", "operator": "NotIn", "values": ["singleton-operator"]}]
+    assert hook["namespaceSelector"]["matchExpressions"][0]["values"] == [
+        "kube-system", "kube-public", "kube-node-lease", "singleton-system"]
+    assert hook["clientConfig"]["service"] == {"name": "demo-singleton-operator-webhook",
+                                               "namespace": "singleton-system", "path": "/mutate-pods", "port": 443}
+    service = named(objects, "Service", "demo-singleton-operator-webhook")
+    assert service["spec"]["ports"] == [{"name": "webhook", "port": 443, "targetPort": "webhook", "protocol": "TCP"}]
+    role = one(objects, "Role")
+    assert {"apiGroups": [""], "resources": ["secrets"], "resourceNames": ["demo-singleton-operator-webhook-tls"],
+            "verbs": ["get", "update"]} in role["rules"]
+    rules = named(objects, "ClusterRole", "demo-singleton-operator")["rules"]
+    assert {"apiGroups": ["admissionregistration.k8s.io"], "resources": ["mutatingwebhookconfigurations"],
+            "resourceNames": ["demo-singleton-operator"], "verbs": ["get", "patch"]} in rules
+    policy = one(objects, "NetworkPolicy")
+    assert {"ports": [{"port": 9443, "protocol": "TCP"}]} in policy["spec"]["ingress"]
+    # Narrowed by the user, on top of the namespaces always left out.
+    narrowed = render(tmp_path, {"webhook": {"namespaceSelector": {"matchLabels": {"singleton.dev/adoption": "on"}}}})
+    selector = one(narrowed, "MutatingWebhookConfiguration")["webhooks"][0]["namespaceSelector"]
+    assert selector["matchLabels"] == {"singleton.dev/adoption": "on"}
+    assert len(selector["matchExpressions"]) == 1
+    # cert-manager makes the certificate; the operator reads its files and keeps no caBundle.
+    managed = render(tmp_path, {"webhook": {"certManager": {"enabled": True}}})
+    assert sorted(o["metadata"]["name"] for o in by_kind(managed, "Certificate")) == [
+        "demo-singleton-operator-webhook", "demo-singleton-operator-webhook-ca"]
+    configuration = one(managed, "MutatingWebhookConfiguration")
+    assert configuration["metadata"]["annotations"] == {
+        "cert-manager.io/inject-ca-from": "singleton-system/demo-singleton-operator-webhook"}
+    args = operator_container(managed)["args"]
+    assert "--webhook-cert-dir=/var/run/singleton-webhook" in args
+    assert not any(a.startswith(("--webhook-secret", "--webhook-config")) for a in args)
+    assert not any(r.get("resources") == ["secrets"] and "update" in r["verbs"] for r in one(managed, "Role")["rules"])
+    certificate = named(managed, "Certificate", "demo-singleton-operator-webhook")
+    assert "demo-singleton-operator-webhook.singleton-system.svc" in certificate["spec"]["dnsNames"]
+    issuer = {"name": "corp-ca", "kind": "ClusterIssuer"}
+    own_issuer = render(tmp_path, {"webhook": {"certManager": {"enabled": True, "issuerRef": issuer}}})
+    assert [o["metadata"]["name"] for o in by_kind(own_issuer, "Certificate")] == ["demo-singleton-operator-webhook"]
+    assert by_kind(own_issuer, "Issuer") == []
+    assert one(own_issuer, "Certificate")["spec"]["issuerRef"] == {"name": "corp-ca", "kind": "ClusterIssuer"}
+    # Off: no webhook, no flags, no port.
+    off = render(tmp_path, {"webhook": {"enabled": False}})
+    assert by_kind(off, "MutatingWebhookConfiguration") == []
+    assert operator_container(off)["args"] == ["--health-listen=0.0.0.0:8080"]
+
+
 @needs_helm
 def test_release_named_singleton_gives_the_documented_names(tmp_path: Path) -> None:
     objects = render(tmp_path, release="singleton")
     assert one(objects, "Deployment")["metadata"]["name"] == "singleton-operator"
     assert one(objects, "ServiceAccount")["metadata"]["name"] == "singleton-operator"
-    assert one(objects, "Service")["metadata"]["name"] == "singleton-operator-metrics"
+    assert sorted(o["metadata"]["name"] for o in by_kind(objects, "Service")) == [
+        "singleton-operator-metrics", "singleton-operator-webhook"]
 
 
 @needs_helm
@@ -263,11 +323,12 @@ def test_values_change_the_render(tmp_path: Path) -> None:
     assert deployment["spec"]["replicas"] == 1
     assert deployment["spec"]["template"]["spec"]["nodeSelector"] == {"kubernetes.io/os": "linux"}
     container = operator_container(objects)
-    assert container["args"] == ["--health-listen=0.0.0.0:8080", "--namespace=team-a", "--namespace=team-b"]
+    assert container["args"][0] == "--health-listen=0.0.0.0:8080"
+    assert [a for a in container["args"] if a.startswith("--namespace")] == ["--namespace=team-a", "--namespace=team-b"]
     assert container["image"] == "registry.example/singleton:9.9.9"
     assert {e["name"]: e.get("value") for e in container["env"]}["SINGLETON_SIDECAR_IMAGE"] == \
         "registry.example/sidecar:1"
-    assert one(objects, "Service")["spec"]["ports"][0]["port"] == 9100
+    assert named(objects, "Service", "demo-singleton-operator-metrics")["spec"]["ports"][0]["port"] == 9100
     binding = one(objects, "ValidatingAdmissionPolicyBinding")["spec"]
     assert binding["validationActions"] == ["Warn", "Audit"]
     assert binding["matchResources"] == {"namespaceSelector": {"matchLabels": {"singleton": "on"}}}
@@ -299,7 +360,7 @@ def test_service_monitor_only_when_the_api_exists_or_forced(tmp_path: Path) -> N
         endpoint = monitor["spec"]["endpoints"][0]
         assert endpoint["port"] == "metrics" and endpoint["path"] == "/metrics"
         assert endpoint["interval"] == values["serviceMonitor"].get("interval", "30s")
-        service = one(render(tmp_path, values, *extra), "Service")
+        service = named(render(tmp_path, values, *extra), "Service", "demo-singleton-operator-metrics")
         assert set(monitor["spec"]["selector"]["matchLabels"].items()) <= set(service["metadata"]["labels"].items())
 
 
@@ -373,7 +434,8 @@ class Release:
 
 
 NAMESPACED = "deployments,serviceaccounts,services,roles,rolebindings,poddisruptionbudgets,networkpolicies"
-CLUSTER_SCOPED = "clusterroles,clusterrolebindings,validatingadmissionpolicies,validatingadmissionpolicybindings"
+CLUSTER_SCOPED = ("clusterroles,clusterrolebindings,validatingadmissionpolicies,validatingadmissionpolicybindings,"
+                  "mutatingwebhookconfigurations")
 
 
 @pytest.fixture
@@ -449,10 +511,11 @@ def test_install_upgrade_uninstall(cluster: Cluster, singleton_crd: Path, releas
     namespaced = items(cluster, NAMESPACED, "-n", namespace, "-l", release.selector)
     cluster_scoped = items(cluster, CLUSTER_SCOPED, "-l", release.selector)
     assert sorted(o["kind"] for o in namespaced) == sorted([
-        "Deployment", "ServiceAccount", "Service", "Role", "RoleBinding", "PodDisruptionBudget", "NetworkPolicy"])
+        "Deployment", "ServiceAccount", "Service", "Service", "Role", "RoleBinding", "PodDisruptionBudget",
+        "NetworkPolicy"])
     assert sorted(o["kind"] for o in cluster_scoped) == sorted([
         "ClusterRole", "ClusterRole", "ClusterRole", "ClusterRoleBinding", "ValidatingAdmissionPolicy",
-        "ValidatingAdmissionPolicyBinding"])
+        "ValidatingAdmissionPolicyBinding", "MutatingWebhookConfiguration"])
     for obj in namespaced + cluster_scoped:
         labels = obj["metadata"]["labels"]
         assert all(labels.get(k) for k in STANDARD_LABELS), (obj["kind"], labels)
