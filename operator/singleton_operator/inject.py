@@ -16,8 +16,6 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, replace
 from typing import Any
 
-import jsonpatch
-
 from singleton_operator import resources
 from singleton_operator.spec import SIDECAR_CONTAINER, GroupSpec, SpecError, WorkloadRef, read_spec, workload_ref
 from singleton_sidecar import contract
@@ -54,8 +52,21 @@ def pod_patch(spec: GroupSpec, pod: Mapping[str, Any]) -> list[dict[str, Any]]:
         return []
     before = {"metadata": dict(pod.get("metadata") or {}), "spec": dict(pod.get("spec") or {})}
     after = injected_template(spec, before)
-    operations: list[dict[str, Any]] = jsonpatch.make_patch(before, after).patch
+    # Whole fields replaced, not a diff of them (jsonpatch.make_patch took most of the
+    # webhook's time): injection changes only a few top-level fields of metadata and spec.
+    operations: list[dict[str, Any]] = []
+    for part in ("metadata", "spec"):
+        old, new = before[part], after[part]
+        for key in sorted(new):
+            if old.get(key) != new[key]:
+                path = f"/{part}/{_pointer(key)}"
+                operations.append({"op": "replace" if key in old else "add", "path": path, "value": new[key]})
     return operations
+
+
+def _pointer(key: str) -> str:
+    """A JSON-pointer token (RFC 6901): ``~`` and ``/`` escaped."""
+    return key.replace("~", "~0").replace("/", "~1")
 
 
 @dataclass(frozen=True)
