@@ -19,6 +19,7 @@ import yaml
 
 from singleton_operator.inject import InjectError, Manifest, inject_manifests, is_injected, pod_patch
 from singleton_operator.spec import SpecError, read_spec
+from singleton_operator.status import workload_suitability
 from singleton_sidecar import contract
 from tests.conftest import Cluster
 from tests.kubehelpers import get_json
@@ -316,3 +317,39 @@ def test_the_webhook_injects_adopted_pods_and_refuses_them_while_no_operator_ans
                                           "-o", "json").stdout)["data"] == json.loads(secret)["data"]
     finally:
         cluster.kubectl("delete", "mutatingwebhookconfiguration", configuration, "--ignore-not-found")
+
+
+def test_workload_suitability_names_the_settings_that_break_one_handover_per_rollout() -> None:
+    body = {**adopting(kind="StatefulSet"), "metadata": {"name": "poller", "namespace": "team", "uid": "u"}}
+    sts = vendor_deployment()
+    sts["kind"] = "StatefulSet"
+    spec = read_spec(body, default_sidecar_image=IMAGE, workload=sts)
+    assert workload_suitability(spec, sts)[:2] == (False, "OrderedRollout")
+    sts["spec"]["updateStrategy"] = {"type": "OnDelete"}
+    assert workload_suitability(spec, sts)[:2] == (True, "AsExpected")
+    sts["spec"]["replicas"] = 1
+    suitable, reason, message = workload_suitability(spec, sts)
+    assert (suitable, reason) == (False, "NoStandby")
+    assert "StatefulSet team/poller runs 1 replica" in message
+
+
+def test_the_operator_adopts_a_statefulset_and_says_what_its_rollouts_do(cluster: Cluster, namespace: str,
+                                                                         operators: Factory) -> None:  # noqa: F811
+    operators()
+    sts = vendor_deployment("ledger")
+    sts["kind"] = "StatefulSet"
+    sts["spec"]["serviceName"] = "ledger"
+    cluster.apply(json.dumps(sts), namespace=namespace)
+    cluster.apply(json.dumps(adopting("ledger", kind="StatefulSet", workload="ledger")), namespace=namespace)
+    labels = wait_for(lambda: (get_json(cluster, "statefulset", "ledger", "-n", namespace)["spec"]["template"]
+                               ["metadata"]["labels"]).get(contract.LABEL_GROUP), 30, "the group label", 0.2)
+    assert labels == "ledger"
+    found = wait_for(lambda: condition(cr(cluster, namespace, "ledger"), "WorkloadSuitable"), 30,
+                     "the WorkloadSuitable condition", 0.2)
+    assert (found["status"], found["reason"]) == ("False", "OrderedRollout"), found
+    # The owner switches to OnDelete: the operator sees it (on its next look at the group).
+    cluster.kubectl("patch", "statefulset", "ledger", "-n", namespace, "--type=merge", "-p",
+                    json.dumps({"spec": {"updateStrategy": {"type": "OnDelete", "rollingUpdate": None}}}))
+    cluster.kubectl("annotate", "sgl", "ledger", "-n", namespace, "example.com/poke=1")
+    wait_for(lambda: (condition(cr(cluster, namespace, "ledger"), "WorkloadSuitable") or {}).get("status") == "True",
+             30, "WorkloadSuitable True", 0.2)

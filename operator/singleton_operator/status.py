@@ -22,7 +22,8 @@ from singleton_operator.resources import selector_labels
 from singleton_operator.spec import GroupSpec
 from singleton_sidecar import contract
 
-CONDITION_TYPES = ("Ready", "Reconciling", "Stalled", "Available", "LeaderElected", "Progressing", "Degraded")
+CONDITION_TYPES = ("Ready", "Reconciling", "Stalled", "Available", "LeaderElected", "Progressing", "Degraded",
+                   "WorkloadSuitable")
 
 
 @dataclass(frozen=True)
@@ -197,6 +198,10 @@ def compute_status(spec: GroupSpec, observed: Observed, previous: dict[str, Any]
         _condition("Degraded", degraded, degraded_reason, degraded_message, spec.generation,
                    previous=old_conditions, now=stamp),
     ]
+    if spec.workload_ref is not None and observed.deployment is not None:
+        suitable, reason, message = workload_suitability(spec, observed.deployment)
+        conditions.append(_condition(WORKLOAD_SUITABLE, suitable, reason, message, spec.generation,
+                                     previous=old_conditions, now=stamp))
     return {
         "leader": leader.pod if leader else None,
         "leaderIdentity": leader.identity if leader else None,
@@ -212,6 +217,30 @@ def compute_status(spec: GroupSpec, observed: Observed, previous: dict[str, Any]
         "observedGeneration": observed_generation,
         "conditions": conditions,
     }
+
+
+WORKLOAD_SUITABLE = "WorkloadSuitable"
+"""Adopted groups only: whether the workload's own settings keep rollouts to one handover
+with a standby ready (docs/adoption.md, "Rollouts of an adopted workload")."""
+
+
+def workload_suitability(spec: GroupSpec, workload: dict[str, Any]) -> tuple[bool, str, str]:
+    """(suitable, reason, message) for an adopted workload's replicas and update strategy."""
+    assert spec.workload_ref is not None
+    settings = workload.get("spec") or {}
+    replicas = int(settings.get("replicas", 1))
+    where = spec.workload_ref.describe(spec.namespace)
+    if replicas < 2:
+        return False, "NoStandby", (f"{where} runs {replicas} replica: no standby, so every rollout and every "
+                                    "lost pod leaves the group without a leader until a new pod starts; run 2 or more")
+    if spec.workload_ref.kind == "StatefulSet":
+        strategy = (settings.get("updateStrategy") or {}).get("type", "RollingUpdate")
+        if strategy != "OnDelete":
+            return False, "OrderedRollout", (
+                f"{where} uses updateStrategy {strategy}: its pods are replaced from the highest ordinal down, so "
+                "a rollout hands over twice when the leader is not the highest; use OnDelete and delete the "
+                "leader's pod last (singletonctl status shows it) for one handover")
+    return True, "AsExpected", f"{where}: {replicas} replicas, rollouts hand over at most once"
 
 
 def status_changed(old: dict[str, Any], new: dict[str, Any]) -> bool:
