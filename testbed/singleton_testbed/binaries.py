@@ -27,7 +27,7 @@ def cache_dir() -> Path:
     """Run the build script (it builds only what is missing) and return its folder."""
     if not BUILD_SCRIPT.exists():
         raise FileNotFoundError(f"test bed build script not found at {BUILD_SCRIPT}")
-    print("[testbed] checking the control plane binaries (a cold build takes about 6 min on 2 cores)", file=sys.stderr)
+    print("[testbed] checking the control plane binaries (a cold build takes about 15 min on 2 cores)", file=sys.stderr)
     result = subprocess.run(["bash", str(BUILD_SCRIPT)], check=True, stdout=subprocess.PIPE, text=True)
     return Path(result.stdout.strip().splitlines()[-1])
 
