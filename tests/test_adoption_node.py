@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import json
 import os
-import secrets
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -25,7 +24,8 @@ from singleton_sidecar import contract
 from tests.conftest import Cluster, RealNode
 from tests.kubehelpers import get_json, pod_ready, pod_role
 from tests.sidecars import wait_for
-from tests.test_chart import CHART, CLUSTER_SCOPED, Release, helm, values_args
+from tests.test_chart import Release, helm, uninstalled_after, values_args
+from tests.test_chart_node import install_on_node
 
 pytestmark = [pytest.mark.k8s, pytest.mark.controlplane, pytest.mark.image]
 
@@ -103,12 +103,10 @@ def operator_release(cluster: Cluster, namespace: str) -> Iterator[Release]:
     """Our chart in a namespace of its own: the webhook never sees the release's namespace."""
     own = f"{namespace}-op"
     cluster.kubectl("create", "namespace", own)
-    rel = Release(cluster, "sgl-" + secrets.token_hex(4), own)
     try:
-        yield rel
+        with uninstalled_after(cluster, own) as rel:
+            yield rel
     finally:
-        rel.helm("uninstall", rel.name, "--wait", "--timeout", "60s", check=False)
-        cluster.kubectl("delete", CLUSTER_SCOPED, "-l", rel.selector, "--ignore-not-found", check=False)
         cluster.kubectl("delete", "namespace", own, "--wait=false", check=False)
 
 
@@ -116,12 +114,9 @@ def test_a_vendor_chart_is_adopted_unchanged(cluster: Cluster, singleton_crd: Pa
                                             real_node: RealNode, project_image: str, operator_release: Release,
                                             namespace: str, tmp_path: Path) -> None:
     release = operator_release
+    install_on_node(release, real_node, project_image, namespace, tmp_path)
     repository, _, tag = project_image.rpartition(":")
     placement = real_node.pod_placement()
-    values = {"image": {"repository": repository, "tag": tag, "pullPolicy": "Never"},
-              "watchNamespaces": [namespace], **placement,
-              "admissionPolicy": {"namespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name": namespace}}}}
-    release.helm("install", release.name, str(CHART), *values_args(values, tmp_path), "--wait", "--timeout", "180s")
 
     poll_dir = tmp_path / "polls"
     poll_dir.mkdir()

@@ -8,6 +8,7 @@ Kubernetes v1.20 when no cluster is asked; ``helm template`` therefore always ge
 
 from __future__ import annotations
 
+import contextlib
 import json
 import re
 import secrets
@@ -438,14 +439,21 @@ CLUSTER_SCOPED = ("clusterroles,clusterrolebindings,validatingadmissionpolicies,
                   "mutatingwebhookconfigurations")
 
 
-@pytest.fixture
-def release(cluster: Cluster, namespace: str) -> Iterator[Release]:
+@contextlib.contextmanager
+def uninstalled_after(cluster: Cluster, namespace: str) -> Iterator[Release]:
+    """A release name in ``namespace``, uninstalled (and its cluster-scoped objects deleted) after."""
     rel = Release(cluster, "sgl-" + secrets.token_hex(4), namespace)
     try:
         yield rel
     finally:
         rel.helm("uninstall", rel.name, "--wait", "--timeout", "60s", check=False)
         cluster.kubectl("delete", CLUSTER_SCOPED, "-l", rel.selector, "--ignore-not-found", check=False)
+
+
+@pytest.fixture
+def release(cluster: Cluster, namespace: str) -> Iterator[Release]:
+    with uninstalled_after(cluster, namespace) as rel:
+        yield rel
 
 
 def items(cluster: Cluster, kinds: str, *args: str) -> list[Obj]:

@@ -54,6 +54,18 @@ def _settled_leader(cluster: Cluster, namespace: str, image: str) -> dict[str, A
     return leader if status.get("leader") == leader["metadata"]["name"] else None
 
 
+def install_on_node(release: Release, real_node: RealNode, project_image: str, groups_namespace: str,
+                    tmp_path: Path) -> None:
+    """``helm install`` of the chart with the project's image, its pods on the real node, for
+    groups in ``groups_namespace`` (the admission policy scoped to it)."""
+    repository, _, tag = project_image.rpartition(":")
+    values = {"image": {"repository": repository, "tag": tag, "pullPolicy": "Never"},
+              "watchNamespaces": [groups_namespace], **real_node.pod_placement(),
+              "admissionPolicy": {"namespaceSelector": {"matchLabels": {
+                  "kubernetes.io/metadata.name": groups_namespace}}}}
+    release.helm("install", release.name, str(CHART), *values_args(values, tmp_path), "--wait", "--timeout", "180s")
+
+
 def _exec(cluster: Cluster, namespace: str, pod: str, container: str, script: str) -> tuple[int, str]:
     result = cluster.kubectl("exec", "-n", namespace, pod, "-c", container, "--", "sh", "-c", script, check=False)
     return result.returncode, (result.stdout + result.stderr).strip()
@@ -63,12 +75,9 @@ def test_install_run_upgrade_with_one_handover_and_uninstall(cluster: Cluster, s
                                                              real_node: RealNode, project_image: str,
                                                              release: Release, namespace: str,
                                                              tmp_path: Path) -> None:
-    repository, _, tag = project_image.rpartition(":")
+    install_on_node(release, real_node, project_image, namespace, tmp_path)
+    repository = project_image.rpartition(":")[0]
     placement = real_node.pod_placement()
-    values = {"image": {"repository": repository, "tag": tag, "pullPolicy": "Never"},
-              "watchNamespaces": [namespace], **placement,
-              "admissionPolicy": {"namespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name": namespace}}}}
-    release.helm("install", release.name, str(CHART), *values_args(values, tmp_path), "--wait", "--timeout", "180s")
 
     # The operator's pods run as the chart says: as the image's non-root user, on a read-only root.
     operators = _pods(cluster, namespace, release.selector)
