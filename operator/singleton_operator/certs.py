@@ -8,6 +8,13 @@ it), and each reloads its ``ssl.SSLContext`` in place when the Secret's certific
 The CA (ten years) goes into the MutatingWebhookConfiguration's ``caBundle``; deleting the
 Secret makes a new CA, which the operator puts there too.
 
+A year before the CA expires, a new CA takes over the signing: ``ca.crt`` then holds both
+(the signer first) until the old one expires, so the certificate the old CA signed stays
+trusted while replicas still serve it; the old CA's key is dropped at once, so it signs nothing
+more. The serving certificate is renewed by its own rule (a third of its life left), by then
+long after the new CA reached ``caBundle``; and each replica puts the CAs into ``caBundle``
+before it loads a certificate, so the API server trusts a signer before it meets its work.
+
 With cert-manager (``--webhook-cert-dir``, the chart's ``webhook.certManager``), the
 certificate comes from a mounted Secret that cert-manager renews; the operator reloads the
 files when they change and leaves ``caBundle`` to cert-manager's CA injector.
@@ -24,11 +31,13 @@ import logging
 import os
 import ssl
 import tempfile
-from dataclasses import dataclass
+from collections.abc import Callable
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from cryptography import x509
+from cryptography.exceptions import InvalidSignature
 from cryptography.hazmat.primitives import hashes, serialization
 from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.x509.oid import NameOID
@@ -38,16 +47,22 @@ from singleton_sidecar.kube import KubeClient, KubeConflict, KubeError, KubeNotF
 log = logging.getLogger(__name__)
 
 CA_LIFETIME = dt.timedelta(days=3650)
+CA_RENEW_BEFORE = dt.timedelta(days=365)
 CERT_LIFETIME = dt.timedelta(days=365)
 RENEW_WHEN_LEFT = 1 / 3
 CHECK_INTERVAL = 3600.0
+DIRECTORY_POLL = 60.0
+"""cert-manager's files are on a local volume: cheap to read, so polled every minute."""
+RETRY_INTERVAL = 30.0
+"""After a failed check: sooner than the next regular one, so a brief outage costs little."""
 CALL_TIMEOUT = 10.0
 CA_KEY = "ca.key"
 
 
 @dataclass(frozen=True)
 class Bundle:
-    """PEM bytes of the CA and of the serving certificate with its key."""
+    """PEM bytes of the CAs and of the serving certificate with its key. ``ca_cert`` holds one
+    CA, or during a CA rotation two: the signer (whose key is ``ca_key``) first."""
 
     ca_cert: bytes
     ca_key: bytes
@@ -89,8 +104,9 @@ def new_ca(now: dt.datetime) -> tuple[bytes, bytes]:
 
 
 def issue(ca_cert: bytes, ca_key: bytes, names: list[str], now: dt.datetime) -> tuple[bytes, bytes]:
-    """A serving certificate for ``names`` (DNS names, or IP addresses) signed by the CA."""
-    ca = x509.load_pem_x509_certificate(ca_cert)
+    """A serving certificate for ``names`` (DNS names, or IP addresses) signed by the CA (the
+    first of ``ca_cert``), never valid longer than that CA."""
+    ca = x509.load_pem_x509_certificates(ca_cert)[0]
     signer = serialization.load_pem_private_key(ca_key, password=None)
     assert isinstance(signer, ec.EllipticCurvePrivateKey)
     key = ec.generate_private_key(ec.SECP256R1())
@@ -103,7 +119,8 @@ def issue(ca_cert: bytes, ca_key: bytes, names: list[str], now: dt.datetime) -> 
     cert = (x509.CertificateBuilder()
             .subject_name(x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, names[0])]))
             .issuer_name(ca.subject).public_key(key.public_key()).serial_number(x509.random_serial_number())
-            .not_valid_before(now - dt.timedelta(minutes=5)).not_valid_after(now + CERT_LIFETIME)
+            .not_valid_before(now - dt.timedelta(minutes=5))
+            .not_valid_after(min(now + CERT_LIFETIME, ca.not_valid_after_utc))
             .add_extension(x509.SubjectAlternativeName(sans), critical=False)
             .add_extension(x509.BasicConstraints(ca=False, path_length=None), critical=True)
             .add_extension(x509.ExtendedKeyUsage([x509.oid.ExtendedKeyUsageOID.SERVER_AUTH]), critical=False)
@@ -117,11 +134,48 @@ def new_bundle(names: list[str], now: dt.datetime) -> Bundle:
     return Bundle(ca_cert=ca_cert, ca_key=ca_key, cert=cert, key=key)
 
 
+def _issuer(bundle: Bundle) -> x509.Certificate | None:
+    """The CA of the bundle that signed its serving certificate."""
+    cert = x509.load_pem_x509_certificate(bundle.cert)
+    for ca in x509.load_pem_x509_certificates(bundle.ca_cert):
+        try:
+            cert.verify_directly_issued_by(ca)
+        except (ValueError, TypeError, InvalidSignature):
+            continue
+        return ca
+    return None
+
+
+def check(bundle: Bundle) -> None:
+    """Raise ``ValueError`` unless the bundle can be served: each key is its certificate's (the
+    CA key the signer's) and one of the CAs signed the serving certificate."""
+    signer = x509.load_pem_x509_certificates(bundle.ca_cert)[0]
+    cert = x509.load_pem_x509_certificate(bundle.cert)
+    for pem, public in ((bundle.key, cert.public_key()), (bundle.ca_key, signer.public_key())):
+        private = serialization.load_pem_private_key(pem, password=None)
+        if not isinstance(private, ec.EllipticCurvePrivateKey) or private.public_key() != public:
+            raise ValueError("a private key does not match its certificate")
+    if _issuer(bundle) is None:
+        raise ValueError("the serving certificate was signed by none of the CAs")
+
+
+def ca_renewal_due(bundle: Bundle, now: dt.datetime) -> bool:
+    """Whether the signing CA is within ``CA_RENEW_BEFORE`` of its end, or an older CA of the
+    bundle has expired (and is to go)."""
+    cas = x509.load_pem_x509_certificates(bundle.ca_cert)
+    return cas[0].not_valid_after_utc - now <= CA_RENEW_BEFORE or any(ca.not_valid_after_utc <= now for ca in cas)
+
+
 def renewal_due(bundle: Bundle, names: list[str], now: dt.datetime) -> bool:
-    """Whether the serving certificate has a third of its life or less left, or lacks a name."""
+    """Whether anything of the bundle is due: the CA (``ca_renewal_due``), or the serving
+    certificate (a third of its life or less left, a name missing, or its CA gone)."""
+    return ca_renewal_due(bundle, now) or _serving_due(bundle, names, now)
+
+
+def _serving_due(bundle: Bundle, names: list[str], now: dt.datetime) -> bool:
     cert = x509.load_pem_x509_certificate(bundle.cert)
     life = cert.not_valid_after_utc - cert.not_valid_before_utc
-    if cert.not_valid_after_utc - now <= life * RENEW_WHEN_LEFT:
+    if cert.not_valid_after_utc - now <= life * RENEW_WHEN_LEFT or _issuer(bundle) is None:
         return True
     sans = cert.extensions.get_extension_for_class(x509.SubjectAlternativeName).value
     present = {str(n) for n in sans.get_values_for_type(x509.DNSName)}
@@ -130,8 +184,22 @@ def renewal_due(bundle: Bundle, names: list[str], now: dt.datetime) -> bool:
 
 
 def renewed(bundle: Bundle, names: list[str], now: dt.datetime) -> Bundle:
-    cert, key = issue(bundle.ca_cert, bundle.ca_key, names, now)
-    return Bundle(ca_cert=bundle.ca_cert, ca_key=bundle.ca_key, cert=cert, key=key)
+    """The bundle with what is due made anew. A new CA signs from now on, the old one stays
+    beside it until it expires; the serving certificate is renewed only if due itself."""
+    ca_cert, ca_key = bundle.ca_cert, bundle.ca_key
+    if ca_renewal_due(bundle, now):
+        cas = x509.load_pem_x509_certificates(bundle.ca_cert)
+        kept = b"".join(ca.public_bytes(serialization.Encoding.PEM) for ca in cas if ca.not_valid_after_utc > now)
+        if cas[0].not_valid_after_utc - now <= CA_RENEW_BEFORE:
+            signer, ca_key = new_ca(now)
+            ca_cert = signer + kept
+        else:
+            ca_cert = kept  # only an expired older CA goes; the signer is first still
+    result = Bundle(ca_cert=ca_cert, ca_key=ca_key, cert=bundle.cert, key=bundle.key)
+    if _serving_due(result, names, now):
+        cert, key = issue(ca_cert, ca_key, names, now)
+        result = Bundle(ca_cert=ca_cert, ca_key=ca_key, cert=cert, key=key)
+    return result
 
 
 @dataclass
@@ -142,6 +210,8 @@ class SecretStore:
     namespace: str
     name: str
     names: list[str]
+    clock: Callable[[], dt.datetime] = field(default=lambda: dt.datetime.now(dt.UTC))
+    """Now, for the renewal rules; tests move it."""
 
     @property
     def path(self) -> str:
@@ -149,7 +219,7 @@ class SecretStore:
 
     async def ensure(self, now: dt.datetime | None = None) -> Bundle:
         """The current bundle: created if there is none, renewed if due."""
-        now = now or dt.datetime.now(dt.UTC)
+        now = now or self.clock()
         for _ in range(5):
             try:
                 secret = await self.client.request("GET", self.path, timeout=CALL_TIMEOUT)
@@ -168,8 +238,9 @@ class SecretStore:
                 return bundle
             try:
                 bundle = Bundle.from_secret_data(secret.get("data") or {})
+                check(bundle)
                 due = renewal_due(bundle, self.names, now)
-            except (KeyError, ValueError) as exc:
+            except (KeyError, ValueError, TypeError) as exc:
                 # Not ours, or damaged: made anew (the caBundle follows).
                 log.warning("webhook certificate secret=%s/%s unreadable (%s): making a new one", self.namespace,
                             self.name, exc)
@@ -181,7 +252,8 @@ class SecretStore:
                 return bundle
             fresh = renewed(bundle, self.names, now)
             if await self._replace(secret, fresh):
-                log.info("webhook certificate renewed secret=%s/%s", self.namespace, self.name)
+                log.info("webhook certificate renewed secret=%s/%s new_ca=%s", self.namespace, self.name,
+                         fresh.ca_key != bundle.ca_key)
                 return fresh
         raise KubeConflict(409, "Conflict", f"Secret {self.namespace}/{self.name} kept changing while it was renewed")
 
@@ -226,8 +298,9 @@ class ServingContext:
         self.fingerprint = ""
 
     def load(self, cert: bytes, key: bytes) -> bool:
-        """Serve ``cert`` from now on; whether it differs from the one served."""
-        fingerprint = hashlib.sha256(cert).hexdigest()
+        """Serve ``cert`` from now on; whether it differs from the one served. Raises
+        ``ssl.SSLError`` (and the context serves on as before) if the pair does not load."""
+        fingerprint = hashlib.sha256(cert + key).hexdigest()
         if fingerprint == self.fingerprint:
             return False
         # The ssl module loads only from files: a private folder, removed at once.
@@ -237,6 +310,9 @@ class ServingContext:
                 descriptor = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
                 with os.fdopen(descriptor, "wb") as out:
                     out.write(data)
+            # A failed load_cert_chain leaves a context with the new certificate and no key, which
+            # fails every handshake: a throwaway context proves the pair first.
+            ssl.create_default_context(ssl.Purpose.CLIENT_AUTH).load_cert_chain(cert_file, key_file)
             self.context.load_cert_chain(cert_file, key_file)
         self.fingerprint = fingerprint
         return True
@@ -248,13 +324,17 @@ class SecretSource:
 
     store: SecretStore
     configuration: str | None
+    interval: float = CHECK_INTERVAL
 
     async def refresh(self, serving: ServingContext) -> None:
         bundle = await self.store.ensure()
-        if serving.load(bundle.cert, bundle.key):
-            log.info("webhook serving certificate loaded secret=%s/%s", self.store.namespace, self.store.name)
+        # The CAs first: the API server must trust a new signer before this replica serves its work.
+        # Should that fail, the certificate served meanwhile is valid still (renewal comes with a
+        # third of its life left), and the next check, RETRY_INTERVAL later, tries both again.
         if self.configuration:
             await patch_ca_bundle(self.store.client, self.configuration, bundle.ca_cert)
+        if serving.load(bundle.cert, bundle.key):
+            log.info("webhook serving certificate loaded secret=%s/%s", self.store.namespace, self.store.name)
 
 
 @dataclass
@@ -262,6 +342,7 @@ class DirectorySource:
     """Certificates cert-manager writes into a mounted Secret (``tls.crt``, ``tls.key``)."""
 
     folder: Path
+    interval: float = DIRECTORY_POLL
 
     async def refresh(self, serving: ServingContext) -> None:
         cert = (self.folder / "tls.crt").read_bytes()
@@ -273,11 +354,20 @@ class DirectorySource:
 CertificateSource = SecretSource | DirectorySource
 
 
-async def keep_fresh(source: CertificateSource, serving: ServingContext, interval: float = CHECK_INTERVAL) -> None:
-    """Check the certificate every ``interval`` seconds; errors are logged and retried."""
+async def keep_fresh(source: CertificateSource, serving: ServingContext, interval: float | None = None) -> None:
+    """Check the certificate every ``interval`` seconds (the source's own by default); errors are
+    logged and retried sooner (``RETRY_INTERVAL``), never raised: the server keeps the certificate
+    it has meanwhile."""
+    regular = source.interval if interval is None else interval
+    wait = regular
     while True:
-        await asyncio.sleep(interval)
+        await asyncio.sleep(wait)
         try:
             await source.refresh(serving)
-        except (KubeError, OSError, ssl.SSLError, ValueError) as exc:
-            log.warning("webhook certificate check failed error=%s; retrying in %.0fs", exc, interval)
+        except (KubeError, OSError, ssl.SSLError, ValueError, KeyError, TypeError) as exc:
+            # KeyError, TypeError: an object of an unexpected shape (a hand-edited configuration).
+            wait = min(regular, RETRY_INTERVAL)
+            log.warning("webhook certificate check failed error=%s: %s; retrying in %.0fs", type(exc).__name__, exc,
+                        wait)
+        else:
+            wait = regular
