@@ -6,16 +6,19 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import dataclasses
 import datetime as dt
 import json
 import socket
 import ssl
 import uuid
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 from aiohttp import web
 from cryptography import x509
+from cryptography.hazmat.primitives.serialization import Encoding
 
 from singleton_operator import certs
 from singleton_sidecar.kube import KubeClient, load_kube_config
@@ -77,25 +80,13 @@ async def test_replicas_share_one_secret_and_renew_it_once(cluster: Cluster, nam
         assert fresh.ca_cert != made[0].ca_cert and names_of(fresh.cert) == set(NAMES)
 
 
-async def test_the_ca_goes_into_every_webhook_of_the_configuration(cluster: Cluster, namespace: str) -> None:
-    name = "singleton-certs-" + uuid.uuid4().hex[:6]
-    hook = {"admissionReviewVersions": ["v1"], "sideEffects": "None", "failurePolicy": "Ignore",
-            "rules": [{"apiGroups": [""], "apiVersions": ["v1"], "operations": ["CREATE"], "resources": ["pods"]}],
-            "namespaceSelector": {"matchLabels": {"singleton.dev/matches": "nothing"}},
-            "clientConfig": {"url": "https://127.0.0.1:1/mutate-pods"}}
-    configuration = {"apiVersion": "admissionregistration.k8s.io/v1", "kind": "MutatingWebhookConfiguration",
-                     "metadata": {"name": name},
-                     "webhooks": [{**hook, "name": "a.singleton.dev"}, {**hook, "name": "b.singleton.dev"}]}
-    cluster.apply(json.dumps(configuration))
-    try:
-        bundle = certs.new_bundle(NAMES, NOW)
-        async with KubeClient(load_kube_config(str(cluster.kubeconfig))) as client:
-            assert await certs.patch_ca_bundle(client, name, bundle.ca_cert) is True
-            assert await certs.patch_ca_bundle(client, name, bundle.ca_cert) is False
-        webhooks = get_json(cluster, "mutatingwebhookconfiguration", name)["webhooks"]
-        assert [base64.b64decode(w["clientConfig"]["caBundle"]) for w in webhooks] == [bundle.ca_cert] * 2
-    finally:
-        cluster.kubectl("delete", "mutatingwebhookconfiguration", name, "--ignore-not-found")
+async def test_the_ca_goes_into_every_webhook_of_the_configuration(cluster: Cluster,
+                                                                    webhook_configuration: str) -> None:
+    bundle = certs.new_bundle(NAMES, NOW)
+    async with KubeClient(load_kube_config(str(cluster.kubeconfig))) as client:
+        assert await certs.patch_ca_bundle(client, webhook_configuration, bundle.ca_cert) is True
+        assert await certs.patch_ca_bundle(client, webhook_configuration, bundle.ca_cert) is False
+    assert ca_bundles(cluster, webhook_configuration) == [bundle.ca_cert] * 2
 
 
 def served_certificate(port: int, ca: bytes) -> bytes:
@@ -144,3 +135,188 @@ async def test_a_renewed_certificate_is_served_without_a_restart(tmp_path: Path)
             await asyncio.to_thread(served_certificate, port, other.ca_cert)
     finally:
         await runner.cleanup()
+
+
+def cas_of(pem: bytes) -> list[x509.Certificate]:
+    return x509.load_pem_x509_certificates(pem)
+
+
+def test_the_ca_is_rotated_a_year_before_it_expires_and_the_old_one_kept_until_it_does() -> None:
+    first = certs.new_bundle(NAMES, NOW)
+    ca_end = cas_of(first.ca_cert)[0].not_valid_after_utc
+    # A serving certificate issued a month before the CA is due, as a renewal would.
+    cert, key = certs.issue(first.ca_cert, first.ca_key, NAMES, ca_end - certs.CA_RENEW_BEFORE - dt.timedelta(days=30))
+    current = certs.Bundle(ca_cert=first.ca_cert, ca_key=first.ca_key, cert=cert, key=key)
+    assert not certs.renewal_due(current, NAMES, ca_end - certs.CA_RENEW_BEFORE - dt.timedelta(days=1))
+
+    due = ca_end - certs.CA_RENEW_BEFORE + dt.timedelta(days=1)
+    assert certs.renewal_due(current, NAMES, due)
+    rotated = certs.renewed(current, NAMES, due)
+    certs.check(rotated)
+    new_ca, old_ca = cas_of(rotated.ca_cert)
+    assert old_ca == cas_of(first.ca_cert)[0] and new_ca != old_ca and rotated.ca_key != first.ca_key
+    assert new_ca.not_valid_after_utc - due >= certs.CA_LIFETIME - dt.timedelta(minutes=5)
+    # The serving certificate was not due: it stays (the API server trusts the new CA first).
+    assert rotated.cert == current.cert
+    assert not certs.renewal_due(rotated, NAMES, due + dt.timedelta(days=1))
+
+    # Its own renewal comes from the new CA, while the old CA is still in the bundle.
+    later = ca_end - dt.timedelta(days=100)
+    assert certs.renewal_due(rotated, NAMES, later)
+    served = certs.renewed(rotated, NAMES, later)
+    x509.load_pem_x509_certificate(served.cert).verify_directly_issued_by(new_ca)
+    assert cas_of(served.ca_cert) == [new_ca, old_ca] and served.ca_key == rotated.ca_key
+
+    # The old CA expired: it goes, and nothing else changes.
+    after = ca_end + dt.timedelta(days=1)
+    assert certs.renewal_due(served, NAMES, after)
+    pruned = certs.renewed(served, NAMES, after)
+    assert cas_of(pruned.ca_cert) == [new_ca]
+    assert (pruned.cert, pruned.key, pruned.ca_key) == (served.cert, served.key, served.ca_key)
+    assert not certs.renewal_due(pruned, NAMES, after)
+
+
+def test_a_serving_certificate_never_outlives_its_ca() -> None:
+    bundle = certs.new_bundle(NAMES, NOW)
+    ca_end = cas_of(bundle.ca_cert)[0].not_valid_after_utc
+    cert, _key = certs.issue(bundle.ca_cert, bundle.ca_key, NAMES, ca_end - dt.timedelta(days=100))
+    assert x509.load_pem_x509_certificate(cert).not_valid_after_utc == ca_end
+
+
+def test_a_bundle_whose_parts_do_not_belong_together_is_refused() -> None:
+    bundle = certs.new_bundle(NAMES, NOW)
+    certs.check(bundle)
+    other = certs.new_bundle(NAMES, NOW)
+    with pytest.raises(ValueError, match="private key"):
+        certs.check(dataclasses.replace(bundle, key=other.key))
+    with pytest.raises(ValueError, match="private key"):
+        certs.check(dataclasses.replace(bundle, ca_key=other.ca_key))
+    with pytest.raises(ValueError, match="none of the CAs"):
+        certs.check(dataclasses.replace(bundle, cert=other.cert, key=other.key))
+
+
+class Clock:
+    def __init__(self, now: dt.datetime) -> None:
+        self.now = now
+
+    def __call__(self) -> dt.datetime:
+        return self.now
+
+
+@pytest.fixture
+def webhook_configuration(cluster: Cluster) -> Iterator[str]:
+    """A real MutatingWebhookConfiguration with two webhooks that match nothing (and would be
+    ignored if they did), deleted after the test."""
+    name = "singleton-certs-" + uuid.uuid4().hex[:6]
+    hook = {"admissionReviewVersions": ["v1"], "sideEffects": "None", "failurePolicy": "Ignore",
+            "rules": [{"apiGroups": [""], "apiVersions": ["v1"], "operations": ["CREATE"], "resources": ["pods"]}],
+            "namespaceSelector": {"matchLabels": {"singleton.dev/matches": "nothing"}},
+            "clientConfig": {"url": "https://127.0.0.1:1/mutate-pods"}}
+    cluster.apply(json.dumps({"apiVersion": "admissionregistration.k8s.io/v1", "kind": "MutatingWebhookConfiguration",
+                              "metadata": {"name": name},
+                              "webhooks": [{**hook, "name": "a.singleton.dev"}, {**hook, "name": "b.singleton.dev"}]}))
+    yield name
+    cluster.kubectl("delete", "mutatingwebhookconfiguration", name, "--ignore-not-found")
+
+
+def ca_bundles(cluster: Cluster, configuration: str) -> list[bytes]:
+    webhooks = get_json(cluster, "mutatingwebhookconfiguration", configuration)["webhooks"]
+    return [base64.b64decode(w["clientConfig"]["caBundle"]) for w in webhooks]
+
+
+async def serve(context: ssl.SSLContext) -> tuple[web.AppRunner, int]:
+    app = web.Application()
+    app.router.add_get("/", ok)
+    runner = web.AppRunner(app)
+    await runner.setup()
+    port = free_port()
+    await web.TCPSite(runner, "127.0.0.1", port, ssl_context=context).start()
+    return runner, port
+
+
+def same_certificate(a: bytes, b: bytes) -> bool:
+    return x509.load_pem_x509_certificate(a) == x509.load_pem_x509_certificate(b)
+
+
+async def test_the_secret_s_renewals_reach_a_live_server_and_the_configuration(
+        cluster: Cluster, namespace: str, webhook_configuration: str) -> None:
+    """The operator's own path, as each replica runs it: the Secret, the caBundle, the server."""
+    real_now = dt.datetime.now(dt.UTC)  # a client checks the dates
+    clock = Clock(real_now - dt.timedelta(days=250))  # a certificate with 115 of its 365 days left now
+    async with KubeClient(load_kube_config(str(cluster.kubeconfig))) as client:
+        source = certs.SecretSource(certs.SecretStore(client, namespace, "hook-tls", NAMES, clock=clock),
+                                    webhook_configuration)
+        serving = certs.ServingContext()
+        await source.refresh(serving)
+        first = await source.store.ensure()
+        assert ca_bundles(cluster, webhook_configuration) == [first.ca_cert] * 2
+        runner, port = await serve(serving.context)
+        try:
+            served = await asyncio.to_thread(served_certificate, port, first.ca_cert)
+            assert same_certificate(served, first.cert)
+
+            # A third of its life left: the next check renews it, and the running server serves the new one.
+            clock.now = real_now
+            await source.refresh(serving)
+            second = await source.store.ensure()
+            assert second.cert != first.cert and second.ca_cert == first.ca_cert
+            served = await asyncio.to_thread(served_certificate, port, first.ca_cert)
+            assert same_certificate(served, second.cert)
+
+            # A failed load (a mismatched pair) leaves the server serving what it served.
+            with pytest.raises(ssl.SSLError):
+                serving.load(first.cert, second.key)
+            served = await asyncio.to_thread(served_certificate, port, first.ca_cert)
+            assert same_certificate(served, second.cert)
+
+            # Another Secret whose CA is within a year of its end (and whose certificate is long
+            # expired): a new CA signs the new certificate, both CAs reach the configuration.
+            clock.now = real_now - certs.CA_LIFETIME + dt.timedelta(days=300)
+            old = certs.SecretSource(certs.SecretStore(client, namespace, "old-tls", NAMES, clock=clock),
+                                     webhook_configuration)
+            aged = await old.store.ensure()
+            clock.now = real_now
+            await old.refresh(serving)
+            rotated = await old.store.ensure()
+            new_ca, old_ca = cas_of(rotated.ca_cert)
+            assert old_ca == cas_of(aged.ca_cert)[0] and new_ca != old_ca
+            assert ca_bundles(cluster, webhook_configuration) == [rotated.ca_cert] * 2
+            served = await asyncio.to_thread(served_certificate, port, new_ca.public_bytes(Encoding.PEM))
+            assert same_certificate(served, rotated.cert)
+            # The old CA alone no longer vouches for what is served.
+            with pytest.raises(ssl.SSLCertVerificationError):
+                await asyncio.to_thread(served_certificate, port, aged.ca_cert)
+        finally:
+            await runner.cleanup()
+
+
+async def test_the_check_loop_survives_failures_and_picks_up_a_renewal(tmp_path: Path) -> None:
+    now = dt.datetime.now(dt.UTC)
+    first = certs.new_bundle(NAMES, now)
+    folder = tmp_path / "mounted"
+    folder.mkdir()
+    (folder / "tls.crt").write_bytes(first.cert)
+    (folder / "tls.key").write_bytes(first.key)
+    source = certs.DirectorySource(folder, interval=0.05)
+    serving = certs.ServingContext()
+    await source.refresh(serving)
+    fingerprint = serving.fingerprint
+    loop = asyncio.create_task(certs.keep_fresh(source, serving))
+    try:
+        # Half a renewal on disk (the certificate without its key), then a missing file: logged, not fatal.
+        second = certs.renewed(first, NAMES, now + dt.timedelta(days=300))
+        (folder / "tls.crt").write_bytes(second.cert)
+        await asyncio.sleep(0.3)
+        assert serving.fingerprint == fingerprint and not loop.done()
+        (folder / "tls.key").unlink()
+        await asyncio.sleep(0.3)
+        assert serving.fingerprint == fingerprint and not loop.done()
+        (folder / "tls.key").write_bytes(second.key)
+        for _ in range(100):
+            if serving.fingerprint != fingerprint:
+                break
+            await asyncio.sleep(0.05)
+        assert serving.fingerprint != fingerprint and not loop.done()
+    finally:
+        loop.cancel()
+        await asyncio.gather(loop, return_exceptions=True)
