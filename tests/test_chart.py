@@ -287,6 +287,13 @@ def test_the_pod_webhook_renders_scoped_and_fail_closed(tmp_path: Path) -> None:
     assert [o["metadata"]["name"] for o in by_kind(own_issuer, "Certificate")] == ["demo-singleton-operator-webhook"]
     assert by_kind(own_issuer, "Issuer") == []
     assert one(own_issuer, "Certificate")["spec"]["issuerRef"] == {"name": "corp-ca", "kind": "ClusterIssuer"}
+    # An external issuer (its own API group) keeps its group.
+    external = {"name": "pca", "kind": "AWSPCAClusterIssuer", "group": "awspca.cert-manager.io"}
+    external_issuer = render(tmp_path, {"webhook": {"certManager": {"enabled": True, "issuerRef": external}}})
+    assert one(external_issuer, "Certificate")["spec"]["issuerRef"] == external
+    # A kind without a name would quietly fall back to the chart's own CA: refused.
+    with pytest.raises(AssertionError, match="'name' required, if 'kind' exists"):
+        render(tmp_path, {"webhook": {"certManager": {"enabled": True, "issuerRef": {"kind": "ClusterIssuer"}}}})
     # Off: no webhook, no flags, no port.
     off = render(tmp_path, {"webhook": {"enabled": False}})
     assert by_kind(off, "MutatingWebhookConfiguration") == []
