@@ -11,6 +11,8 @@ import datetime as dt
 import json
 import socket
 import ssl
+import subprocess
+import sys
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
@@ -21,6 +23,7 @@ from cryptography import x509
 from cryptography.hazmat.primitives.serialization import Encoding
 
 from singleton_operator import certs
+from singleton_operator.runtime import WebhookConfig
 from singleton_sidecar.kube import KubeClient, load_kube_config
 from singleton_testbed.procs import free_port
 from tests.conftest import Cluster
@@ -320,3 +323,48 @@ async def test_the_check_loop_survives_failures_and_picks_up_a_renewal(tmp_path:
     finally:
         loop.cancel()
         await asyncio.gather(loop, return_exceptions=True)
+
+
+def test_the_webhook_flags_are_read_and_bad_ones_refused_naming_the_flag(tmp_path: Path) -> None:
+    from singleton_operator.cli import load, parser
+    from singleton_sidecar.config import ConfigError
+
+    def webhook(*argv: str, environ: dict[str, str] | None = None) -> WebhookConfig | None:
+        return load(parser().parse_args(["run", *argv]), environ or {}).webhook
+
+    assert webhook() is None  # off unless asked (the chart asks)
+    config = webhook("--webhook-listen", "0.0.0.0:9443", "--webhook-config", "demo-singleton-operator",
+                     "--webhook-extra-name", "127.0.0.1", "--webhook-extra-name", "hook.example.org")
+    assert config is not None
+    assert (config.listen.host, config.listen.port, config.service, config.secret, config.configuration,
+            config.cert_dir, config.extra_names) == (
+        "0.0.0.0", 9443, "singleton-operator-webhook", "singleton-operator-webhook-tls", "demo-singleton-operator",
+        None, ("127.0.0.1", "hook.example.org"))
+    from_env = webhook(environ={"SINGLETON_WEBHOOK_LISTEN": "127.0.0.1:8443", "SINGLETON_WEBHOOK_SERVICE": "hook",
+                                "SINGLETON_WEBHOOK_SECRET": "hook.tls", "SINGLETON_WEBHOOK_CERT_DIR": str(tmp_path)})
+    assert from_env is not None
+    assert (from_env.listen.port, from_env.service, from_env.secret, from_env.cert_dir) == (
+        8443, "hook", "hook.tls", str(tmp_path))
+
+    listen = ["--webhook-listen", "0.0.0.0:9443"]
+    for argv, refusal in [
+        (["--webhook-listen", "0.0.0.0:99999"], r"^--webhook-listen \(SINGLETON_WEBHOOK_LISTEN\)"),
+        ([*listen, "--webhook-service", "hook.svc"], r"^--webhook-service \(SINGLETON_WEBHOOK_SERVICE\): 'hook.svc'"),
+        ([*listen, "--webhook-secret", "Hook_TLS"], r"^--webhook-secret \(SINGLETON_WEBHOOK_SECRET\): 'Hook_TLS'"),
+        ([*listen, "--webhook-config", "x_y"], r"^--webhook-config \(SINGLETON_WEBHOOK_CONFIG\): 'x_y'"),
+        ([*listen, "--webhook-cert-dir", str(tmp_path / "none")],
+         r"^--webhook-cert-dir \(SINGLETON_WEBHOOK_CERT_DIR\)"),
+        ([*listen, "--webhook-extra-name", "*.example.org"], r"^--webhook-extra-name: '\*.example.org'"),
+        ([*listen, "--webhook-extra-name", "300.1.1.1:80"], r"^--webhook-extra-name: '300.1.1.1:80'"),
+    ]:
+        with pytest.raises(ConfigError, match=refusal):
+            webhook(*argv)
+
+
+def test_a_bad_webhook_flag_exits_2_with_one_line() -> None:
+    result = subprocess.run([sys.executable, "-m", "singleton_operator.cli", "run", "--webhook-listen", "0.0.0.0:9443",
+                             "--webhook-extra-name", "bad name"], capture_output=True, text=True, timeout=30,
+                            check=False)
+    assert result.returncode == 2
+    assert result.stderr.strip().splitlines() == [
+        "singleton-operator: error: --webhook-extra-name: 'bad name' is neither a DNS name nor an IP address"]

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import ipaddress
 import logging
 import os
 import re
@@ -75,7 +76,8 @@ def parser() -> argparse.ArgumentParser:
                       help="MutatingWebhookConfiguration whose caBundle the operator keeps (none when unset) "
                            "[SINGLETON_WEBHOOK_CONFIG]")
     hook.add_argument("--webhook-cert-dir", default=None, metavar="DIR",
-                      help="read tls.crt and tls.key from here instead (cert-manager), reloaded when they change "
+                      help="read tls.crt and tls.key from here instead (cert-manager), polled each minute, reloaded "
+                           "when they change "
                            "[SINGLETON_WEBHOOK_CERT_DIR]")
     hook.add_argument("--webhook-extra-name", action="append", default=None, metavar="NAME",
                       help="another DNS name or IP address for the certificate (repeatable)")
@@ -130,23 +132,30 @@ def _webhook(args: argparse.Namespace, environ: Mapping[str, str]) -> WebhookCon
     if not listen_text:
         return None
     listen = _listen("--webhook-listen (SINGLETON_WEBHOOK_LISTEN)", listen_text)
-    names = {"--webhook-service (SINGLETON_WEBHOOK_SERVICE)":
-             args.webhook_service or environ.get("SINGLETON_WEBHOOK_SERVICE") or DEFAULT_WEBHOOK_SERVICE,
-             "--webhook-secret (SINGLETON_WEBHOOK_SECRET)":
-             args.webhook_secret or environ.get("SINGLETON_WEBHOOK_SECRET") or DEFAULT_WEBHOOK_SECRET}
+    service = args.webhook_service or environ.get("SINGLETON_WEBHOOK_SERVICE") or DEFAULT_WEBHOOK_SERVICE
+    if not _DNS1123.match(service) or len(service) > 63:
+        raise ConfigError(f"--webhook-service (SINGLETON_WEBHOOK_SERVICE): {service!r} is not a Service name "
+                          "(a DNS-1123 label)")
+    secret = args.webhook_secret or environ.get("SINGLETON_WEBHOOK_SECRET") or DEFAULT_WEBHOOK_SECRET
     configuration = args.webhook_config or environ.get("SINGLETON_WEBHOOK_CONFIG") or None
-    if configuration:
-        names["--webhook-config (SINGLETON_WEBHOOK_CONFIG)"] = configuration
-    for flag, value in names.items():
-        if not _DNS1123.match(value) or len(value) > 63:
-            raise ConfigError(f"{flag}: {value!r} is not an object name (a DNS-1123 label)")
+    # Secrets and MutatingWebhookConfigurations are named by DNS-1123 subdomains (dots allowed).
+    for flag, value in (("--webhook-secret (SINGLETON_WEBHOOK_SECRET)", secret),
+                        ("--webhook-config (SINGLETON_WEBHOOK_CONFIG)", configuration or "")):
+        if value and (not _DNS1123_SUBDOMAIN.match(value) or len(value) > 253):
+            raise ConfigError(f"{flag}: {value!r} is not an object name (a DNS-1123 subdomain)")
     cert_dir = args.webhook_cert_dir or environ.get("SINGLETON_WEBHOOK_CERT_DIR") or None
     if cert_dir is not None and not os.path.isdir(cert_dir):
         raise ConfigError(f"--webhook-cert-dir (SINGLETON_WEBHOOK_CERT_DIR): {cert_dir!r} is not a folder")
-    service, secret = names["--webhook-service (SINGLETON_WEBHOOK_SERVICE)"], names[
-        "--webhook-secret (SINGLETON_WEBHOOK_SECRET)"]
+    extra_names = tuple(args.webhook_extra_name or ())
+    for name in extra_names:
+        # Checked here, not when the certificate is made: a bad name then would stop the start with a traceback.
+        try:
+            ipaddress.ip_address(name)
+        except ValueError:
+            if not _DNS1123_SUBDOMAIN.match(name) or len(name) > 253:
+                raise ConfigError(f"--webhook-extra-name: {name!r} is neither a DNS name nor an IP address") from None
     return WebhookConfig(listen=listen, service=service, secret=secret, configuration=configuration,
-                         cert_dir=cert_dir, extra_names=tuple(args.webhook_extra_name or ()))
+                         cert_dir=cert_dir, extra_names=extra_names)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
