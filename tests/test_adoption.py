@@ -10,6 +10,7 @@ import json
 import subprocess
 import sys
 import uuid
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -21,8 +22,10 @@ from singleton_operator.inject import InjectError, Manifest, inject_manifests, i
 from singleton_operator.spec import SpecError, read_spec
 from singleton_operator.status import workload_suitability
 from singleton_sidecar import contract
+from singleton_testbed.procs import free_port
 from tests.conftest import Cluster
 from tests.kubehelpers import get_json
+from tests.operators import OperatorProcess
 from tests.sidecars import wait_for
 from tests.test_operator import Factory, condition, cr, operators  # noqa: F401
 
@@ -192,6 +195,24 @@ def test_the_adopted_workload_cannot_be_swapped(cluster: Cluster, singleton_crd:
         assert message in result.stderr, result.stderr
 
 
+@pytest.fixture
+def adopting_operator(cluster: Cluster, singleton_crd: Path, namespace: str,
+                      tmp_path: Path) -> Iterator[OperatorProcess]:
+    """An operator that serves the pod webhook, in a namespace of its own (its webhook never
+    sees its own namespace, so it adopts nothing there), watching this test's namespace."""
+    own = f"{namespace}-op"
+    cluster.kubectl("create", "namespace", own)
+    operator = OperatorProcess(cluster.kubeconfig, own, tmp_path / "adopting-operator.log", name="adopter",
+                               extra_args=["--namespace", namespace, "--webhook-listen", f"127.0.0.1:{free_port()}",
+                                           "--webhook-extra-name", "127.0.0.1", "--sidecar-image", IMAGE])
+    operator.start()
+    try:
+        yield operator
+    finally:
+        operator.stop()
+        cluster.kubectl("delete", "namespace", own, "--wait=false", check=False)
+
+
 def template_labels(cluster: Cluster, namespace: str, name: str) -> dict[str, str]:
     deployment = get_json(cluster, "deployment", name, "-n", namespace)
     labels: dict[str, str] = deployment["spec"]["template"]["metadata"].get("labels") or {}
@@ -199,8 +220,7 @@ def template_labels(cluster: Cluster, namespace: str, name: str) -> dict[str, st
 
 
 def test_the_operator_adopts_a_deployment_and_gives_it_back(cluster: Cluster, namespace: str,
-                                                            operators: Factory) -> None:  # noqa: F811
-    operators()
+                                                            adopting_operator: OperatorProcess) -> None:
     name = "adopt-" + uuid.uuid4().hex[:4]
     cluster.apply(json.dumps(adopting(name, workload=name, service={"ports": [{"port": 80}]})), namespace=namespace)
     # No workload yet: said so, and adopted as soon as it exists.
@@ -212,6 +232,9 @@ def test_the_operator_adopts_a_deployment_and_gives_it_back(cluster: Cluster, na
     labels = wait_for(lambda: (found := template_labels(cluster, namespace, name)).get(contract.LABEL_GROUP) and found,
                       30, "the group label on the template", 0.2)
     assert labels == {"app": name, "app.kubernetes.io/instance": "vendor", contract.LABEL_GROUP: name}
+    # The operator's two fields on the template: the label and its settings' digest.
+    assert set(get_json(cluster, "deployment", name, "-n", namespace)["spec"]["template"]["metadata"]["annotations"]) \
+        == {"singleton.dev/sidecar-config"}
     deployment = get_json(cluster, "deployment", name, "-n", namespace, "--show-managed-fields")
     # Only the label is the operator's; the Deployment is otherwise the vendor's, untouched.
     assert deployment["metadata"]["labels"] == vendor["metadata"]["labels"]
@@ -226,9 +249,12 @@ def test_the_operator_adopts_a_deployment_and_gives_it_back(cluster: Cluster, na
     # The pods keep the workload's account: the group makes none of its own.
     assert cluster.kubectl("get", "serviceaccount", f"singleton-sidecar-{name}", "-n", namespace,
                            check=False).returncode != 0
-    # A helm upgrade (a strategic merge patch that knows nothing of the label) keeps it.
-    cluster.kubectl("patch", "deployment", name, "-n", namespace, "--type=strategic", "-p",
-                    json.dumps({"spec": {"template": {"metadata": {"annotations": {"vendor/version": "2"}}}}}))
+    # The owner re-applies its manifest (kubectl apply, as helm upgrade does, a three-way merge
+    # that knows nothing of the label): the label stays.
+    vendor["spec"]["template"]["metadata"]["annotations"] = {"vendor/version": "2"}
+    cluster.apply(json.dumps(vendor), namespace=namespace)
+    annotations = get_json(cluster, "deployment", name, "-n", namespace)["spec"]["template"]["metadata"]["annotations"]
+    assert annotations["vendor/version"] == "2"
     assert template_labels(cluster, namespace, name)[contract.LABEL_GROUP] == name
     # Deleted: the workload is given back (the label off its template), then the group goes.
     cluster.kubectl("delete", "singletonservice", name, "-n", namespace, "--wait=true", "--timeout=30s")
@@ -262,8 +288,6 @@ def bare_pod(name: str, group: str | None, **container: Any) -> str:
 
 def test_the_webhook_injects_adopted_pods_and_refuses_them_while_no_operator_answers(
         cluster: Cluster, namespace: str, operators: Factory, tmp_path: Path) -> None:  # noqa: F811
-    from singleton_testbed.procs import free_port
-
     port = free_port()
     configuration = "singleton-test-" + uuid.uuid4().hex[:6]
     cluster.apply(json.dumps(webhook_configuration(configuration, namespace, port)))
@@ -315,6 +339,7 @@ def test_the_webhook_injects_adopted_pods_and_refuses_them_while_no_operator_ans
                                          check=False).returncode == 0, 30, "the webhook to admit p4", 0.5)
         assert json.loads(cluster.kubectl("get", "secret", "singleton-operator-webhook-tls", "-n", namespace,
                                           "-o", "json").stdout)["data"] == json.loads(secret)["data"]
+        delete_while_the_operator_runs(cluster, namespace, "poller")
     finally:
         cluster.kubectl("delete", "mutatingwebhookconfiguration", configuration, "--ignore-not-found")
 
@@ -333,9 +358,8 @@ def test_workload_suitability_names_the_settings_that_break_one_handover_per_rol
     assert "StatefulSet team/poller runs 1 replica" in message
 
 
-def test_the_operator_adopts_a_statefulset_and_says_what_its_rollouts_do(cluster: Cluster, namespace: str,
-                                                                         operators: Factory) -> None:  # noqa: F811
-    operators()
+def test_the_operator_adopts_a_statefulset_and_says_what_its_rollouts_do(
+        cluster: Cluster, namespace: str, adopting_operator: OperatorProcess) -> None:
     sts = vendor_deployment("ledger")
     sts["kind"] = "StatefulSet"
     sts["spec"]["serviceName"] = "ledger"
@@ -353,3 +377,94 @@ def test_the_operator_adopts_a_statefulset_and_says_what_its_rollouts_do(cluster
     cluster.kubectl("annotate", "sgl", "ledger", "-n", namespace, "example.com/poke=1")
     wait_for(lambda: (condition(cr(cluster, namespace, "ledger"), "WorkloadSuitable") or {}).get("status") == "True",
              30, "WorkloadSuitable True", 0.2)
+    delete_while_the_operator_runs(cluster, namespace, "ledger")
+
+
+def delete_while_the_operator_runs(cluster: Cluster, namespace: str, name: str) -> None:
+    """An adopting group keeps kopf's finalizer until the operator gave its workload back: delete
+    it while the operator runs, or it (and its namespace, and a CRD deletion) waits for one."""
+    cluster.kubectl("delete", "sgl", name, "-n", namespace, "--wait=true", "--timeout=60s")
+
+
+def stalled_reason(cluster: Cluster, namespace: str, name: str) -> str | None:
+    found = condition(cr(cluster, namespace, name), "Stalled")
+    return str(found["reason"]) if found and found["status"] == "True" else None
+
+
+def test_adoptions_the_operator_must_refuse(cluster: Cluster, namespace: str, adopting_operator: OperatorProcess,
+                                            operators: Factory, tmp_path: Path) -> None:  # noqa: F811
+    cluster.apply(json.dumps(vendor_deployment("shared")), namespace=namespace)
+    cluster.apply(json.dumps(adopting("first", workload="shared")), namespace=namespace)
+    wait_for(lambda: template_labels(cluster, namespace, "shared").get(contract.LABEL_GROUP) == "first", 30,
+             "the first group's label", 0.2)
+    # A second group for the same workload: refused, the first keeps it.
+    cluster.apply(json.dumps(adopting("second", workload="shared")), namespace=namespace)
+    wait_for(lambda: stalled_reason(cluster, namespace, "second") == "WorkloadAdoptedByAnother", 30,
+             "WorkloadAdoptedByAnother", 0.2)
+    assert template_labels(cluster, namespace, "shared")[contract.LABEL_GROUP] == "first"
+    # The Deployment the operator makes for a template group is not adoptable.
+    cluster.apply(json.dumps({"apiVersion": "singleton.dev/v1alpha1", "kind": "SingletonService",
+                              "metadata": {"name": "made"},
+                              "spec": {"template": {"spec": {"containers": [{"name": "a", "image": "a",
+                                                                             "command": ["a"]}]}}}}),
+                  namespace=namespace)
+    wait_for(lambda: cluster.kubectl("get", "deployment", "made", "-n", namespace, check=False).returncode == 0, 30,
+             "the template group's Deployment", 0.2)
+    cluster.apply(json.dumps(adopting("thief", workload="made")), namespace=namespace)
+    wait_for(lambda: stalled_reason(cluster, namespace, "thief") == "WorkloadIsAGroup", 30, "WorkloadIsAGroup", 0.2)
+    for name in ("second", "thief", "first"):
+        delete_while_the_operator_runs(cluster, namespace, name)
+    assert contract.LABEL_GROUP not in template_labels(cluster, namespace, "shared")
+    # An operator without the webhook adopts only workloads injected already.
+    adopting_operator.stop()
+    plain_operator = OperatorProcess(cluster.kubeconfig, f"{namespace}-op", tmp_path / "plain.log", name="plain",
+                                     extra_args=["--namespace", namespace])
+    plain_operator.start()
+    cluster.apply(json.dumps(vendor_deployment("plain")), namespace=namespace)
+    cluster.apply(json.dumps(adopting("plain", workload="plain")), namespace=namespace)
+    wait_for(lambda: stalled_reason(cluster, namespace, "plain") == "NoWebhook", 30, "NoWebhook", 0.2)
+    assert contract.LABEL_GROUP not in template_labels(cluster, namespace, "plain")
+    injected = inject(adopting("pre", workload="pre"), vendor_deployment("pre"))
+    cluster.apply(json.dumps(injected[1]), namespace=namespace)
+    cluster.apply(json.dumps(adopting("pre", workload="pre")), namespace=namespace)
+    wait_for(lambda: (condition(cr(cluster, namespace, "pre"), "Stalled") or {}).get("status") == "False", 30,
+             "the injected workload adopted", 0.2)
+    for name in ("plain", "pre"):
+        delete_while_the_operator_runs(cluster, namespace, name)
+    plain_operator.stop()
+    # Nor does an operator adopt in its own namespace, which its webhook never sees.
+    operators("same-namespace")
+    cluster.apply(json.dumps(adopting("mine", workload="plain")), namespace=namespace)
+    wait_for(lambda: stalled_reason(cluster, namespace, "mine") == "OperatorNamespace", 30, "OperatorNamespace", 0.2)
+    delete_while_the_operator_runs(cluster, namespace, "mine")
+
+
+def test_an_adopted_workload_is_kept_adopted_and_follows_the_groups_settings(
+        cluster: Cluster, namespace: str, adopting_operator: OperatorProcess) -> None:
+    cluster.apply(json.dumps(vendor_deployment("kept")), namespace=namespace)
+    cluster.apply(json.dumps(adopting("kept", workload="kept", gating={"mode": "file"})), namespace=namespace)
+
+    def digest() -> str | None:
+        template = get_json(cluster, "deployment", "kept", "-n", namespace)["spec"]["template"]["metadata"]
+        value = (template.get("annotations") or {}).get("singleton.dev/sidecar-config")
+        return str(value) if value else None
+
+    first = wait_for(digest, 30, "the settings' digest on the template", 0.2)
+    # A change of the group's settings changes the digest: one rollout of the workload.
+    cluster.kubectl("patch", "sgl", "kept", "-n", namespace, "--type=merge", "-p",
+                    json.dumps({"spec": {"drain": {"timeout": "7s"}}}))
+    second = wait_for(lambda: (d := digest()) != first and d, 30, "a new digest", 0.2)
+    assert second != first
+    # Re-created without the label (helm uninstall and install): adopted again by the next look.
+    cluster.kubectl("delete", "deployment", "kept", "-n", namespace, "--wait=true")
+    cluster.apply(json.dumps(vendor_deployment("kept")), namespace=namespace)
+    wait_for(lambda: template_labels(cluster, namespace, "kept").get(contract.LABEL_GROUP) == "kept", 45,
+             "the label back on the re-created Deployment", 0.5)
+    # Its template now breaks a rule (file gating needs a command): reported, and it is still
+    # given back when the group goes.
+    cluster.kubectl("patch", "deployment", "kept", "-n", namespace, "--type=json", "-p",
+                    json.dumps([{"op": "remove", "path": "/spec/template/spec/containers/0/command"}]))
+    cluster.kubectl("annotate", "sgl", "kept", "-n", namespace, "example.com/poke=1")
+    wait_for(lambda: stalled_reason(cluster, namespace, "kept") == "InvalidWorkload", 30, "InvalidWorkload", 0.2)
+    delete_while_the_operator_runs(cluster, namespace, "kept")
+    assert contract.LABEL_GROUP not in template_labels(cluster, namespace, "kept")

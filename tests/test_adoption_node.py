@@ -190,5 +190,6 @@ def test_a_vendor_chart_is_adopted_unchanged(cluster: Cluster, singleton_crd: Pa
     cluster.kubectl("scale", "deployment", "-n", release.namespace, "-l", release.selector, "--replicas=2")
     wait_for(lambda: settled(cluster, namespace, "2"), 180, "the group whole again", 0.5)
     assert overlaps(polls(log, adopted)) == []
+    # Deleted while the operator runs: it gives the workload back, then kopf's finalizer goes.
+    cluster.kubectl("delete", "sgl", VENDOR, "-n", namespace, "--wait=true", "--timeout=60s")
     helm("uninstall", VENDOR, "-n", namespace, "--wait", "--timeout", "60s", env=cluster.env, check=False)
-    cluster.kubectl("delete", "sgl", VENDOR, "-n", namespace, "--wait=false")

@@ -8,14 +8,19 @@ and run within ``REFRESH_DELAY`` of the event, well inside the 1 s the status pr
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import logging
+import time
 from dataclasses import dataclass, field
 from typing import Any
 
+from singleton_operator.inject import is_injected
 from singleton_operator.metrics import OperatorMetrics
 from singleton_operator.reconcile import (
     ReconcileProblem,
+    check_adoptable,
+    check_not_a_group,
     cr_path,
     observe,
     read_workload,
@@ -24,7 +29,13 @@ from singleton_operator.reconcile import (
     write_spec_error,
     write_status,
 )
-from singleton_operator.spec import GroupSpec, SpecError, read_spec
+from singleton_operator.resources import (
+    ANNOTATION_SIDECAR_CONFIG,
+    adopted_by,
+    sidecar_config_digest,
+    uninjected_template,
+)
+from singleton_operator.spec import GroupSpec, SpecError, WorkloadSpecError, read_spec
 from singleton_sidecar import contract
 from singleton_sidecar.kube import KubeClient, KubeError, KubeNotFound
 
@@ -37,6 +48,23 @@ CALL_TIMEOUT = 10.0
 GroupKey = tuple[str, str]
 
 
+AdoptionState = tuple[str | None, str | None, str]
+"""What an adopted workload's template carries for its group: the group label, the settings'
+digest, and the service account its pods run as (the RoleBinding's subject)."""
+
+
+def adoption_state(workload: dict[str, Any]) -> AdoptionState:
+    template = (workload.get("spec") or {}).get("template") or {}
+    annotations = (template.get("metadata") or {}).get("annotations") or {}
+    account = (template.get("spec") or {}).get("serviceAccountName") or "default"
+    return adopted_by(workload), annotations.get(ANNOTATION_SIDECAR_CONFIG), account
+
+
+def wanted_adoption(spec: GroupSpec) -> AdoptionState:
+    account = (spec.template.get("spec") or {}).get("serviceAccountName") or "default"
+    return spec.name, sidecar_config_digest(spec), account
+
+
 @dataclass
 class Groups:
     client: KubeClient
@@ -44,14 +72,26 @@ class Groups:
     metrics: OperatorMetrics
     sidecar_pull_policy: str | None = None
     image_pull_secrets: tuple[str, ...] = ()
+    webhook_serving: bool = False
+    """Whether this operator serves the pod webhook (adopted pods get their sidecar from it)."""
+    operator_namespace: str | None = None
     problems: dict[GroupKey, ReconcileProblem] = field(default_factory=dict)
+    adopted: dict[GroupKey, AdoptionState] = field(default_factory=dict)
+    """Per adopting group, what its last reconcile left on the workload (``adoption_state``)."""
     applied: dict[GroupKey, int] = field(default_factory=dict)
     """The newest generation of each group whose objects were all applied (for observedGeneration)."""
+    _readopted: dict[GroupKey, float] = field(default_factory=dict)
     _dirty: set[GroupKey] = field(default_factory=set)
     _wake: asyncio.Event = field(default_factory=asyncio.Event)
 
     def spec_of(self, body: dict[str, Any], workload: dict[str, Any] | None = None) -> GroupSpec:
-        """The group's spec; ``workload`` is the adopted workload (``read_workload``), if any."""
+        """The group's spec; ``workload`` is the adopted workload (``read_workload``), if any,
+        read without what an earlier injection added to it."""
+        if workload is not None:
+            check_not_a_group(body, workload)
+            template = (workload.get("spec") or {}).get("template") or {}
+            workload = {**workload, "spec": {**(workload.get("spec") or {}),
+                                             "template": uninjected_template(template)}}
         spec = read_spec(body, default_sidecar_image=self.sidecar_image, workload=workload)
         return dataclasses.replace(spec, sidecar_pull_policy=self.sidecar_pull_policy,
                                    image_pull_secrets=self.image_pull_secrets)
@@ -61,28 +101,19 @@ class Groups:
         key = (body["metadata"]["namespace"], body["metadata"]["name"])
         self.metrics.reconciles.inc()
         try:
-            workload = await read_workload(self.client, body)
-        except ReconcileProblem as exc:
-            self.problems[key] = exc
-            self.mark(*key)
-            self.metrics.reconcile_errors.inc()
-            raise
-        try:
-            spec = self.spec_of(body, workload)
-        except SpecError as exc:
-            if workload is not None and "(in the adopted " in str(exc):
+            try:
+                workload = await read_workload(self.client, body)
+                spec = self.spec_of(body, workload)
+            except WorkloadSpecError as exc:
                 # The workload's owner may fix it without touching the group: retried.
-                problem = ReconcileProblem("InvalidWorkload", str(exc))
-                self.problems[key] = problem
-                self.mark(*key)
-                self.metrics.reconcile_errors.inc()
-                raise problem from None
+                raise ReconcileProblem("InvalidWorkload", str(exc)) from None
+            if workload is not None:
+                await self._check_adoption(spec, workload)
+            await reconcile(self.client, spec)
+        except SpecError as exc:
             self.problems[key] = ReconcileProblem("InvalidSpec", str(exc))
-            self.mark(*key)
             self.metrics.reconcile_errors.inc()
             raise
-        try:
-            await reconcile(self.client, spec)
         except ReconcileProblem as exc:
             self.problems[key] = exc
             self.metrics.reconcile_errors.inc()
@@ -92,6 +123,30 @@ class Groups:
             self.mark(*key)
         self.problems.pop(key, None)
         self.applied[key] = spec.generation
+        if workload is not None:
+            self.adopted[key] = wanted_adoption(spec)
+
+    async def _check_adoption(self, spec: GroupSpec, workload: dict[str, Any]) -> None:
+        """Refuse an adoption whose pods would get no sidecar, or that another group holds."""
+        assert spec.workload_ref is not None
+        where = spec.workload_ref.describe(spec.namespace)
+        template = (workload.get("spec") or {}).get("template") or {}
+        if not is_injected(template.get("spec") or {}):
+            if spec.namespace == self.operator_namespace:
+                raise ReconcileProblem("OperatorNamespace", f"spec.workloadRef: {where} is in the operator's own "
+                                       "namespace, which its webhook never sees (so that the operator's pods never "
+                                       "wait for it); adopt workloads of other namespaces, or inject it with "
+                                       "singletonctl inject")
+            if not self.webhook_serving:
+                raise ReconcileProblem("NoWebhook", f"spec.workloadRef: this operator serves no pod webhook "
+                                       f"(--webhook-listen), so the pods of {where} would run without the sidecar; "
+                                       "enable the webhook (the chart's webhook.enabled) or inject the workload with "
+                                       "singletonctl inject")
+        await check_adoptable(self.client, spec, workload)
+
+    async def release(self, body: dict[str, Any]) -> None:
+        """The group is being deleted: give its adopted workload back."""
+        await release(self.client, body)
 
     async def repair(self, namespace: str, name: str) -> None:
         """Re-apply a group whose owned object vanished (if the group still exists)."""
@@ -106,18 +161,10 @@ class Groups:
         except (SpecError, ReconcileProblem):
             return
 
-    async def release(self, body: dict[str, Any]) -> None:
-        """The group is being deleted: give its adopted workload back."""
-        try:
-            spec = self.spec_of(body, await read_workload(self.client, body))
-        except (SpecError, ReconcileProblem) as exc:
-            log.warning("group %s/%s: workload not released: %s", body["metadata"]["namespace"],
-                        body["metadata"]["name"], exc)
-            return
-        await release(self.client, spec)
-
     def forget(self, namespace: str, name: str) -> None:
         self.problems.pop((namespace, name), None)
+        self.adopted.pop((namespace, name), None)
+        self._readopted.pop((namespace, name), None)
         self.applied.pop((namespace, name), None)
         self._dirty.discard((namespace, name))
 
@@ -165,13 +212,27 @@ class Groups:
         if body["metadata"].get("deletionTimestamp"):
             return
         try:
-            spec = self.spec_of(body, await read_workload(self.client, body))
+            workload = await read_workload(self.client, body)
+            spec = self.spec_of(body, workload)
         except (SpecError, ReconcileProblem) as exc:
             # Admission refuses such specs; one an older CRD let through is reported as Stalled,
             # as is an adopted workload that is missing or that the group's rules refuse.
-            if await write_spec_error(self.client, body, str(exc)):
+            reason = (exc.reason if isinstance(exc, ReconcileProblem)
+                      else "InvalidWorkload" if isinstance(exc, WorkloadSpecError) else "InvalidSpec")
+            if await write_spec_error(self.client, body, str(exc), reason):
                 self.metrics.status_updates.inc()
             return
+        key = (namespace, name)
+        if (workload is not None and adoption_state(workload) != self.adopted.get(key)
+                and time.monotonic() - self._readopted.get(key, -PERIODIC_REFRESH) >= PERIODIC_REFRESH):
+            # At most once per PERIODIC_REFRESH: a reconcile marks the group for a refresh, so
+            # one that keeps failing would otherwise loop.
+            self._readopted[key] = time.monotonic()
+            # The workload changed under the group: re-created without the label (helm
+            # uninstall and install, an orphaning delete), another account, or this operator
+            # has not applied it yet. Applied again, so new pods keep getting the sidecar.
+            with contextlib.suppress(SpecError, ReconcileProblem):  # kept in self.problems: the status says it
+                await self.reconcile(body)
         observed = await observe(self.client, spec, self.problems.get((namespace, name)),
                                  self.applied.get((namespace, name)))
         if await write_status(self.client, spec, body.get("status") or {}, observed):

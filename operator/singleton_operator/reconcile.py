@@ -223,12 +223,46 @@ async def read_workload(client: KubeClient, body: dict[str, Any]) -> dict[str, A
         raise ReconcileProblem("RBACDenied", f"the operator may not read {ref.describe(namespace)}: {exc}") from None
 
 
-async def release(client: KubeClient, spec: GroupSpec) -> None:
+async def release(client: KubeClient, body: dict[str, Any]) -> None:
     """Give an adopted workload back: the group label leaves its template (a rollout without
-    the sidecar follows). Nothing to do if the workload is gone."""
+    the sidecar follows). Needs only ``spec.workloadRef``, so a group whose spec or workload
+    now breaks a rule is given back too. Nothing to do if the workload is gone or adopted by
+    another group since."""
+    ref = workload_ref(body)
+    if ref is None:
+        return
+    namespace, name = body["metadata"]["namespace"], body["metadata"]["name"]
     # Read first: an apply to a workload that is gone would try to create one.
-    if await _get_or_none(client, workload_path(spec)) is not None:
-        await apply(client, resources.release_adoption(spec))
+    workload = await _get_or_none(client, object_path("apps/v1", ref.kind, namespace, ref.name))
+    if workload is not None and resources.adopted_by(workload) in (name, None):
+        await apply(client, resources.release_adoption(namespace, ref))
+
+
+def check_not_a_group(body: dict[str, Any], workload: dict[str, Any]) -> None:
+    """Refuse the Deployment the operator makes for a template group."""
+    ref = workload_ref(body)
+    assert ref is not None
+    metadata = workload.get("metadata") or {}
+    owners = [o for o in metadata.get("ownerReferences") or [] if o.get("kind") == contract.KIND]
+    if owners or (metadata.get("labels") or {}).get(resources.LABEL_MANAGED_BY) == resources.MANAGED_BY:
+        owner = owners[0]["name"] if owners else "another group"
+        raise ReconcileProblem("WorkloadIsAGroup", f"spec.workloadRef: {ref.describe(body['metadata']['namespace'])} "
+                               f"is the workload the operator makes for SingletonService {owner}; adopt a workload "
+                               "of your own")
+
+
+async def check_adoptable(client: KubeClient, spec: GroupSpec, workload: dict[str, Any]) -> None:
+    """Refuse a workload another live group adopts: two groups' labels would flip its template
+    between them, each flip a rollout, and each group's pods would elect a leader of their own."""
+    assert spec.workload_ref is not None
+    where = spec.workload_ref.describe(spec.namespace)
+    other = resources.adopted_by(workload)
+    if other is None or other == spec.name:
+        return
+    if await _get_or_none(client, cr_path(spec.namespace, other)) is not None:
+        raise ReconcileProblem("WorkloadAdoptedByAnother", f"spec.workloadRef: {where} is adopted by SingletonService "
+                               f"{other} already (its pod template's label {contract.LABEL_GROUP}={other}); a "
+                               "workload belongs to one group")
 
 
 async def _get_or_none(client: KubeClient, path: str) -> dict[str, Any] | None:
@@ -256,12 +290,13 @@ async def write_status(client: KubeClient, spec: GroupSpec, current: dict[str, A
     return True
 
 
-async def write_spec_error(client: KubeClient, body: dict[str, Any], message: str) -> bool:
-    """Report a spec the operator cannot read as Stalled (reason InvalidSpec). Returns whether
-    anything was written."""
+async def write_spec_error(client: KubeClient, body: dict[str, Any], message: str,
+                           reason: str = "InvalidSpec") -> bool:
+    """Report a group the operator cannot read (its spec, or its adopted workload) as Stalled
+    with ``reason``. Returns whether anything was written."""
     metadata = body["metadata"]
     current = body.get("status") or {}
-    new = spec_error_status(int(metadata.get("generation", 0)), "InvalidSpec", message, current)
+    new = spec_error_status(int(metadata.get("generation", 0)), reason, message, current)
     if not status_changed(current, new):
         return False
     await client.request("PATCH", cr_path(metadata["namespace"], metadata["name"]) + "/status",

@@ -16,10 +16,12 @@ to a new pod.
 from __future__ import annotations
 
 import copy
+import hashlib
+import json
 from typing import Any
 
 from singleton_operator import spec as specs
-from singleton_operator.spec import GroupSpec, format_seconds, seconds_to_ns
+from singleton_operator.spec import GroupSpec, WorkloadRef, format_seconds, seconds_to_ns
 from singleton_sidecar import contract
 
 # The names the operator injects live with the rules that reserve them (spec.py).
@@ -204,11 +206,36 @@ def sidecar_container(spec: GroupSpec) -> dict[str, Any]:
 
 
 def _gated_command(command: list[str]) -> list[str]:
+    return ["/bin/sh", "-c", _gate_script(), "singleton-gate", *command]
+
+
+def uninjected_template(template: dict[str, Any]) -> dict[str, Any]:
+    """A pod template without what injection added (the sidecar, the gate volume and mounts, the
+    gate wrapper around the main command): what the group's rules are checked on when a workload
+    was injected before it is adopted (``singletonctl inject``)."""
+    result = copy.deepcopy(template)
+    pod = result.get("spec") or {}
+    inits = [c for c in pod.get("initContainers") or [] if c.get("name") != SIDECAR_CONTAINER]
+    pod["initContainers"] = inits
+    pod["volumes"] = [v for v in pod.get("volumes") or [] if v.get("name") != GATE_VOLUME]
+    for key in ("initContainers", "volumes"):
+        if not pod[key]:
+            del pod[key]
+    for container in pod.get("containers") or []:
+        mounts = [m for m in container.get("volumeMounts") or [] if m.get("name") != GATE_VOLUME]
+        if "volumeMounts" in container:
+            container["volumeMounts"] = mounts
+        command = container.get("command") or []
+        if command[:2] == ["/bin/sh", "-c"] and command[2:4] == [_gate_script(), "singleton-gate"]:
+            container["command"] = command[4:]
+    return result
+
+
+def _gate_script() -> str:
     # gate.sh is written by the sidecar; the native sidecar starts first, but wait anyway
     # so the wrapper also works if the app container starts early.
-    script = (f'while [ ! -f {GATE_DIR}/gate.sh ]; do sleep 0.2; done; '
-              f'exec /bin/sh {GATE_DIR}/gate.sh "$@"')
-    return ["/bin/sh", "-c", script, "singleton-gate", *command]
+    return (f'while [ ! -f {GATE_DIR}/gate.sh ]; do sleep 0.2; done; '
+            f'exec /bin/sh {GATE_DIR}/gate.sh "$@"')
 
 
 def _main_container(spec: GroupSpec, container: dict[str, Any]) -> dict[str, Any]:
@@ -242,7 +269,11 @@ def pod_template(spec: GroupSpec) -> dict[str, Any]:
     else:
         # An adopted workload's pods keep their labels (its controller selects them by those,
         # its chart says who manages them); the group label is the one the group selects by.
+        # The settings' digest too, so that a manifest injected by singletonctl carries what the
+        # operator's apply would put there (no extra rollout when the group adopts it).
         metadata["labels"] = {**(metadata.get("labels") or {}), **selector_labels(spec)}
+        metadata["annotations"] = {**(metadata.get("annotations") or {}),
+                                   ANNOTATION_SIDECAR_CONFIG: sidecar_config_digest(spec)}
     pod = template.setdefault("spec", {})
     pod["containers"] = [_main_container(spec, c) if c["name"] == spec.main_container else c
                          for c in pod["containers"]]
@@ -276,21 +307,41 @@ def deployment(spec: GroupSpec) -> dict[str, Any]:
     }
 
 
+ANNOTATION_SIDECAR_CONFIG = f"{contract.API_GROUP}/sidecar-config"
+"""On an adopted workload's pod template: a digest of what the webhook injects, so a change of
+the group's settings rolls the workload out once, as it does a template group's Deployment."""
+
+
+def sidecar_config_digest(spec: GroupSpec) -> str:
+    """Digest of the group's injection settings (not of the workload's template, which would
+    change with every apply of it)."""
+    settings = {"sidecar": sidecar_container(spec), "gating": spec.gating, "main": spec.main_container,
+                "grace": spec.termination_grace, "port": spec.sidecar_port}
+    return hashlib.sha256(json.dumps(settings, sort_keys=True).encode()).hexdigest()[:16]
+
+
 def adoption(spec: GroupSpec) -> dict[str, Any]:
-    """The server-side apply of an adopted workload: the group label on its pod template, and
-    nothing else (the workload's owner, a chart or a GitOps tool, keeps all other fields; the
-    operator's field manager owns only this one, so the operator can take it back)."""
+    """The server-side apply of an adopted workload: the group label and the settings' digest on
+    its pod template, and nothing else (the workload's owner, a chart or a GitOps tool, keeps
+    all other fields; the operator's field manager owns only these, so it can take them back)."""
     assert spec.workload_ref is not None
     return {"apiVersion": "apps/v1", "kind": spec.workload_ref.kind,
             "metadata": {"name": spec.workload_ref.name, "namespace": spec.namespace},
-            "spec": {"template": {"metadata": {"labels": selector_labels(spec)}}}}
+            "spec": {"template": {"metadata": {
+                "labels": selector_labels(spec),
+                "annotations": {ANNOTATION_SIDECAR_CONFIG: sidecar_config_digest(spec)}}}}}
 
 
-def release_adoption(spec: GroupSpec) -> dict[str, Any]:
+def adopted_by(workload: dict[str, Any]) -> str | None:
+    """The group whose label an adopted workload's pod template carries, if any."""
+    template = (workload.get("spec") or {}).get("template") or {}
+    value = ((template.get("metadata") or {}).get("labels") or {}).get(contract.LABEL_GROUP)
+    return str(value) if value else None
+
+
+def release_adoption(namespace: str, ref: WorkloadRef) -> dict[str, Any]:
     """The apply that gives the workload back: the operator's field manager owns nothing."""
-    assert spec.workload_ref is not None
-    return {"apiVersion": "apps/v1", "kind": spec.workload_ref.kind,
-            "metadata": {"name": spec.workload_ref.name, "namespace": spec.namespace}}
+    return {"apiVersion": "apps/v1", "kind": ref.kind, "metadata": {"name": ref.name, "namespace": namespace}}
 
 
 def leader_service(spec: GroupSpec) -> dict[str, Any] | None:

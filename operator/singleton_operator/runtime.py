@@ -191,7 +191,8 @@ async def _first(*events: asyncio.Event) -> asyncio.Event:
 async def _run_kopf_while_leading(config: OperatorConfig, client: KubeClient, metrics: OperatorMetrics,
                                   lost: asyncio.Event, stopping: asyncio.Event) -> int:
     groups = Groups(client=client, sidecar_image=config.sidecar_image, metrics=metrics,
-                    sidecar_pull_policy=config.sidecar_pull_policy, image_pull_secrets=config.image_pull_secrets)
+                    sidecar_pull_policy=config.sidecar_pull_policy, image_pull_secrets=config.image_pull_secrets,
+                    webhook_serving=config.webhook is not None, operator_namespace=config.lease_namespace)
     loop = asyncio.get_running_loop()
     stop_flag: asyncio.Future[None] = loop.create_future()
     ready_flag: asyncio.Future[None] = loop.create_future()

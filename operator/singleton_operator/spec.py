@@ -82,6 +82,11 @@ class SpecError(ValueError):
     """A spec the operator cannot build; the message starts with the field's path."""
 
 
+class WorkloadSpecError(SpecError):
+    """An adopted workload's pod template breaks one of the group's rules: its owner may fix
+    it without touching the group, so the operator tries again."""
+
+
 def parse_duration(path: str, text: str) -> int:
     """Nanoseconds in a duration such as ``1m30s``, ``1500ms`` or ``0.0005s``: the strings the
     CRD's pattern admits (units h, m, s, ms; decimal fractions; at most 32 characters), read to
@@ -356,6 +361,10 @@ def _check_containers(pod: Mapping[str, Any], gating: GatingMode, main: str) -> 
             raise SpecError(f"spec.template.spec.volumes: the volume name {GATE_VOLUME} is reserved for the "
                             "operator's file-gate volume")
         container = next(c for c in containers if c.get("name") == main)
+        if not container.get("command"):
+            raise SpecError("spec.gating.mode: file needs the main container (spec.mainContainer, or the first of "
+                            "spec.template.spec.containers) to set command: the operator wraps it with the gate "
+                            "script and cannot read an image's entrypoint")
         if any(m.get("mountPath") in (GATE_DIR, GATE_DIR + "/") for m in container.get("volumeMounts") or []):
             raise SpecError(f"spec.gating.mode: file mounts the gate folder at {GATE_DIR} in the main container, "
                             "so its volumeMounts must not use that mountPath")
@@ -461,7 +470,7 @@ def read_spec(body: dict[str, Any], *, default_sidecar_image: str,
                           default_sidecar_image, ref)
     except SpecError as exc:
         if "spec.template" in str(exc):
-            raise SpecError(f"{exc} (in the adopted {where})") from None
+            raise WorkloadSpecError(f"{exc} (in the adopted {where})") from None
         raise
 
 

@@ -19,7 +19,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from singleton_operator.resources import selector_labels
-from singleton_operator.spec import GroupSpec
+from singleton_operator.spec import SIDECAR_CONTAINER, GroupSpec
 from singleton_sidecar import contract
 
 CONDITION_TYPES = ("Ready", "Reconciling", "Stalled", "Available", "LeaderElected", "Progressing", "Degraded",
@@ -55,6 +55,10 @@ def _ready(pod: dict[str, Any]) -> bool:
 
 def _annotations(pod: dict[str, Any]) -> dict[str, str]:
     return (pod.get("metadata") or {}).get("annotations") or {}
+
+
+def _has_sidecar(pod: dict[str, Any]) -> bool:
+    return any(c.get("name") == SIDECAR_CONTAINER for c in (pod.get("spec") or {}).get("initContainers") or [])
 
 
 def live_pods(pods: list[dict[str, Any]]) -> list[dict[str, Any]]:
@@ -172,8 +176,16 @@ def compute_status(spec: GroupSpec, observed: Observed, previous: dict[str, Any]
                                in_rollout=in_rollout, rollout_message=rollout_message, leader=leader,
                                ready_pods=ready)
 
+    # Only adopted pods can lack it: a template group's pods come from a template that has it.
+    unguarded = [p["metadata"]["name"] for p in pods if spec.workload_ref is not None and not _has_sidecar(p)]
     if observed.problem is not None:
         phase, degraded, degraded_reason, degraded_message = "Failed", True, observed.problem_reason, observed.problem
+    elif unguarded:
+        # Pods with the group label but no sidecar (an adopted workload's pods the webhook did
+        # not see): they act unguarded beside the leader.
+        phase, degraded, degraded_reason = "Degraded", True, "PodsWithoutSidecar"
+        degraded_message = (f"{len(unguarded)} pod(s) with the group label run without the sidecar, unguarded: "
+                            f"{', '.join(sorted(unguarded)[:5])}; see docs/adoption.md")
     elif leader is None:
         phase = "Pending" if not ready else "Electing"
         degraded, degraded_reason = bool(pods), "NoLeader"

@@ -28,7 +28,7 @@ from typing import Any
 from aiohttp import web
 
 from singleton_operator.inject import pod_patch
-from singleton_operator.reconcile import CALL_TIMEOUT, cr_path
+from singleton_operator.reconcile import CALL_TIMEOUT, ReconcileProblem, cr_path
 from singleton_operator.spec import GroupSpec, SpecError, workload_ref
 from singleton_sidecar import contract
 from singleton_sidecar.kube import KubeClient, KubeError, KubeNotFound
@@ -112,7 +112,7 @@ class PodAdmission:
         as_workload = {"spec": {"template": {"metadata": pod.get("metadata") or {}, "spec": pod.get("spec") or {}}}}
         try:
             spec = self.read_spec(body, as_workload)
-        except SpecError as exc:
+        except (SpecError, ReconcileProblem) as exc:
             raise Refused(f"singleton: SingletonService {namespace}/{group} cannot run this pod: {exc}") from None
         return pod_patch(spec, pod), []
 
