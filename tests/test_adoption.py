@@ -150,6 +150,7 @@ def test_singletonctl_inject_reads_files_and_stdin_and_writes_everything(tmp_pat
         (["inject", "-f", str(tmp_path / "missing.yaml")], "", "cannot read"),
         (["inject", "-f", str(group_file), "-f", "-"], "kind: [unclosed", "stdin: not valid YAML"),
         (["inject", "-f", str(group_file), "-f", "-"], "- a\n- b\n", "document 1 is not a Kubernetes object"),
+        (["inject", "-f", "-", "-f", "-"], vendor, "stdin can be read once"),
     ]:
         bad = singletonctl(*args, stdin=stdin)
         assert bad.returncode == 1, (args, bad.stdout, bad.stderr)
@@ -468,3 +469,26 @@ def test_an_adopted_workload_is_kept_adopted_and_follows_the_groups_settings(
     wait_for(lambda: stalled_reason(cluster, namespace, "kept") == "InvalidWorkload", 30, "InvalidWorkload", 0.2)
     delete_while_the_operator_runs(cluster, namespace, "kept")
     assert contract.LABEL_GROUP not in template_labels(cluster, namespace, "kept")
+
+
+def test_the_operator_runs_while_its_webhook_cannot_start_and_is_ready_once_it_serves(
+        cluster: Cluster, singleton_crd: Path, namespace: str, tmp_path: Path) -> None:
+    configuration = "singleton-late-" + uuid.uuid4().hex[:6]
+    port = free_port()
+    operator = OperatorProcess(cluster.kubeconfig, namespace, tmp_path / "late.log", name="late",
+                               extra_args=["--namespace", namespace, "--webhook-listen", f"127.0.0.1:{port}",
+                                           "--webhook-extra-name", "127.0.0.1", "--webhook-config", configuration])
+    operator.start()
+    try:
+        # Its MutatingWebhookConfiguration does not exist yet: the operator lives on (template
+        # groups need no webhook), but is not Ready, saying why.
+        body = wait_for(lambda: (answer := operator.get("/readyz"))[0] == 503 and "not found" in answer[1].lower()
+                        and answer[1], 30, "/readyz 503 naming the missing configuration", 0.2)
+        assert body.startswith("pod webhook: no certificate yet"), body
+        assert operator.role() == "" and operator.alive()
+        cluster.apply(json.dumps(webhook_configuration(configuration, namespace, port)))
+        wait_for(lambda: operator.get("/readyz")[0] == 200, 60, "/readyz 200 once the webhook serves", 0.5)
+        assert operator.alive()
+    finally:
+        operator.stop()
+        cluster.kubectl("delete", "mutatingwebhookconfiguration", configuration, "--ignore-not-found")

@@ -356,6 +356,9 @@ def test_the_webhook_flags_are_read_and_bad_ones_refused_naming_the_flag(tmp_pat
          r"^--webhook-cert-dir \(SINGLETON_WEBHOOK_CERT_DIR\)"),
         ([*listen, "--webhook-extra-name", "*.example.org"], r"^--webhook-extra-name: '\*.example.org'"),
         ([*listen, "--webhook-extra-name", "300.1.1.1:80"], r"^--webhook-extra-name: '300.1.1.1:80'"),
+        (["--webhook-config", "hook"], r"^--webhook-config: the webhook is off without --webhook-listen"),
+        ([*listen, "--webhook-cert-dir", str(tmp_path), "--webhook-secret", "x"],
+         r"^--webhook-secret: not used with --webhook-cert-dir"),
     ]:
         with pytest.raises(ConfigError, match=refusal):
             webhook(*argv)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import sys
 from collections.abc import Sequence
+from pathlib import Path
 
 import yaml
 
@@ -13,10 +14,14 @@ from singleton_operator.inject import InjectError, Manifest, inject_manifests
 
 def read_manifests(paths: Sequence[str]) -> list[Manifest]:
     manifests: list[Manifest] = []
+    if list(paths).count("-") > 1:
+        raise CtlError("-f -: stdin can be read once; give it once")
     for path in paths:
         source = "stdin" if path == "-" else path
         try:
-            text = sys.stdin.read() if path == "-" else open(path, encoding="utf-8").read()  # noqa: SIM115
+            text = sys.stdin.read() if path == "-" else Path(path).read_text(encoding="utf-8")
+        except UnicodeDecodeError:
+            raise CtlError(f"{source}: not UTF-8 text") from None
         except OSError as exc:
             raise CtlError(f"cannot read {source}: {exc.strerror or exc}") from None
         try:

@@ -130,6 +130,13 @@ def _webhook(args: argparse.Namespace, environ: Mapping[str, str]) -> WebhookCon
 
     listen_text = args.webhook_listen or environ.get("SINGLETON_WEBHOOK_LISTEN")
     if not listen_text:
+        given = [flag for flag, value in (("--webhook-service", args.webhook_service),
+                                          ("--webhook-secret", args.webhook_secret),
+                                          ("--webhook-config", args.webhook_config),
+                                          ("--webhook-cert-dir", args.webhook_cert_dir),
+                                          ("--webhook-extra-name", args.webhook_extra_name)) if value]
+        if given:
+            raise ConfigError(f"{given[0]}: the webhook is off without --webhook-listen (SINGLETON_WEBHOOK_LISTEN)")
         return None
     listen = _listen("--webhook-listen (SINGLETON_WEBHOOK_LISTEN)", listen_text)
     service = args.webhook_service or environ.get("SINGLETON_WEBHOOK_SERVICE") or DEFAULT_WEBHOOK_SERVICE
@@ -146,6 +153,11 @@ def _webhook(args: argparse.Namespace, environ: Mapping[str, str]) -> WebhookCon
     cert_dir = args.webhook_cert_dir or environ.get("SINGLETON_WEBHOOK_CERT_DIR") or None
     if cert_dir is not None and not os.path.isdir(cert_dir):
         raise ConfigError(f"--webhook-cert-dir (SINGLETON_WEBHOOK_CERT_DIR): {cert_dir!r} is not a folder")
+    if cert_dir is not None and (args.webhook_secret or args.webhook_config):
+        # cert-manager makes the certificate and its CA injector fills caBundle: these would be ignored.
+        flag = "--webhook-secret" if args.webhook_secret else "--webhook-config"
+        raise ConfigError(f"{flag}: not used with --webhook-cert-dir (cert-manager keeps the certificate and "
+                          "caBundle)")
     extra_names = tuple(args.webhook_extra_name or ())
     for name in extra_names:
         # Checked here, not when the certificate is made: a bad name then would stop the start with a traceback.

@@ -13,7 +13,9 @@ import asyncio
 import contextlib
 import logging
 import signal
+import ssl
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -32,7 +34,7 @@ from singleton_sidecar.core.elector import Elector
 from singleton_sidecar.core.lock import Identity
 from singleton_sidecar.core.status import ElectionStatus, Role
 from singleton_sidecar.core.timings import BACKEND_DEFAULTS
-from singleton_sidecar.kube import KubeClient, load_kube_config
+from singleton_sidecar.kube import KubeClient, KubeError, load_kube_config
 
 log = logging.getLogger(__name__)
 
@@ -64,7 +66,9 @@ class OperatorConfig:
     webhook: WebhookConfig | None = None
 
 
-def health_app(elector: Elector, metrics: OperatorMetrics) -> web.Application:
+def health_app(elector: Elector, metrics: OperatorMetrics,
+               not_ready: Callable[[], str | None] = lambda: None) -> web.Application:
+    """``not_ready`` says why the replica must not get traffic yet (its webhook not serving)."""
     async def healthz(_: web.Request) -> web.Response:
         stalled = elector.clock.monotonic() - elector.last_progress
         limit = 2 * elector.timings.lease_duration + elector.timings.retry_period
@@ -73,6 +77,8 @@ def health_app(elector: Elector, metrics: OperatorMetrics) -> web.Application:
         return web.Response(text="ok\n")
 
     async def readyz(_: web.Request) -> web.Response:
+        if (reason := not_ready()) is not None:
+            return web.Response(status=503, text=f"{reason}\n")
         return web.Response(text=f"{elector.status.role.value}\n")
 
     async def metrics_handler(_: web.Request) -> web.Response:
@@ -114,11 +120,14 @@ async def run_operator(config: OperatorConfig) -> int:
     loop = asyncio.get_running_loop()
     for signum in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(signum, stopping.set)
-    health = web.AppRunner(health_app(elector, metrics), access_log=None)
+    # Every replica answers the webhook, leading or not (webhook.py); not Ready until it does.
+    webhook = PodWebhook(config, client, metrics) if config.webhook else None
+    health = web.AppRunner(health_app(elector, metrics, webhook.not_ready if webhook else lambda: None),
+                           access_log=None)
     await health.setup()
     await web.TCPSite(health, config.health_listen.host, config.health_listen.port).start()
-    # Before the election: every replica answers the webhook, leading or not (webhook.py).
-    webhook = await _start_webhook(config, client, metrics) if config.webhook else None
+    if webhook is not None:
+        webhook.start()
     election = asyncio.create_task(elector.run(), name="operator-election")
     exit_code = 0
     try:
@@ -144,39 +153,65 @@ async def run_operator(config: OperatorConfig) -> int:
     return exit_code
 
 
-@dataclass
-class RunningWebhook:
-    runner: web.AppRunner
-    certificate_checks: asyncio.Task[None]
+class PodWebhook:
+    """The pod webhook of this replica: its certificate first (retried until the API server
+    gives it: a missing Secret permission or configuration must not stop the operator, whose
+    template groups need no webhook), then the HTTPS server, then the certificate checks."""
+
+    RETRY_FIRST = 1.0
+    RETRY_MAX = 30.0
+
+    def __init__(self, config: OperatorConfig, client: KubeClient, metrics: OperatorMetrics) -> None:
+        assert config.webhook is not None
+        self.hook = config.webhook
+        self.client = client
+        self.source: certs.CertificateSource
+        if self.hook.cert_dir is not None:
+            self.source = certs.DirectorySource(Path(self.hook.cert_dir))
+        else:
+            names = [*certs.service_names(self.hook.service, config.lease_namespace), *self.hook.extra_names]
+            self.source = certs.SecretSource(certs.SecretStore(client, config.lease_namespace, self.hook.secret, names),
+                                             self.hook.configuration)
+        readers = Groups(client=client, sidecar_image=config.sidecar_image, metrics=metrics,
+                         sidecar_pull_policy=config.sidecar_pull_policy, image_pull_secrets=config.image_pull_secrets)
+        self.admission = PodAdmission(client, readers.spec_of, metrics.admission_seconds.observe)
+        self.runner: web.AppRunner | None = None
+        self.task: asyncio.Task[None] | None = None
+        self.problem: str | None = "pod webhook: getting its certificate"
+
+    def not_ready(self) -> str | None:
+        return self.problem
+
+    def start(self) -> None:
+        self.task = asyncio.create_task(self._serve(), name="pod-webhook")
+
+    async def _serve(self) -> None:
+        serving = certs.ServingContext()
+        delay = self.RETRY_FIRST
+        while True:
+            try:
+                await self.source.refresh(serving)
+                break
+            except (KubeError, OSError, ssl.SSLError, ValueError, KeyError) as exc:
+                self.problem = f"pod webhook: no certificate yet: {exc}"
+                log.error("pod webhook certificate not ready error=%s retry_seconds=%.0f", exc, delay)
+                await asyncio.sleep(delay)
+                delay = min(delay * 2, self.RETRY_MAX)
+        self.runner = web.AppRunner(self.admission.app(), access_log=None)
+        await self.runner.setup()
+        await web.TCPSite(self.runner, self.hook.listen.host, self.hook.listen.port,
+                          ssl_context=serving.context).start()
+        self.problem = None
+        log.info("pod webhook serving listen=%s:%d path=%s", self.hook.listen.host, self.hook.listen.port,
+                 WEBHOOK_PATH)
+        await certs.keep_fresh(self.source, serving)
 
     async def stop(self) -> None:
-        self.certificate_checks.cancel()
-        await asyncio.gather(self.certificate_checks, return_exceptions=True)
-        await self.runner.cleanup()
-
-
-async def _start_webhook(config: OperatorConfig, client: KubeClient, metrics: OperatorMetrics) -> RunningWebhook:
-    """Serve the pod webhook with a certificate that is ready before the first request."""
-    hook = config.webhook
-    assert hook is not None
-    source: certs.CertificateSource
-    if hook.cert_dir is not None:
-        source = certs.DirectorySource(Path(hook.cert_dir))
-    else:
-        names = [*certs.service_names(hook.service, config.lease_namespace), *hook.extra_names]
-        source = certs.SecretSource(certs.SecretStore(client, config.lease_namespace, hook.secret, names),
-                                    hook.configuration)
-    serving = certs.ServingContext()
-    await source.refresh(serving)
-    readers = Groups(client=client, sidecar_image=config.sidecar_image, metrics=metrics,
-                     sidecar_pull_policy=config.sidecar_pull_policy, image_pull_secrets=config.image_pull_secrets)
-    admission = PodAdmission(client, readers.spec_of, metrics.admission_seconds.observe)
-    runner = web.AppRunner(admission.app(), access_log=None)
-    await runner.setup()
-    await web.TCPSite(runner, hook.listen.host, hook.listen.port, ssl_context=serving.context).start()
-    log.info("pod webhook serving listen=%s:%d path=%s", hook.listen.host, hook.listen.port, WEBHOOK_PATH)
-    checks = asyncio.create_task(certs.keep_fresh(source, serving), name="webhook-certificate")
-    return RunningWebhook(runner, checks)
+        if self.task is not None:
+            self.task.cancel()
+            await asyncio.gather(self.task, return_exceptions=True)
+        if self.runner is not None:
+            await self.runner.cleanup()
 
 
 async def _first(*events: asyncio.Event) -> asyncio.Event:

@@ -357,17 +357,21 @@ def _check_containers(pod: Mapping[str, Any], gating: GatingMode, main: str) -> 
         raise SpecError("spec.template.spec.containers: names in spec.template.spec.containers and "
                         "spec.template.spec.initContainers must be unique")
     if gating == "file":
-        if GATE_VOLUME in _names(pod.get("volumes") or []):
-            raise SpecError(f"spec.template.spec.volumes: the volume name {GATE_VOLUME} is reserved for the "
-                            "operator's file-gate volume")
-        container = next(c for c in containers if c.get("name") == main)
-        if not container.get("command"):
-            raise SpecError("spec.gating.mode: file needs the main container (spec.mainContainer, or the first of "
-                            "spec.template.spec.containers) to set command: the operator wraps it with the gate "
-                            "script and cannot read an image's entrypoint")
-        if any(m.get("mountPath") in (GATE_DIR, GATE_DIR + "/") for m in container.get("volumeMounts") or []):
-            raise SpecError(f"spec.gating.mode: file mounts the gate folder at {GATE_DIR} in the main container, "
-                            "so its volumeMounts must not use that mountPath")
+        _check_file_gating(pod, containers, main)
+
+
+def _check_file_gating(pod: Mapping[str, Any], containers: list[dict[str, Any]], main: str) -> None:
+    if GATE_VOLUME in _names(pod.get("volumes") or []):
+        raise SpecError(f"spec.template.spec.volumes: the volume name {GATE_VOLUME} is reserved for the "
+                        "operator's file-gate volume")
+    container = next(c for c in containers if c.get("name") == main)
+    if not container.get("command"):
+        raise SpecError("spec.gating.mode: file needs the main container (spec.mainContainer, or the first of "
+                        "spec.template.spec.containers) to set command: the operator wraps it with the gate "
+                        "script and cannot read an image's entrypoint")
+    if any(m.get("mountPath") in (GATE_DIR, GATE_DIR + "/") for m in container.get("volumeMounts") or []):
+        raise SpecError(f"spec.gating.mode: file mounts the gate folder at {GATE_DIR} in the main container, "
+                        "so its volumeMounts must not use that mountPath")
 
 
 def _container_ports(pod: Mapping[str, Any]) -> list[tuple[str, int]]:
