@@ -144,6 +144,13 @@ def test_singletonctl_inject_reads_files_and_stdin_and_writes_everything(tmp_pat
     docs = list(yaml.safe_load_all(result.stdout))
     assert [d["kind"] for d in docs] == ["SingletonService", "Deployment", "Service"]
     assert docs[1]["spec"]["template"]["spec"]["initContainers"][0]["image"] == IMAGE
+    # The operator's pull settings, given as the operator has them.
+    pulled = singletonctl("inject", "-f", str(group_file), "-f", "-", "--sidecar-image-pull-policy", "Always",
+                          "--sidecar-image-pull-secret", "regcred", stdin=vendor)
+    assert pulled.returncode == 0, pulled.stderr
+    pod = list(yaml.safe_load_all(pulled.stdout))[1]["spec"]["template"]["spec"]
+    assert pod["initContainers"][0]["imagePullPolicy"] == "Always"
+    assert pod["imagePullSecrets"] == [{"name": "regcred"}]
     # Errors: one line, exit 1, nothing on stdout (no half-written stream).
     for args, stdin, message in [
         (["inject"], vendor, "no SingletonService with spec.workloadRef in the input"),

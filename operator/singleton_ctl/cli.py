@@ -4,7 +4,8 @@
     singletonctl handover GROUP [-n NS] [--to POD] [--timeout S]
     singletonctl release GROUP [-n NS] [--yes]
     singletonctl history GROUP [-n NS] [-o table|json|yaml]
-    singletonctl inject [-f FILE ...] [-n NS] [--sidecar-image IMAGE]   (offline: no cluster)
+    singletonctl inject [-f FILE ...] [-n NS] [--sidecar-image IMAGE] [--sidecar-image-pull-policy P]
+                        [--sidecar-image-pull-secret S ...]   (offline: no cluster)
 
 Uses the usual kubeconfig (``--kubeconfig``, ``$KUBECONFIG``, ``~/.kube/config``, or the
 pod's service account). Errors are one line on stderr and exit status 1 (2 for bad usage).
@@ -24,7 +25,7 @@ import yaml
 
 from singleton_ctl.groups import Ctl, CtlError, GroupView
 from singleton_ctl.manifests import inject_files
-from singleton_operator.cli import DEFAULT_SIDECAR_IMAGE
+from singleton_operator.cli import DEFAULT_SIDECAR_IMAGE, PULL_POLICIES
 from singleton_sidecar.kube import (
     KubeClient,
     KubeConfig,
@@ -71,6 +72,10 @@ def parser() -> argparse.ArgumentParser:
     inject.add_argument("--sidecar-image", default=DEFAULT_SIDECAR_IMAGE, metavar="IMAGE",
                         help="the sidecar image when a SingletonService sets no spec.sidecar.image (default: the "
                              f"operator's default, {DEFAULT_SIDECAR_IMAGE}; use the operator's --sidecar-image)")
+    inject.add_argument("--sidecar-image-pull-policy", default=None, choices=PULL_POLICIES,
+                        help="the sidecar's imagePullPolicy (use the operator's setting)")
+    inject.add_argument("--sidecar-image-pull-secret", action="append", default=None, metavar="SECRET",
+                        help="a Secret added to the pods' imagePullSecrets (repeatable; use the operator's)")
     return top
 
 
@@ -135,7 +140,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         if args.command == "inject":
             sys.stdout.write(inject_files(args.filename or ["-"], namespace=args.namespace,
-                                          sidecar_image=args.sidecar_image))
+                                          sidecar_image=args.sidecar_image,
+                                          pull_policy=args.sidecar_image_pull_policy,
+                                          pull_secrets=args.sidecar_image_pull_secret or ()))
             return 0
         config = load_kube_config(args.kubeconfig)
         namespace = args.namespace or config.namespace

@@ -37,12 +37,14 @@ def read_manifests(paths: Sequence[str]) -> list[Manifest]:
     return manifests
 
 
-def inject_files(paths: Sequence[str], *, namespace: str, sidecar_image: str) -> str:
+def inject_files(paths: Sequence[str], *, namespace: str, sidecar_image: str, pull_policy: str | None = None,
+                 pull_secrets: Sequence[str] = ()) -> str:
     """All documents of ``paths`` as one YAML stream, the adopted workloads injected. Nothing
     is written unless every document was read and every injection succeeded."""
     try:
         docs = inject_manifests(read_manifests(paths), default_namespace=namespace,
-                                default_sidecar_image=sidecar_image)
+                                default_sidecar_image=sidecar_image, sidecar_pull_policy=pull_policy,
+                                image_pull_secrets=tuple(dict.fromkeys(pull_secrets)))
     except InjectError as exc:
         raise CtlError(str(exc)) from None
     return yaml.safe_dump_all(docs, sort_keys=False, explicit_start=True)

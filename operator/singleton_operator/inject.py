@@ -77,8 +77,9 @@ class Manifest:
     source: str
 
 
-def inject_manifests(manifests: Iterable[Manifest], *, default_namespace: str,
-                     default_sidecar_image: str) -> list[dict[str, Any]]:
+def inject_manifests(manifests: Iterable[Manifest], *, default_namespace: str, default_sidecar_image: str,
+                     sidecar_pull_policy: str | None = None,
+                     image_pull_secrets: tuple[str, ...] = ()) -> list[dict[str, Any]]:
     """Every document, in order, with the sidecar injected into each Deployment or
     StatefulSet that a SingletonService of the input adopts. Raises ``InjectError`` naming the
     document for anything that would make a half-injected output."""
@@ -112,7 +113,9 @@ def inject_manifests(manifests: Iterable[Manifest], *, default_namespace: str,
         key = (str(doc.get("kind")), _namespace(doc, default_namespace), _name(manifest))
         if key in groups and doc.get("apiVersion") == WORKLOAD_API_VERSION:
             found.add(key)
-            output.append(_inject_workload(groups[key][0], doc, default_namespace, default_sidecar_image))
+            spec_settings = {"sidecar_pull_policy": sidecar_pull_policy, "image_pull_secrets": image_pull_secrets}
+            output.append(_inject_workload(groups[key][0], doc, default_namespace, default_sidecar_image,
+                                           spec_settings))
         else:
             output.append(doc)
     missing = [(m, ref) for target, (m, ref) in groups.items() if target not in found]
@@ -125,7 +128,7 @@ def inject_manifests(manifests: Iterable[Manifest], *, default_namespace: str,
 
 
 def _inject_workload(group: Manifest, workload: dict[str, Any], default_namespace: str,
-                     default_sidecar_image: str) -> dict[str, Any]:
+                     default_sidecar_image: str, operator_settings: dict[str, Any]) -> dict[str, Any]:
     body = copy.deepcopy(group.doc)
     metadata = body.setdefault("metadata", {})
     metadata.setdefault("namespace", default_namespace)
@@ -139,6 +142,9 @@ def _inject_workload(group: Manifest, workload: dict[str, Any], default_namespac
         spec = read_spec(body, default_sidecar_image=default_sidecar_image, workload=workload)
     except SpecError as exc:
         raise InjectError(f"{group.source}: SingletonService {_name(group)}: {exc}") from None
+    # The operator's own settings (its --sidecar-image-pull-policy and pull secrets), as its
+    # webhook applies them.
+    spec = replace(spec, **operator_settings)
     result = copy.deepcopy(workload)
     result["spec"]["template"] = injected_template(spec, template)
     return result
