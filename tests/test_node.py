@@ -112,6 +112,15 @@ def test_node_is_ready_with_a_non_loopback_internal_ip(real_node: RealNode) -> N
     assert node["status"]["daemonEndpoints"]["kubeletEndpoint"]["Port"] == real_node.node.kubelet_port
 
 
+def test_the_bridge_keeps_its_mac_address_while_pods_come_and_go(real_node: RealNode, pod: dict[str, Any]) -> None:
+    """Set, not inherited: a bridge takes its lowest port's MAC unless its own was set, and a
+    change makes every pod's ARP entry for the node IP stale (tens of seconds without the host)."""
+    bridge = Path("/sys/class/net", real_node.node.layout.bridge)
+    assert (bridge / "addr_assign_type").read_text().strip() == "3"  # NET_ADDR_SET
+    assert (bridge / "address").read_text().strip() == host.bridge_mac(real_node.node.layout.bridge)
+    assert host.bridge_ports(real_node.node.layout.bridge), "the pod's veth is on the bridge"
+
+
 def test_pod_with_native_sidecar_becomes_ready_with_a_pod_ip(real_node: RealNode, pod: dict[str, Any],
                                                               node_namespace: str) -> None:
     assert pod["spec"]["nodeName"] == real_node.node.layout.name

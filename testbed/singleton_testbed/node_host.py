@@ -10,6 +10,7 @@ allows only one real node per machine (a lock file).
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import logging
 import os
 import re
@@ -42,12 +43,25 @@ def link_exists(name: str) -> bool:
     return Path("/sys/class/net", name).exists()
 
 
+def bridge_mac(name: str) -> str:
+    """A fixed, locally administered unicast MAC for the bridge ``name``."""
+    digest = hashlib.sha256(name.encode()).digest()
+    return ":".join(f"{b:02x}" for b in (0x02, *digest[:5]))
+
+
 def make_bridge(name: str, addresses: Sequence[str]) -> None:
     """The pods' bridge, made before the CNI plugin sees it so it holds the node IP and the
     pods' gateway: the plugin then runs with ``isGateway: false`` and leaves the global
-    ``net.ipv4.ip_forward`` alone (pods only talk to this host, never through it)."""
+    ``net.ipv4.ip_forward`` alone (pods only talk to this host, never through it).
+
+    Its MAC address is set, not left to the kernel: a bridge whose address was never set takes
+    the lowest MAC of its ports, so it changed whenever a pod's veth with a lower MAC came or
+    went, and every other pod's ARP entry for the node IP (PostgreSQL, the API server, the
+    gateway) went stale: all pods lost this host for up to ~45 s (a campaign group "did not
+    settle" right after a pod was replaced)."""
     if not link_exists(name):
         run("ip", "link", "add", name, "type", "bridge")
+    run("ip", "link", "set", name, "address", bridge_mac(name))
     for address in addresses:
         run("ip", "addr", "replace", address, "dev", name)
     run("ip", "link", "set", name, "up")
