@@ -485,7 +485,7 @@ def start_operator(state: State, timeout: float = 60) -> None:
     faults on the node can never hit it. It still acts as it would in the cluster: through the
     API server, with a token of the chart's ServiceAccount (so with the chart's RBAC only), and
     it injects the very image the pods run (``--sidecar-image``). Its in-cluster install from
-    the same image is the chart's (README, "Install with Helm")."""
+    the same image is the chart's (README, "Install")."""
     kubeconfig = operator_kubeconfig(state)
     port = free_port()
     argv = [sys.executable, "-m", "singleton_operator.cli", "run", "--kubeconfig", str(kubeconfig),

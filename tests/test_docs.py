@@ -59,7 +59,7 @@ from a folder mirroring the repository's top level (files a command writes land 
 with stdin closed. Background jobs a block leaves are killed with its process group.
 ``make`` never reinstalls the venv (``-o .venv/bin/.installed``).
 
-Also here: every flag and variable of the README's settings tables appears in the
+Also here: every flag and variable of the settings tables of docs/sidecar.md and docs/operator.md appears in the
 ``--help`` of the program concerned, every ```python block compiles and its imports work, and
 every SingletonService in a ```yaml block is accepted by the API server (dry run).
 """
@@ -689,18 +689,18 @@ def _help(*argv: str) -> str:
 
 
 def test_every_sidecar_setting_of_the_readme_is_in_its_help() -> None:
-    rows = _table_rows(REPO / "README.md", "### Settings")
+    rows = _table_rows(REPO / "docs" / "sidecar.md", "## Settings")
     assert len(rows) >= 15
     text = _help(str(VENV_BIN / "singleton-sidecar"), "run", "--help")
     for variables, flags, *_ in rows:
         for name in re.findall(r"SINGLETON_[A-Z_]+", variables) + re.findall(r"--[a-z][a-z-]*", flags):
-            assert name in text, f"README's settings table names {name}, `singleton-sidecar run --help` does not"
+            assert name in text, f"docs/sidecar.md's settings table names {name}, `singleton-sidecar run --help` does not"
 
 
 def test_every_operator_setting_of_the_readme_is_in_its_help() -> None:
-    rows = _table_rows(REPO / "README.md", "### High availability of the operator")
+    rows = _table_rows(REPO / "docs" / "operator.md", "## High availability of the operator")
     assert len(rows) >= 5
     text = _help(str(VENV_BIN / "singleton-operator"), "run", "--help")
     for flags, variables, *_ in rows:
         for name in re.findall(r"--[a-z][a-z-]*", flags) + re.findall(r"\b[A-Z][A-Z_]+[A-Z]\b", variables):
-            assert name in text, f"README's operator table names {name}, `singleton-operator run --help` does not"
+            assert name in text, f"docs/operator.md's operator table names {name}, `singleton-operator run --help` does not"

@@ -512,10 +512,10 @@ def test_the_default_sidecar_ports_are_the_ones_the_docs_and_the_crd_state() -> 
     from singleton_operator.spec import DEFAULT_SIDECAR_PORT
 
     repo = Path(__file__).resolve().parent.parent
-    readme = repo.joinpath("README.md").read_text()
+    readme = repo.joinpath("docs", "operator.md").read_text()
     stated = re.search(r"`spec\.sidecar\.port` \(default \*\*(\d+)\*\*\).*?loopback; (\d+) by default\)", readme,
                        re.DOTALL)
-    assert stated is not None, "README's Ports paragraph no longer states the default"
+    assert stated is not None, "docs/operator.md's Ports paragraph no longer states the default"
     assert (int(stated.group(1)), int(stated.group(2))) == (DEFAULT_SIDECAR_PORT, DEFAULT_SIDECAR_PORT + 1)
     crd = yaml.safe_load(repo.joinpath("crds", "singleton.dev_singletonservices.yaml").read_text())
     sidecar = crd["spec"]["versions"][0]["schema"]["openAPIV3Schema"]["properties"]["spec"]["properties"]["sidecar"]

@@ -41,7 +41,7 @@ GATE_DIR = "/var/run/singleton"
 SIDECAR_PORT_NAME = "singleton"
 DEFAULT_SIDECAR_PORT = 7450
 """The CRD's default spec.sidecar.port (its control port is 7451): no well-known default of common
-software, unlike 9090/9091 (Prometheus, Pushgateway); README.md (Ports) says why."""
+software, unlike 9090/9091 (Prometheus, Pushgateway); docs/operator.md (Ports) says why."""
 
 NANOSECONDS = 1_000_000_000
 DURATION_MAX_LENGTH = 32
