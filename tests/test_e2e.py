@@ -8,7 +8,7 @@ processes, found in its cgroup by ``node_pods``), rolls out a spec change, and i
 The ledger, written by every acting leader, must show no overlap and no lost item.
 
 ``USE_EXISTING_CLUSTER=true`` runs the same suite against the cluster of ``KUBECONFIG``:
-see ``ledger_database`` for ``SINGLETON_E2E_POD_DSN`` and the README."""
+see ``ledger_database`` for ``SINGLETON_E2E_POD_DSN`` and docs/development.md."""
 
 from __future__ import annotations
 
@@ -47,7 +47,7 @@ from tests.test_rbac import helm_template
 # On the test bed pods run on the session's real node (``real_node``: root and containerd
 # needed, skipped otherwise), from the project's image built and imported for the session; on
 # an existing cluster (USE_EXISTING_CLUSTER=true) they run on its nodes, from the image
-# SINGLETON_E2E_IMAGE (built and loaded beforehand: see the README).
+# SINGLETON_E2E_IMAGE (built and loaded beforehand: see docs/development.md).
 REAL_CLUSTER = use_existing_cluster()
 pytestmark = [pytest.mark.k8s, pytest.mark.controlplane]
 IMAGE = os.environ.get("SINGLETON_E2E_IMAGE", "ghcr.io/singleton-dev/singleton:0.1.0")
