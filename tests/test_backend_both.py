@@ -39,15 +39,15 @@ class Stores:
     proxy: CuttableProxy
     made: list[PostgresBackend | LeaseBackend] = dataclasses.field(default_factory=list)
 
-    def postgres(self) -> PostgresBackend:
+    def postgres(self, *, predecessor_prefix: str | None = None) -> PostgresBackend:
         backend = PostgresBackend(group=self.group, dsn=self.pg_dsn, lease_duration=LEASE_DURATION,
-                                  renew_deadline=RENEW_DEADLINE)
+                                  renew_deadline=RENEW_DEADLINE, predecessor_prefix=predecessor_prefix)
         self.made.append(backend)
         return backend
 
-    def lease(self, *, through_proxy: bool = False) -> LeaseBackend:
+    def lease(self, *, through_proxy: bool = False, predecessor_prefix: str | None = None) -> LeaseBackend:
         backend = LeaseBackend(client=self.cut_client if through_proxy else self.client, namespace=self.namespace,
-                               name=self.group, lease_duration=LEASE_DURATION)
+                               name=self.group, lease_duration=LEASE_DURATION, predecessor_prefix=predecessor_prefix)
         self.made.append(backend)
         return backend
 
@@ -122,3 +122,33 @@ async def test_a_standby_times_the_lease_from_its_last_change_while_it_waits_for
     assert took_over - last_write < LEASE_DURATION + 0.4, (
         f"took over {took_over - last_write:.2f}s after the Lease's last change")
     assert took_over - last_write >= LEASE_DURATION - 0.05  # and never before the Lease expired
+
+
+async def test_a_restarted_sole_candidate_takes_both_locks_at_once_beside_a_waiting_standby(
+        stores: Stores) -> None:
+    """The leader's sidecar was killed (its session ended, its Lease left behind); a standby of
+    another pod campaigns all along. The leader's restarted incarnation takes both locks at
+    once and acts at once: the standby, waiting on the Lease, holds no PostgreSQL lock that
+    would keep it out; the standby itself still waits the Lease out."""
+    prefix = "poller-0/0a1b2c3d/"
+    dead_pg, dead_lease = stores.postgres(), stores.lease()
+    dead = BothBackend(postgres=dead_pg, lease=dead_lease)
+    old = await dead.acquire(Identity(prefix + "11111111"), timeout=5)
+    assert isinstance(old, Term)
+    await dead_lease.close()
+    await dead_pg.close()  # the session ends: PostgreSQL frees the lock, the Lease stays
+
+    standby = stores.both()
+    standby_attempt = asyncio.create_task(standby.acquire(Identity("poller-1/99999999/22222222"), timeout=1.5))
+    await asyncio.sleep(0.3)
+    restarted = BothBackend(postgres=stores.postgres(predecessor_prefix=prefix),
+                            lease=stores.lease(predecessor_prefix=prefix))
+    started = time.monotonic()
+    term = await restarted.acquire(Identity(prefix + "44444444"), timeout=3)
+    took = time.monotonic() - started
+    assert isinstance(term, Term), term
+    assert took < 0.5, f"took {took:.2f}s"
+    assert term.token > old.token and term.acting_from <= time.monotonic() + 0.001
+    result = await standby_attempt
+    assert not isinstance(result, Term) and result.holder == prefix + "44444444"
+    assert result.token == term.token  # PostgreSQL's view of the holder: the term's token

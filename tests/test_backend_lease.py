@@ -481,3 +481,29 @@ async def test_the_watch_recovers_from_gone_and_transport_errors(cluster: Cluste
         result = await waiting
         assert isinstance(result, Term) and time.monotonic() - started < 0.15
         await standby.close()
+
+
+async def test_a_restarted_sole_candidate_takes_over_from_its_own_predecessor_at_once(
+    make_backend: Factory,
+) -> None:
+    """The kubelet restarted the sidecar container: the Lease still names its earlier
+    incarnation (same pod name and UID, another nonce), which never released. The new
+    incarnation, its pod's sole candidate, takes it at once; a candidate of another pod, or
+    one not declared sole in its pod, still waits the lease out."""
+    prefix = "poller-7d9c-x2x4q/0a1b2c3d/"
+    dead = make_backend(lease_duration=3.0)
+    old = await acquired(dead, prefix + "11111111")
+    await dead.close()  # SIGKILL: no release
+
+    other_pod = make_backend(lease_duration=3.0, predecessor_prefix="poller-7d9c-zzzzz/99999999/")
+    not_sole = make_backend(lease_duration=3.0)
+    for standby, identity in ((other_pod, "poller-7d9c-zzzzz/99999999/22222222"),
+                              (not_sole, prefix + "33333333")):
+        assert isinstance(await standby.acquire(Identity(identity), timeout=0.5), LockRecord)
+
+    restarted = make_backend(lease_duration=3.0, predecessor_prefix=prefix)
+    started = time.monotonic()
+    term = await acquired(restarted, prefix + "44444444")
+    assert time.monotonic() - started < 0.5
+    assert term.token > old.token and term.acting_from <= time.monotonic()
+    assert (await other_pod.observe(timeout=5)).holder == prefix + "44444444"

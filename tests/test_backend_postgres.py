@@ -789,3 +789,25 @@ async def test_a_takeover_after_a_release_acts_at_once(make_backend: Factory) ->
     await holder.release(term, timeout=2)
     taken = await acquired(standby, "b", timeout=2)
     assert taken.acting_from <= time.monotonic()
+
+
+@pytest.mark.parametrize(("new_identity", "prefix", "acts_at_once"), [
+    ("pod-a/0a1b2c3d/22222222", "pod-a/0a1b2c3d/", True),
+    ("pod-a/0a1b2c3d/22222222", None, False),  # not declared its pod's sole candidate
+    ("pod-b/99999999/22222222", "pod-b/99999999/", False),  # another pod's candidate
+], ids=["own predecessor", "not sole in its pod", "another pod"])
+async def test_a_restarted_sole_candidate_acts_at_once_after_its_own_predecessor(
+        make_backend: Factory, pg_admin_dsn: str, new_identity: str, prefix: str | None,
+        acts_at_once: bool) -> None:
+    """Its earlier incarnation in the same pod held the lock and died (the session ended, no
+    release): its only app is this pod's own, so no wait for it to stop."""
+    holder = make_backend()
+    await acquired(holder, "pod-a/0a1b2c3d/11111111")
+    pid = await holder_pid(pg_admin_dsn, holder.group)
+    assert await admin_fetchval(pg_admin_dsn, "SELECT pg_terminate_backend($1)", pid) is True
+    taken = await acquired(make_backend(predecessor_prefix=prefix), new_identity, timeout=2)
+    wait = taken.acting_from - time.monotonic()
+    if acts_at_once:
+        assert wait <= 0
+    else:
+        assert wait > 8.0  # the rest of the 10 s lease: no stop bound declared

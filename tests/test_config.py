@@ -89,3 +89,21 @@ def test_a_drain_url_with_a_port_out_of_range_is_refused_at_start(url: str) -> N
 @pytest.mark.parametrize("url", ["http://127.0.0.1:65535/drain", "http://localhost/drain", "https://[::1]:1"])
 def test_a_drain_url_with_a_usable_port_is_kept(url: str) -> None:
     assert load(SINGLETON_BACKEND="lease", SINGLETON_NAMESPACE="ns", SINGLETON_DRAIN_URL=url).drain_url == url
+
+
+@pytest.mark.parametrize("environ", [
+    {},
+    {"SINGLETON_POD_NAME": "p"},
+    {"SINGLETON_POD_NAME": "p", "SINGLETON_POD_UID": "u", "SINGLETON_IDENTITY": "me"},
+], ids=["no pod", "no pod UID", "an identity given"])
+def test_sole_candidate_in_pod_needs_an_identity_the_sidecar_makes_from_its_pod(environ: dict[str, str]) -> None:
+    with pytest.raises(ConfigError, match=r"^SINGLETON_SOLE_CANDIDATE_IN_POD \(--sole-candidate-in-pod\): needs the "
+                       r"pod name and UID"):
+        load(SINGLETON_BACKEND="lease", SINGLETON_NAMESPACE="ns", SINGLETON_SOLE_CANDIDATE_IN_POD="true", **environ)
+
+
+def test_sole_candidate_in_pod_is_off_unless_set() -> None:
+    pod = {"SINGLETON_POD_NAME": "p", "SINGLETON_POD_UID": "u"}
+    assert not load(SINGLETON_BACKEND="lease", SINGLETON_NAMESPACE="ns", **pod).sole_candidate_in_pod
+    assert load(SINGLETON_BACKEND="lease", SINGLETON_NAMESPACE="ns", SINGLETON_SOLE_CANDIDATE_IN_POD="true",
+                **pod).sole_candidate_in_pod

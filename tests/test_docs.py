@@ -694,7 +694,8 @@ def test_every_sidecar_setting_of_the_readme_is_in_its_help() -> None:
     text = _help(str(VENV_BIN / "singleton-sidecar"), "run", "--help")
     for variables, flags, *_ in rows:
         for name in re.findall(r"SINGLETON_[A-Z_]+", variables) + re.findall(r"--[a-z][a-z-]*", flags):
-            assert name in text, f"docs/sidecar.md's settings table names {name}, `singleton-sidecar run --help` does not"
+            assert name in text, (f"docs/sidecar.md's settings table names {name}, "
+                                  "`singleton-sidecar run --help` does not")
 
 
 def test_every_operator_setting_of_the_readme_is_in_its_help() -> None:
@@ -703,4 +704,5 @@ def test_every_operator_setting_of_the_readme_is_in_its_help() -> None:
     text = _help(str(VENV_BIN / "singleton-operator"), "run", "--help")
     for flags, variables, *_ in rows:
         for name in re.findall(r"--[a-z][a-z-]*", flags) + re.findall(r"\b[A-Z][A-Z_]+[A-Z]\b", variables):
-            assert name in text, f"docs/operator.md's operator table names {name}, `singleton-operator run --help` does not"
+            assert name in text, (f"docs/operator.md's operator table names {name}, "
+                                  "`singleton-operator run --help` does not")

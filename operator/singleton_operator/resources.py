@@ -159,6 +159,7 @@ def sidecar_env(spec: GroupSpec) -> list[dict[str, Any]]:
         {"name": contract.ENV_DRAIN_TIMEOUT, "value": _seconds(spec.drain_timeout)},
         {"name": contract.ENV_DRAIN_WAIT_CONTAINER, "value": spec.main_container},
         {"name": contract.ENV_NATIVE_SIDECAR, "value": "true"},
+        {"name": contract.ENV_SOLE_CANDIDATE_IN_POD, "value": "true"},  # one sidecar container per pod
         {"name": contract.ENV_LOG_FORMAT, "value": "json"},
         {"name": contract.ENV_LOG_LEVEL, "value": spec.sidecar_log_level},
     ]

@@ -23,7 +23,7 @@ from aiohttp import web
 from singleton_sidecar import contract
 from singleton_sidecar.config import SidecarConfig, describe
 from singleton_sidecar.core.elector import Elector
-from singleton_sidecar.core.identity import make_identity
+from singleton_sidecar.core.identity import make_identity, pod_prefix
 from singleton_sidecar.core.lock import BackendMisconfigured, LockBackend
 from singleton_sidecar.gate import CooperativeGate, ExecGate, FileGate, Gate, become_subreaper
 from singleton_sidecar.http import control_app, probe_app
@@ -47,6 +47,9 @@ def build_backend(config: SidecarConfig, kube: KubeClient | None) -> LockBackend
     from singleton_sidecar.backends.postgres import PostgresBackend
 
     timings = config.timings
+    # Set only for the group's sole candidate in its pod, whose identity the sidecar made.
+    predecessor_prefix = (pod_prefix(config.pod_name, config.pod_uid)
+                          if config.sole_candidate_in_pod and config.pod_name else None)
 
     def postgres() -> LockBackend:
         assert config.postgres_dsn is not None
@@ -55,12 +58,13 @@ def build_backend(config: SidecarConfig, kube: KubeClient | None) -> LockBackend
         # waits that long, not the whole lease.
         stop_bound = KEEPER_SLACK if config.exec_command else None
         return PostgresBackend(group=config.lock_key, dsn=config.postgres_dsn, lease_duration=timings.lease_duration,
-                               renew_deadline=timings.renew_deadline, stop_bound=stop_bound)
+                               renew_deadline=timings.renew_deadline, stop_bound=stop_bound,
+                               predecessor_prefix=predecessor_prefix)
 
     def lease() -> LeaseBackend:
         assert kube is not None and config.namespace is not None
         return LeaseBackend(client=kube, namespace=config.namespace, name=config.group,
-                            lease_duration=timings.lease_duration)
+                            lease_duration=timings.lease_duration, predecessor_prefix=predecessor_prefix)
 
     if config.backend == "postgres":
         return postgres()

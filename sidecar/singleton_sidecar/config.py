@@ -83,6 +83,10 @@ class SidecarConfig:
     the pod is being deleted, the kubelet sends it SIGTERM only once the main containers have
     exited, which ends the wait for ``drain_wait_container`` (the kubelet publishes the
     containers' states only after the whole pod has stopped)."""
+    sole_candidate_in_pod: bool = False
+    """This sidecar is its group's only candidate in its pod (the operator's and the webhook's
+    pods): a term held by an earlier incarnation of it in this pod (the kubelet restarted the
+    container) is taken over at once instead of waited out (``core.identity.is_predecessor``)."""
     log_format: Literal["json", "text"] = "json"
     """Structured JSON logs (default) or plain text."""
     log_level: Literal["debug", "info", "warning", "error"] = "info"
@@ -117,6 +121,7 @@ _SETTINGS: dict[str, tuple[str, str]] = {
     "readiness_gate": ("--readiness-gate", contract.ENV_READINESS_GATE),
     "drain_wait_container": ("--drain-wait-container", contract.ENV_DRAIN_WAIT_CONTAINER),
     "native_sidecar": ("--native-sidecar", contract.ENV_NATIVE_SIDECAR),
+    "sole_candidate_in_pod": ("--sole-candidate-in-pod", contract.ENV_SOLE_CANDIDATE_IN_POD),
     "log_format": ("--log-format", contract.ENV_LOG_FORMAT),
     "log_level": ("--log-level", contract.ENV_LOG_LEVEL),
 }
@@ -146,6 +151,9 @@ _HELP = {
     "readiness_gate": "also set the pod condition singleton.dev/leader (true/false)",
     "drain_wait_container": ("in a pod: on drain, also wait until this container of the pod has stopped "
                              "(the main container, for apps that stop on SIGTERM)"),
+    "sole_candidate_in_pod": ("true when this is the group's only sidecar in its pod: a term left by this "
+                              "container's earlier incarnation (the kubelet restarted it) is taken over at once "
+                              "(needs the pod name and UID and no --identity)"),
     "native_sidecar": ("true when this container is a native sidecar (Kubernetes 1.29+): a SIGTERM during "
                        "the pod's deletion then means the main containers have exited (true/false)"),
     "log_format": "json (default) or text",
@@ -311,6 +319,13 @@ def load_config(args: argparse.Namespace, environ: Mapping[str, str]) -> Sidecar
         raise ConfigError(f"{label('native_sidecar')}: needs {label('drain_wait_container')} "
                           "(the container whose exit a SIGTERM then stands for)")
 
+    sole_candidate = (_bool(label("sole_candidate_in_pod"), raw["sole_candidate_in_pod"])
+                      if "sole_candidate_in_pod" in raw else False)
+    if sole_candidate and (not pod_name or not raw.get("pod_uid") or identity is not None):
+        raise ConfigError(f"{label('sole_candidate_in_pod')}: needs the pod name and UID ({contract.ENV_POD_NAME}, "
+                          f"{contract.ENV_POD_UID}) and no {label('identity')}: it recognises its earlier "
+                          "incarnations by the identity the sidecar makes from them")
+
     return SidecarConfig(
         group=group,
         backend=backend,
@@ -334,6 +349,7 @@ def load_config(args: argparse.Namespace, environ: Mapping[str, str]) -> Sidecar
         readiness_gate=_bool(label("readiness_gate"), raw["readiness_gate"]) if "readiness_gate" in raw else False,
         drain_wait_container=drain_wait_container,
         native_sidecar=native_sidecar,
+        sole_candidate_in_pod=sole_candidate,
         log_format=log_format,  # type: ignore[arg-type]
         log_level=log_level,  # type: ignore[arg-type]
     )

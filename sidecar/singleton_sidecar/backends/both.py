@@ -32,6 +32,8 @@ from singleton_sidecar.core.lock import (
     Term,
 )
 
+_OBSERVE_RESERVE_MAX = 0.5  # seconds of an acquire's budget kept to read PostgreSQL's holder
+
 
 class BothBackend:
     def __init__(self, *, postgres: LockBackend, lease: LeaseBackend,
@@ -55,10 +57,16 @@ class BothBackend:
 
     async def acquire(self, identity: Identity, *, timeout: float) -> Term | LockRecord:
         started = self._clock()
-        # A standby spends its time blocked on the PostgreSQL lock. The Lease's expiry must
-        # count from its last change, not from when that lock comes: watch it from now on.
-        self.lease.follow()
-        pg = await self.postgres.acquire(identity, timeout=timeout)
+        # A standby waits on the Lease's watch first, holding no PostgreSQL lock while the
+        # Lease is not to be had: otherwise it would hold that lock for its whole attempt and
+        # keep out the one candidate that may take the Lease at once (the restarted holder
+        # itself, core.identity.is_predecessor). Both locks still have to be taken in turn.
+        # The term's token is PostgreSQL's, so the holder is reported as PostgreSQL sees it.
+        reserve = min(_OBSERVE_RESERVE_MAX, timeout / 4)
+        if await self.lease.wait_takeable(identity, timeout=timeout - reserve) is not None:
+            return await self.postgres.observe(timeout=max(timeout - (self._clock() - started), 0.05))
+        remaining = max(timeout - (self._clock() - started), 0.05)
+        pg = await self.postgres.acquire(identity, timeout=remaining)
         if not isinstance(pg, Term):
             return pg
         remaining = max(timeout - (self._clock() - started), 0.05)

@@ -40,7 +40,11 @@ Called by the election core through ``LockBackend``. Design (after client-go's l
 - **Expiry** is judged by local observation, never by comparing ``renewTime`` with our clock:
   a held Lease is expired when the same ``resourceVersion`` has been observed for
   ``max(lease_duration, leaseDurationSeconds)`` seconds of our monotonic clock. A Lease held
-  by the acquiring identity itself (a write that timed out but landed) can be taken at once.
+  by the acquiring identity itself (a write that timed out but landed) can be taken at once,
+  and so can one held by this container's own earlier incarnation in the same pod, when the
+  sidecar is its group's sole candidate in the pod (``predecessor_prefix``, see
+  ``core.identity.is_predecessor``): the kubelet restarted it, so that holder is dead, and the
+  only app that may still act for its term is this pod's own.
 - **Watch**: from the first ``acquire`` on, a background task lists the Lease and watches it
   (field selector ``metadata.name``), restarting after 410 Gone or transport errors with
   backoff. Standbys wait on it: a release wakes them within milliseconds, and an idle standby
@@ -63,6 +67,7 @@ from datetime import UTC, datetime
 from typing import Any
 
 from singleton_sidecar.contract import ANNOTATION_TOKEN, LABEL_GROUP, LEASE_ANNOTATION_TOKEN
+from singleton_sidecar.core.identity import is_predecessor
 from singleton_sidecar.core.lock import BackendUnavailable, Identity, LockRecord, LossCallback, Term, Token
 from singleton_sidecar.kube import KubeClient, KubeConflict, KubeError, KubeGone, KubeNotFound
 
@@ -131,6 +136,7 @@ class LeaseBackend:
         lease_duration: float,
         clock: Callable[[], float] = time.monotonic,
         wall_clock: Callable[[], float] = time.time,
+        predecessor_prefix: str | None = None,
     ) -> None:
         if not name or not namespace:
             raise ValueError("namespace and name must not be empty")
@@ -142,6 +148,7 @@ class LeaseBackend:
         self._client = client
         self._clock = clock
         self._wall_clock = wall_clock
+        self._predecessor_prefix = predecessor_prefix
         self._collection = f"/apis/coordination.k8s.io/v1/namespaces/{namespace}/leases"
         self._path = f"{self._collection}/{name}"
         self._pods = f"/api/v1/namespaces/{namespace}/pods"
@@ -170,22 +177,40 @@ class LeaseBackend:
 
     async def acquire(self, identity: Identity, *, timeout: float) -> Term | LockRecord:
         deadline = self._clock() + timeout
-        self.follow()
         with self._unavailable("acquire", identity):
-            if not self._synced or self._seen is None:
-                await self._read(deadline)
-            stop_waiting = deadline - min(_WRITE_RESERVE_MAX, timeout / 4)
-            while True:
-                changed, seen = self._changed, self._seen
-                assert seen is not None
-                now = self._clock()
-                if self._takeable(seen, identity, now):
-                    return await self._take(identity, seen, deadline)
-                if now >= stop_waiting:
-                    return seen.record()
-                with suppress(TimeoutError):
-                    async with asyncio.timeout(min(self._expires_at(seen), stop_waiting) - now):
-                        await changed.wait()
+            seen = await self._wait_takeable(identity, deadline, reserve=min(_WRITE_RESERVE_MAX, timeout / 4))
+            if seen is None:
+                assert self._seen is not None
+                return await self._take(identity, self._seen, deadline)
+            return seen.record()
+
+    async def wait_takeable(self, identity: Identity, *, timeout: float) -> LockRecord | None:
+        """Wait up to ``timeout`` until ``identity`` could take the Lease (free, expired, its
+        own, or its predecessor's in this pod); None then, else the holder's record. Writes
+        nothing: ``BothBackend`` waits here before it takes the PostgreSQL lock, so that a
+        standby does not hold that lock while the Lease is not to be had."""
+        with self._unavailable("acquire", identity):
+            seen = await self._wait_takeable(identity, self._clock() + timeout, reserve=0.0)
+        return None if seen is None else seen.record()
+
+    async def _wait_takeable(self, identity: Identity, deadline: float, *, reserve: float) -> Observed | None:
+        """None once the Lease is takeable by ``identity`` (``self._seen`` is then the Lease to
+        take); the last observation when ``deadline - reserve`` passes first."""
+        self.follow()
+        if not self._synced or self._seen is None:
+            await self._read(deadline)
+        stop_waiting = deadline - reserve
+        while True:
+            changed, seen = self._changed, self._seen
+            assert seen is not None
+            now = self._clock()
+            if self._takeable(seen, identity, now):
+                return None
+            if now >= stop_waiting:
+                return seen
+            with suppress(TimeoutError):
+                async with asyncio.timeout(min(self._expires_at(seen), stop_waiting) - now):
+                    await changed.wait()
 
     async def renew(self, term: Term, *, timeout: float) -> Term | None:
         deadline = self._clock() + timeout
@@ -245,6 +270,10 @@ class LeaseBackend:
         return seen.first_seen + max(self.lease_duration, seen.duration)
 
     def _takeable(self, seen: Observed, identity: Identity, now: float) -> bool:
+        if is_predecessor(seen.holder, identity, self._predecessor_prefix):
+            log.info("lease %s/%s: %s takes over from %s, its own earlier incarnation in this pod",
+                     self.namespace, self.lease_name, identity, seen.holder)
+            return True
         return seen.holder is None or seen.holder == identity or now >= self._expires_at(seen)
 
     def _next_token(self, seen: Observed) -> Token:

@@ -77,6 +77,7 @@ import asyncpg
 
 from singleton_sidecar.backends.postgres_session import check_session, session_settings
 from singleton_sidecar.backends.postgres_sql import DDL_LOCK_ID, NAMESPACE, SCHEMA_VERSION, Statements
+from singleton_sidecar.core.identity import is_predecessor
 from singleton_sidecar.core.lock import (
     BackendUnavailable,
     Identity,
@@ -110,11 +111,14 @@ class PostgresBackend:
         table: str = "singleton_leases",
         clock: Callable[[], float] = time.monotonic,
         stop_bound: float | None = None,
+        predecessor_prefix: str | None = None,
     ) -> None:
         """``stop_bound``: seconds this holder's app may still act after its session ends
         (the exec gate's: its keeper kills the app's group at once when the sidecar dies or
         hears the lock is gone); None when only the lease's expiry bounds it (file gate,
-        cooperative)."""
+        cooperative). ``predecessor_prefix``: this pod's identity prefix when the sidecar is
+        its group's sole candidate in the pod: a term left by its own earlier incarnation is
+        taken over without waiting (``core.identity.is_predecessor``)."""
         if not group:
             raise ValueError("group must not be empty")
         if not 0 < renew_deadline < lease_duration:
@@ -130,6 +134,7 @@ class PostgresBackend:
         self._clock = clock
         self._sql = Statements.build(schema, table)
         self.stop_bound = stop_bound
+        self._predecessor_prefix = predecessor_prefix
         # Only application_name goes in the startup packet: poolers refuse other startup
         # parameters, and older servers any they do not know. The rest is set after connecting.
         self._server_settings = {"application_name": f"singleton:{group}"[:63]}
@@ -289,8 +294,14 @@ class PostgresBackend:
         except BaseException:
             self._discard(conn, "taking the lock failed; closed the connection")  # frees the lock
             raise
-        wait = takeover_wait(unreleased=row["unreleased"], expiry_left=row["previous_expiry_left"],
-                             stop_bound=row["previous_stop_bound"])
+        # This container's own earlier incarnation: dead (the kubelet restarted it), and the only
+        # app that may still act for its term is this pod's own, which this term now gates.
+        own = is_predecessor(row["previous_holder"], identity, self._predecessor_prefix)
+        wait = 0.0 if own else takeover_wait(unreleased=row["unreleased"], expiry_left=row["previous_expiry_left"],
+                                             stop_bound=row["previous_stop_bound"])
+        if own:
+            log.info("group %s: %s takes over from %s, its own earlier incarnation in this pod",
+                     self.group, identity, row["previous_holder"])
         term = Term(identity=identity, token=Token(token), version=str(token), written_at=sent,
                     acting_from=taken + wait)
         self._term, self._held_lock_id = term, lock_id

@@ -196,7 +196,7 @@ class Statements:
             " expires_at = now() + make_interval(secs => $3), released_at = NULL, stop_bound = $6"
             " FROM issued i, prev p WHERE r.group_name = $1 AND r.lock_id = $4"
             " RETURNING r.token, CASE WHEN r.token > i.seq THEN setval($5::text::regclass, r.token) END AS advanced,"
-            " p.holder IS NOT NULL AS unreleased, p.stop_bound AS previous_stop_bound,"
+            " p.holder IS NOT NULL AS unreleased, p.holder AS previous_holder, p.stop_bound AS previous_stop_bound,"
             " extract(epoch FROM p.expires_at - now())::float8 AS previous_expiry_left"
         )
 

@@ -19,9 +19,25 @@ def make_identity(*, pod_name: str | None, pod_uid: str | None, hostname: str, p
     """
     start_nonce = nonce or secrets.token_hex(4)
     if pod_name:
-        uid = (pod_uid or "nouid").replace("-", "")[:8]
-        return Identity(f"{pod_name}/{uid}/{start_nonce}")
+        return Identity(f"{pod_prefix(pod_name, pod_uid)}{start_nonce}")
     return Identity(f"{hostname}/{pid}/{start_nonce}")
+
+
+def pod_prefix(pod_name: str, pod_uid: str | None) -> str:
+    """``<pod name>/<first 8 of pod UID>/``: what every incarnation's identity in that pod begins with."""
+    uid = (pod_uid or "nouid").replace("-", "")[:8]
+    return f"{pod_name}/{uid}/"
+
+
+def is_predecessor(holder: str | None, identity: str, prefix: str | None) -> bool:
+    """Whether ``holder`` is an earlier incarnation of the candidate ``identity`` in the same pod.
+
+    ``prefix`` is the pod's (``pod_prefix``), given only when this candidate is the sole
+    candidate of its group in its pod: the kubelet never runs two incarnations of one container
+    at once, so a holder of this pod with another identity is dead, and the only app that can
+    still act for its term is this pod's own."""
+    return (prefix is not None and holder is not None and holder != identity
+            and holder.startswith(prefix) and identity.startswith(prefix))
 
 
 def validate_identity(value: str) -> Identity:
