@@ -20,7 +20,7 @@ import pytest
 
 from singleton_sidecar.core.elector import RELEASE_TIMEOUT, Elector
 from singleton_sidecar.core.ending import Action, Decision, LeadState, decide
-from singleton_sidecar.core.identity import make_identity, pod_of, validate_identity
+from singleton_sidecar.core.identity import is_predecessor, make_identity, pod_of, pod_prefix, validate_identity
 from singleton_sidecar.core.lock import BackendUnavailable, Identity, Term
 from singleton_sidecar.core.status import ElectionStatus, Role
 from singleton_sidecar.core.timings import JITTER_FACTOR, MIN_CLOCK_MARGIN, TimingError, Timings
@@ -1007,3 +1007,24 @@ async def test_a_takeover_of_an_unreleased_term_waits_before_acting() -> None:
         assert rig.trace() == ["0 acquire", "0 publish standby", "2 renew 7"]
         await settle(rig.elector.is_ready_leader)
         assert rig.now == 3.0
+
+
+@pytest.mark.parametrize(("holder", "identity", "prefix", "expected"), [
+    ("p/0a1b2c3d/old", "p/0a1b2c3d/new", "p/0a1b2c3d/", True),
+    ("p/0a1b2c3d/new", "p/0a1b2c3d/new", "p/0a1b2c3d/", False),  # itself: not a predecessor
+    ("p/0a1b2c3d/old", "p/0a1b2c3d/new", None, False),  # not the sole candidate in its pod
+    ("q/0a1b2c3d/old", "p/0a1b2c3d/new", "p/0a1b2c3d/", False),  # another pod
+    ("p/99999999/old", "p/0a1b2c3d/new", "p/0a1b2c3d/", False),  # a pod of that name before
+    (None, "p/0a1b2c3d/new", "p/0a1b2c3d/", False),
+    ("p/0a1b2c3d/old", "me", "p/0a1b2c3d/", False),  # an identity the sidecar did not make
+])
+def test_a_predecessor_is_an_earlier_incarnation_in_the_same_pod(
+        holder: str | None, identity: str, prefix: str | None, expected: bool) -> None:
+    assert is_predecessor(holder, identity, prefix) is expected
+
+
+def test_every_incarnation_in_a_pod_begins_with_its_pod_prefix() -> None:
+    prefix = pod_prefix("p", "0a1b2c3d-0000-1111-2222-333344445555")
+    assert prefix == "p/0a1b2c3d/"
+    assert make_identity(pod_name="p", pod_uid="0a1b2c3d-0000-1111-2222-333344445555", hostname="h",
+                         pid=1).startswith(prefix)
