@@ -1,29 +1,52 @@
-"""singletonctl against the real API server, with real sidecar processes playing the pods of
-a group (lease backend, the sidecar's own service account)."""
+"""kubectl singleton (the `kubectl-singleton` plugin, official Kubernetes client) against the
+real API server, with real sidecar processes playing the pods of a group (the sidecar's own
+service account) and, for `release`, a real operator process carrying the request out."""
 
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import asyncpg
 import pytest
+import yaml
 
+from singleton_operator.release_request import RELEASE_REQUEST, RELEASE_RESULT
 from singleton_testbed.controlplane import ADMIN_USER
 from tests.conftest import Cluster
 from tests.kubehelpers import get_json, grant, service_account_kubeconfig
+from tests.operators import OperatorProcess
 from tests.sidecars import one_leader, wait_for
 from tests.test_sidecar_kube import Factory, PodSidecar, group, pod_sidecars, sidecar_kubeconfig  # noqa: F401
 
 SLOW = {"SINGLETON_LEASE_DURATION": "4", "SINGLETON_RENEW_DEADLINE": "3", "SINGLETON_RETRY_PERIOD": "1"}
+BIN = Path(sys.executable).parent
+PLUGIN = BIN / "kubectl-singleton"
 
 
-def ctl(cluster: Cluster, *args: str, kubeconfig: Path | None = None) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, "-m", "singleton_ctl.cli", "--kubeconfig",
-                           str(kubeconfig or cluster.kubeconfig), *args],
-                          capture_output=True, text=True, timeout=90, check=False, stdin=subprocess.DEVNULL)
+def ctl(cluster: Cluster, *args: str, kubeconfig: Path | None = None, env: dict[str, str] | None = None,
+        program: Path = PLUGIN) -> subprocess.CompletedProcess[str]:
+    """Run the plugin as kubectl would: the console script, found on PATH under its plugin name."""
+    return subprocess.run([str(program), "--kubeconfig", str(kubeconfig or cluster.kubeconfig), *args],
+                          capture_output=True, text=True, timeout=90, check=False, stdin=subprocess.DEVNULL,
+                          env={**os.environ, **(env or {})})
+
+
+@pytest.fixture
+def operator(cluster: Cluster, singleton_crd: Path, namespace: str, tmp_path: Path) -> Iterator[OperatorProcess]:
+    """The operator, watching the test's namespace: it carries release requests out."""
+    op = OperatorProcess(cluster.kubeconfig, namespace, tmp_path / "op.log",
+                         extra_args=["--namespace", namespace]).start()
+    try:
+        wait_for(lambda: op.role() == "leader", 30, "the operator to lead", 0.1)
+        yield op
+    finally:
+        op.stop()
 
 
 @pytest.fixture
@@ -93,28 +116,54 @@ def test_handover_refuses_a_pod_that_is_not_a_ready_standby(cluster: Cluster, na
     assert result.returncode == 1 and "is not a ready standby" in result.stderr
 
 
-def test_release_clears_the_lock_and_records_who(cluster: Cluster, namespace: str, group: str,  # noqa: F811
-                                                 members: list[PodSidecar]) -> None:
+def test_release_is_carried_out_by_the_operator(cluster: Cluster, namespace: str, group: str,  # noqa: F811
+                                                members: list[PodSidecar], operator: OperatorProcess) -> None:
     leader = one_leader(members)
     unconfirmed = ctl(cluster, "release", group, "-n", namespace)
     assert unconfirmed.returncode == 1 and "--yes" in unconfirmed.stderr
     result = ctl(cluster, "release", group, "-n", namespace, "--yes")
-    assert result.returncode == 0, result.stderr
-    assert "cleared Lease holder" in result.stdout
+    assert result.returncode == 0, result.stderr + operator.log()
+    assert result.stdout.startswith(f"cleared Lease holder {leader.pod}/"), result.stdout
     # The old leader sees its Lease taken from it and stops; someone leads again.
     wait_for(lambda: not leader.ready(), 3, "the old leader to stop", 0.02)
     one_leader(members, timeout=10)
     events: list[dict[str, Any]] = get_json(cluster, "events", "-n", namespace, "--field-selector",
                                             f"involvedObject.name={group}")["items"]
-    released = [e["message"] for e in events if e["reason"] == "LockReleased"]
+    released = [e for e in events if e["reason"] == "LockReleased"]
     who = "" if cluster.control_plane is None else ADMIN_USER
-    assert released and f"{who} force-released the lock" in released[0], released
+    assert len(released) == 1 and f"{who} force-released the lock" in released[0]["message"], released
+    assert released[0]["reportingComponent"] == "singleton.dev/singleton-operator", released[0]
+    # The answer is on the object, under the request's id, naming the requester.
+    annotations = get_json(cluster, "singletonservice", group, "-n", namespace)["metadata"]["annotations"]
+    request, answer = json.loads(annotations[RELEASE_REQUEST]), json.loads(annotations[RELEASE_RESULT])
+    assert answer["id"] == request["id"] and answer["by"] == request["by"] and answer["error"] is None
+    # -o json: the same answer, machine-readable; a second request is a new one.
+    again = ctl(cluster, "release", group, "-n", namespace, "--yes", "-o", "json")
+    assert again.returncode == 0, again.stderr
+    assert json.loads(again.stdout)["done"][0].startswith("cleared Lease holder"), again.stdout
+    history = ctl(cluster, "history", group, "-n", namespace, "-o", "yaml")
+    assert sum(r["reason"] == "LockReleased" for r in yaml.safe_load(history.stdout)) == 2
+
+
+def test_release_without_an_operator_times_out_and_withdraws(cluster: Cluster, namespace: str, group: str,  # noqa: F811
+                                                             members: list[PodSidecar]) -> None:
+    leader = one_leader(members)
+    result = ctl(cluster, "release", group, "-n", namespace, "--yes", "--timeout", "1.5")
+    assert result.returncode == 1
+    assert result.stderr.strip() == (
+        f"kubectl singleton: error: no operator answered the release request for group {namespace}/{group} "
+        f"within 1.5s; it was withdrawn (is the operator running and watching namespace {namespace}?)")
+    annotations = get_json(cluster, "singletonservice", group, "-n", namespace)["metadata"].get("annotations") or {}
+    assert RELEASE_REQUEST not in annotations, annotations
+    assert leader.ready(), "nothing was released"
 
 
 @pytest.mark.usefixtures("singleton_crd")
-def test_release_of_a_postgres_group_ends_the_holders_session(
-        cluster: Cluster, namespace: str, group: str, pg_dsn: str, pod_sidecars: Factory) -> None:  # noqa: F811
-    """The holder's row is found under the group's namespace-qualified key."""
+async def test_release_of_a_postgres_group_ends_the_holders_session(  # noqa: PLR0917
+        cluster: Cluster, namespace: str, group: str, pg_dsn: str, pod_sidecars: Factory,  # noqa: F811
+        operator: OperatorProcess) -> None:
+    """The operator finds the holder's row under the group's namespace-qualified key and
+    ends its session with the DSN from the group's Secret; the plugin never connects."""
     cluster.kubectl("create", "secret", "generic", "pg", "-n", namespace, f"--from-literal=dsn={pg_dsn}")
     body = {"apiVersion": "singleton.dev/v1alpha1", "kind": "SingletonService", "metadata": {"name": group},
             "spec": {"backend": "postgres", "postgres": {"secretRef": {"name": "pg"}},
@@ -122,25 +171,46 @@ def test_release_of_a_postgres_group_ends_the_holders_session(
     cluster.apply(json.dumps(body), namespace=namespace)
     members = pod_sidecars("postgres", 2, extra=SLOW)
     leader = one_leader(members)
-    result = ctl(cluster, "release", group, "-n", namespace, "--yes")
-    assert result.returncode == 0, result.stderr
-    assert "ended the PostgreSQL session of holder" in result.stdout, result.stdout
+    conn = await asyncpg.connect(pg_dsn)
+    try:
+        pid = await conn.fetchval("SELECT holder_pid FROM singleton_leases WHERE group_name = $1",
+                                  f"{namespace}/{group}")
+        assert pid is not None
+        result = ctl(cluster, "release", group, "-n", namespace, "--yes")
+        assert result.returncode == 0, result.stderr + operator.log()
+        assert result.stdout.startswith(f"ended the PostgreSQL session of holder {leader.pod}/"), result.stdout
+        # The holder's session really ended.
+        assert not await conn.fetchval("SELECT EXISTS (SELECT 1 FROM pg_stat_activity WHERE pid = $1)", pid)
+    finally:
+        await conn.close()
     wait_for(lambda: not leader.ready(), 3, "the old leader to stop", 0.02)
     one_leader(members, timeout=10)
+
+
+def test_the_plugin_loads_no_database_driver(cluster: Cluster, namespace: str) -> None:
+    probe = ("import sys, runpy; sys.argv = ['kubectl-singleton', '--kubeconfig', sys.argv[1], 'status', '-n', "
+             "sys.argv[2]]\ntry:\n    runpy.run_module('singleton_ctl.cli', run_name='__main__')\n"
+             "except SystemExit:\n    pass\nprint('asyncpg' in sys.modules, 'kopf' in sys.modules)")
+    result = subprocess.run([sys.executable, "-c", probe, str(cluster.kubeconfig), namespace], capture_output=True,
+                            text=True, timeout=60, check=True)
+    assert result.stdout.strip().splitlines()[-1] == "False False", result.stdout
 
 
 def test_errors_are_one_clear_line(cluster: Cluster, namespace: str, tmp_path: Path) -> None:
     unknown = ctl(cluster, "status", "nope", "-n", namespace)
     assert unknown.returncode == 1
-    assert unknown.stderr.strip() == (f"singletonctl: error: no SingletonService 'nope' in namespace "
-                                      f"'{namespace}' (list them with: singletonctl status -n {namespace})")
+    assert unknown.stderr.strip() == (f"kubectl singleton: error: no SingletonService 'nope' in namespace "
+                                      f"'{namespace}' (list them with: kubectl singleton status -n {namespace})")
+    alias = ctl(cluster, "status", "nope", "-n", namespace, program=BIN / "singletonctl")
+    assert alias.stderr.startswith("singletonctl: error: no SingletonService 'nope'"), alias.stderr
     grant(cluster, namespace, "nobody", [])
     kubeconfig = service_account_kubeconfig(cluster, namespace, "nobody", tmp_path / "nobody.kubeconfig")
     denied = ctl(cluster, "status", "-n", namespace, kubeconfig=kubeconfig)
-    assert denied.returncode == 1 and denied.stderr.startswith("singletonctl: error: forbidden:"), denied.stderr
+    assert denied.returncode == 1 and denied.stderr.startswith("kubectl singleton: error: forbidden: 403 Forbidden:")
+    assert len(denied.stderr.strip().splitlines()) == 1, denied.stderr
     config = (tmp_path / "nobody.kubeconfig").read_text()
     server = next(line.split("server:")[1].strip() for line in config.splitlines() if "server:" in line)
     (tmp_path / "dead.kubeconfig").write_text(config.replace(server, "https://127.0.0.1:1"))
     dead = ctl(cluster, "status", kubeconfig=tmp_path / "dead.kubeconfig")
-    assert dead.returncode == 1 and "cannot reach the API server" in dead.stderr, dead.stderr
-    assert len(dead.stderr.strip().splitlines()) == 1
+    assert dead.returncode == 1 and dead.stderr.startswith("kubectl singleton: error: cannot reach the API server: ")
+    assert len(dead.stderr.strip().splitlines()) == 1, dead.stderr

@@ -1,52 +1,60 @@
-"""``singletonctl``: see and steer singleton groups.
+"""``kubectl singleton`` (also installed as ``singletonctl``): see and steer singleton groups.
 
-    singletonctl status [GROUP] [-n NS | -A] [-o table|json|yaml]
-    singletonctl handover GROUP [-n NS] [--to POD] [--timeout S]
-    singletonctl release GROUP [-n NS] [--yes]
-    singletonctl history GROUP [-n NS] [-o table|json|yaml]
-    singletonctl inject [-f FILE ...] [-n NS] [--sidecar-image IMAGE] [--sidecar-image-pull-policy P]
-                        [--sidecar-image-pull-secret S ...]   (offline: no cluster)
+    kubectl singleton status [GROUP] [-n NS | -A] [-o table|json|yaml]
+    kubectl singleton handover GROUP [-n NS] [--to POD] [--timeout S]
+    kubectl singleton release GROUP [-n NS] [--yes] [--timeout S]
+    kubectl singleton history GROUP [-n NS] [-o table|json|yaml]
+    kubectl singleton inject [-f FILE ...] [-n NS] [--sidecar-image IMAGE] [--sidecar-image-pull-policy P]
+                             [--sidecar-image-pull-secret S ...]   (offline: no cluster)
 
-Uses the usual kubeconfig (``--kubeconfig``, ``$KUBECONFIG``, ``~/.kube/config``, or the
-pod's service account). Errors are one line on stderr and exit status 1 (2 for bad usage).
+kubectl runs ``kubectl-singleton`` from PATH for ``kubectl singleton``. Uses the usual
+kubeconfig (``--kubeconfig``, ``$KUBECONFIG``, ``~/.kube/config``, or the pod's service
+account) through the official client: ``--context``, exec credential plugins, OIDC and other
+auth providers, ``HTTPS_PROXY``/``NO_PROXY``. ``release`` is carried out by the operator
+inside the cluster. Errors are one line on stderr and exit status 1 (2 for bad usage).
 """
 
 from __future__ import annotations
 
 import argparse
-import asyncio
 import json
+import os
 import sys
 from collections.abc import Sequence
 from typing import Any
 
-import asyncpg
 import yaml
 
 from singleton_ctl.groups import Ctl, CtlError, GroupView
+from singleton_ctl.kube import CLUSTER_ERRORS, Api, error_line
 from singleton_ctl.manifests import inject_files
 from singleton_operator.cli import DEFAULT_SIDECAR_IMAGE, PULL_POLICIES
-from singleton_sidecar.kube import (
-    KubeClient,
-    KubeConfig,
-    KubeConfigError,
-    KubeError,
-    KubeForbidden,
-    load_kube_config,
-)
+from singleton_operator.kubelogin import resolve
 
-PROG = "singletonctl"
+PLUGIN_NAME = "kubectl-singleton"
 
 
-def parser() -> argparse.ArgumentParser:
-    top = argparse.ArgumentParser(prog=PROG, description="See and steer singleton groups (SingletonServices).")
-    top.add_argument("--kubeconfig", default=None, help="kubeconfig file (default: $KUBECONFIG, ~/.kube/config)")
+def prog_name(argv0: str) -> str:
+    """``kubectl singleton`` when run as the kubectl plugin, else the name it was run by."""
+    name = os.path.basename(argv0)
+    return "singletonctl" if name in ("singletonctl", "cli.py", "__main__.py") else "kubectl singleton"
+
+
+def parser(prog: str = "kubectl singleton") -> argparse.ArgumentParser:
+    # Cluster flags are accepted before and after the command (kubectl users put them
+    # anywhere); SUPPRESS keeps a later absent flag from resetting an earlier one.
+    cluster = argparse.ArgumentParser(add_help=False)
+    cluster.add_argument("--kubeconfig", default=argparse.SUPPRESS,
+                         help="kubeconfig file (default: $KUBECONFIG, ~/.kube/config)")
+    cluster.add_argument("--context", default=argparse.SUPPRESS, help="the kubeconfig context to use")
+    top = argparse.ArgumentParser(prog=prog, parents=[cluster],
+                                  description="See and steer singleton groups (SingletonServices).")
     sub = top.add_subparsers(dest="command", required=True)
 
     def add(name: str, text: str, *, group: str) -> argparse.ArgumentParser:
-        cmd = sub.add_parser(name, help=text, description=text)
+        cmd = sub.add_parser(name, help=text, description=text, parents=[cluster])
         cmd.add_argument("group", nargs="?" if group == "optional" else None, help="the SingletonService's name")
-        cmd.add_argument("-n", "--namespace", default=None, help="namespace (default: the kubeconfig's)")
+        cmd.add_argument("-n", "--namespace", default=None, help="namespace (default: the kubeconfig context's)")
         return cmd
 
     status = add("status", "leader, token, since and standbys of every group, or of one", group="optional")
@@ -55,8 +63,12 @@ def parser() -> argparse.ArgumentParser:
     handover = add("handover", "planned switchover: the leader drains and a standby takes over", group="required")
     handover.add_argument("--to", default=None, metavar="POD", help="the standby that must take over")
     handover.add_argument("--timeout", type=float, default=60.0, help="seconds to wait for the new leader")
-    release = add("release", "force-release a stuck lock (runbook); records an Event naming you", group="required")
+    release = add("release", "force-release a stuck lock (runbook): the operator does it inside the cluster and "
+                             "records an Event naming you", group="required")
     release.add_argument("--yes", action="store_true", help="do not ask for confirmation")
+    release.add_argument("--timeout", type=float, default=30.0,
+                         help="seconds to wait for the operator's answer (default 30; then the request is withdrawn)")
+    release.add_argument("-o", "--output", choices=["text", "json", "yaml"], default="text")
     history = add("history", "recent changes of leader of a group, from Events", group="required")
     history.add_argument("-o", "--output", choices=["table", "json", "yaml"], default="table")
     inject = sub.add_parser(
@@ -112,31 +124,38 @@ def confirmed(namespace: str, group: str) -> bool:
     return answer.strip().lower() in ("y", "yes")
 
 
-async def run(args: argparse.Namespace, config: KubeConfig, namespace: str) -> int:
-    async with KubeClient(config, user_agent="singletonctl") as client:
-        ctl = Ctl(client)
-        if args.command == "status":
-            views = await ctl.status(None if args.all_namespaces else namespace, args.group)
-            print(render_status(views, args.output, detail=args.group is not None))
-        elif args.command == "handover":
-            new, took = await ctl.handover(namespace, args.group, args.to, timeout=args.timeout)
-            print(f"{new} leads group {namespace}/{args.group} (handover took {took:.3f}s)")
-        elif args.command == "release":
-            for line in await ctl.release(namespace, args.group):
+def _dump(data: Any, output: str) -> str:
+    return json.dumps(data, indent=2) if output == "json" else yaml.safe_dump(data, sort_keys=False).rstrip()
+
+
+def run(args: argparse.Namespace, ctl: Ctl, namespace: str) -> int:
+    if args.command == "status":
+        views = ctl.status(None if args.all_namespaces else namespace, args.group)
+        print(render_status(views, args.output, detail=args.group is not None))
+    elif args.command == "handover":
+        new, took = ctl.handover(namespace, args.group, args.to, timeout=args.timeout)
+        print(f"{new} leads group {namespace}/{args.group} (handover took {took:.3f}s)")
+    elif args.command == "release":
+        done = ctl.release(namespace, args.group, timeout=args.timeout)
+        if args.output == "text":
+            for line in done:
                 print(line)
-        elif args.command == "history":
-            rows = await ctl.history(namespace, args.group)
-            if args.output == "table":
-                print(_table([["TIME", "OBJECT", "REASON", "MESSAGE"]] +
-                             [[r["time"], r["object"], r["reason"], r["message"]] for r in rows]) if rows
-                      else "No leadership events recorded (Events expire after an hour by default).")
-            else:
-                print(json.dumps(rows, indent=2) if args.output == "json" else yaml.safe_dump(rows).rstrip())
+        else:
+            print(_dump({"namespace": namespace, "name": args.group, "done": done}, args.output))
+    elif args.command == "history":
+        rows = ctl.history(namespace, args.group)
+        if args.output == "table":
+            print(_table([["TIME", "OBJECT", "REASON", "MESSAGE"]] +
+                         [[r["time"], r["object"], r["reason"], r["message"]] for r in rows]) if rows
+                  else "No leadership events recorded (Events expire after an hour by default).")
+        else:
+            print(_dump(rows, args.output))
     return 0
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    args = parser().parse_args(argv)
+    prog = prog_name(sys.argv[0])
+    args = parser(prog).parse_args(argv)
     try:
         if args.command == "inject":
             sys.stdout.write(inject_files(args.filename or ["-"], namespace=args.namespace,
@@ -144,23 +163,21 @@ def main(argv: Sequence[str] | None = None) -> int:
                                           pull_policy=args.sidecar_image_pull_policy,
                                           pull_secrets=args.sidecar_image_pull_secret or ()))
             return 0
-        config = load_kube_config(args.kubeconfig)
-        namespace = args.namespace or config.namespace
+        resolved = resolve(getattr(args, "kubeconfig", None), getattr(args, "context", None))
+        namespace = args.namespace or resolved.namespace
         if args.command == "release" and not args.yes and not confirmed(namespace, args.group):
             print("Nothing done.")
             return 1
-        return asyncio.run(run(args, config, namespace))
+        api = Api(resolved, user_agent=PLUGIN_NAME)
+        try:
+            return run(args, Ctl(api, prog=prog), namespace)
+        finally:
+            api.close()
     except CtlError as exc:
         message = str(exc)
-    except KubeForbidden as exc:
-        message = f"forbidden: {exc} (ask for the RBAC this command needs)"
-    except KubeConfigError as exc:
-        message = f"kubeconfig: {exc}"
-    except KubeError as exc:
-        message = f"the API server said: {exc}" if exc.status else f"cannot reach the API server: {exc}"
-    except (OSError, asyncpg.PostgresError) as exc:
-        message = f"{type(exc).__name__}: {exc}"
-    print(f"{PROG}: error: {message}", file=sys.stderr)
+    except CLUSTER_ERRORS as exc:
+        message = error_line(exc) or f"{type(exc).__name__}: {exc}"
+    print(f"{prog}: error: {message}", file=sys.stderr)
     return 1
 
 

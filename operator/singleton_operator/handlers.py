@@ -2,13 +2,17 @@
 
 from __future__ import annotations
 
+import datetime as dt
 import logging
+from collections.abc import Callable
 from typing import Any
 
 import kopf
 
 from singleton_operator.groups import Groups
 from singleton_operator.reconcile import ReconcileProblem
+from singleton_operator.release import carry_out
+from singleton_operator.release_request import RELEASE_REQUEST, pending_request
 from singleton_operator.resources import LABEL_MANAGED_BY, MANAGED_BY
 from singleton_operator.spec import SpecError
 from singleton_sidecar import contract
@@ -18,18 +22,23 @@ RETRY_DELAY = 5
 OWNED = {LABEL_MANAGED_BY: MANAGED_BY}
 
 
-def registry(kube_config: KubeConfig) -> kopf.OperatorRegistry:
-    """A fresh registry with our handlers (one per operator instance, for tests too)."""
+def registry(kube_config: KubeConfig,
+             expiration: Callable[[], dt.datetime | None] = lambda: None) -> kopf.OperatorRegistry:
+    """A fresh registry with our handlers (one per operator instance, for tests too).
+    ``expiration`` says when the credentials expire (an exec plugin's token), if known."""
     reg = kopf.OperatorRegistry()
 
     @kopf.on.login(registry=reg)
     def login(**_: Any) -> kopf.ConnectionInfo:
-        # The same credentials as our own client; called again by kopf on a 401, so a
-        # rotated service-account token is re-read.
+        # The same credentials as our own client; called again by kopf on a 401 and once
+        # they expire, so a rotated service-account token is re-read and an exec plugin's
+        # token renewed (the token first: asking for it renews it, and its expiry with it).
+        token = kube_config.bearer_token()
         return kopf.ConnectionInfo(
             server=kube_config.server, ca_data=kube_config.ca_data, insecure=kube_config.insecure,
-            token=kube_config.bearer_token(), certificate_path=kube_config.client_cert_file,
-            private_key_path=kube_config.client_key_file, default_namespace=kube_config.namespace)
+            token=token, certificate_path=kube_config.client_cert_file,
+            private_key_path=kube_config.client_key_file, default_namespace=kube_config.namespace,
+            proxy_url=kube_config.proxy, expiration=expiration())
     resource = (contract.API_GROUP, contract.API_VERSION, contract.PLURAL)
 
     @kopf.on.startup(registry=reg)
@@ -71,6 +80,13 @@ def registry(kube_config: KubeConfig) -> kopf.OperatorRegistry:
     @kopf.on.delete(*resource, registry=reg, when=lambda spec, **_: bool(spec.get("workloadRef")))
     async def give_back(body: kopf.Body, memo: Any, **_: Any) -> None:
         await memo["groups"].release(dict(body))
+
+    # `kubectl singleton release` asks on the object; the answer goes on it too (release.py).
+    @kopf.on.event(*resource, annotations={RELEASE_REQUEST: kopf.PRESENT}, registry=reg)
+    async def release_requested(event: kopf.RawEvent, body: kopf.Body, memo: Any, **_: Any) -> None:
+        request = pending_request(dict(body))
+        if request is not None and event.get("type") != "DELETED":
+            await carry_out(memo["groups"].client, dict(body), request)
 
     # Every pod of a group carries the group label: the operator's own and adopted ones.
     @kopf.on.event("v1", "pods", labels={contract.LABEL_GROUP: kopf.PRESENT}, registry=reg)

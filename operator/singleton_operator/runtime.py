@@ -11,7 +11,9 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import datetime as dt
 import logging
+import os
 import signal
 import ssl
 import time
@@ -34,7 +36,7 @@ from singleton_sidecar.core.elector import Elector
 from singleton_sidecar.core.lock import Identity
 from singleton_sidecar.core.status import ElectionStatus, Role
 from singleton_sidecar.core.timings import BACKEND_DEFAULTS
-from singleton_sidecar.kube import KubeClient, KubeError, load_kube_config
+from singleton_sidecar.kube import KubeClient, KubeConfig, KubeError, load_kube_config
 
 log = logging.getLogger(__name__)
 
@@ -92,8 +94,22 @@ def health_app(elector: Elector, metrics: OperatorMetrics,
     return app
 
 
+def kube_access(kubeconfig: str | None) -> tuple[KubeConfig, Callable[[], dt.datetime | None]]:
+    """The operator's API credentials, and when they expire. In a pod (no kubeconfig given):
+    its service account, read by the sidecar's small client as ever. Outside a pod: the
+    official client's kubeconfig loader (exec plugins, auth providers, proxies), whose
+    renewed token every request of ours and kopf's asks for (docs/operator.md)."""
+    if kubeconfig is None and not os.environ.get("KUBECONFIG") and os.environ.get("KUBERNETES_SERVICE_HOST"):
+        return load_kube_config(None), lambda: None
+    from singleton_operator.kubelogin import resolve  # the official client: outside a pod only
+
+    resolved = resolve(kubeconfig)
+    return resolved.kube_config(), resolved.expiration
+
+
 async def run_operator(config: OperatorConfig) -> int:
-    client = KubeClient(load_kube_config(config.kubeconfig), user_agent="singleton-operator")
+    kube_config, expiration = kube_access(config.kubeconfig)
+    client = KubeClient(kube_config, user_agent="singleton-operator")
     metrics = OperatorMetrics()
     backend = LeaseBackend(client=client, namespace=config.lease_namespace, name=LEASE_NAME,
                            lease_duration=BACKEND_DEFAULTS["lease"].lease_duration)
@@ -136,7 +152,8 @@ async def run_operator(config: OperatorConfig) -> int:
             log.info("leading: starting kopf (namespaces: %s)", ", ".join(config.namespaces) or "all")
             kopf_stopped.clear()
             try:
-                exit_code = await _run_kopf_while_leading(config, client, metrics, lost, stopping)
+                exit_code = await _run_kopf_while_leading(config, client, metrics, lost, stopping,
+                                                          expiration=expiration)
             finally:
                 kopf_stopped.set()
     finally:
@@ -224,7 +241,8 @@ async def _first(*events: asyncio.Event) -> asyncio.Event:
 
 
 async def _run_kopf_while_leading(config: OperatorConfig, client: KubeClient, metrics: OperatorMetrics,
-                                  lost: asyncio.Event, stopping: asyncio.Event) -> int:
+                                  lost: asyncio.Event, stopping: asyncio.Event, *,
+                                  expiration: Callable[[], dt.datetime | None]) -> int:
     groups = Groups(client=client, sidecar_image=config.sidecar_image, metrics=metrics,
                     sidecar_pull_policy=config.sidecar_pull_policy, image_pull_secrets=config.image_pull_secrets,
                     webhook_serving=config.webhook is not None, operator_namespace=config.lease_namespace)
@@ -232,7 +250,7 @@ async def _run_kopf_while_leading(config: OperatorConfig, client: KubeClient, me
     stop_flag: asyncio.Future[None] = loop.create_future()
     ready_flag: asyncio.Future[None] = loop.create_future()
     kopf_task = asyncio.create_task(kopf.operator(
-        registry=registry(client.config), memo=kopf.Memo(groups=groups), stop_flag=stop_flag,
+        registry=registry(client.config, expiration), memo=kopf.Memo(groups=groups), stop_flag=stop_flag,
         ready_flag=ready_flag, clusterwide=not config.namespaces, namespaces=list(config.namespaces),
         standalone=True,
     ), name="kopf")

@@ -26,7 +26,7 @@ import json
 import os
 import ssl
 import tempfile
-from collections.abc import AsyncGenerator, Mapping
+from collections.abc import AsyncGenerator, Callable, Mapping
 from contextlib import suppress
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -112,8 +112,15 @@ class KubeConfig:
     """Skip verification of the server's certificate (``insecure-skip-tls-verify``)."""
     namespace: str = "default"
     """The context's (or the service account's) namespace."""
+    token_provider: Callable[[], str | None] | None = field(default=None, repr=False, compare=False)
+    """Called for the bearer token on every request (the operator outside a pod: credentials
+    the official client's kubeconfig loader resolved and renews, singleton_operator.kubelogin)."""
+    proxy: str | None = None
+    """An HTTP(S) proxy URL for the API server (set by that same loader; never from a pod's config)."""
 
     def bearer_token(self) -> str | None:
+        if self.token_provider is not None:
+            return self.token_provider()
         if self.token:
             return self.token
         if self.token_file:
@@ -289,7 +296,7 @@ class KubeClient:
             async with asyncio.timeout(timeout):
                 headers = self._headers(content_type if data is not None else None)
                 async with self._http().request(method, self.config.server + path, params=params, data=data,
-                                                headers=headers) as resp:
+                                                headers=headers, proxy=self.config.proxy) as resp:
                     payload = await resp.read()
         except _TRANSPORT_ERRORS as exc:
             raise _transport_error(method, path, timeout, exc) from exc
@@ -308,7 +315,7 @@ class KubeClient:
         limit = aiohttp.ClientTimeout(total=max(1, round(timeout)) + WATCH_GRACE)
         try:
             async with self._http().get(self.config.server + path, params=query, headers=self._headers(None),
-                                        timeout=limit) as resp:
+                                        timeout=limit, proxy=self.config.proxy) as resp:
                 if resp.status >= 400:
                     raise _status_error(resp.status, resp.reason or "", await resp.read())
                 buffer = bytearray()
