@@ -107,3 +107,23 @@ def test_sole_candidate_in_pod_is_off_unless_set() -> None:
     assert not load(SINGLETON_BACKEND="lease", SINGLETON_NAMESPACE="ns", **pod).sole_candidate_in_pod
     assert load(SINGLETON_BACKEND="lease", SINGLETON_NAMESPACE="ns", SINGLETON_SOLE_CANDIDATE_IN_POD="true",
                 **pod).sole_candidate_in_pod
+
+
+@pytest.mark.parametrize(("environ", "mode"), [
+    pytest.param({}, "session", id="default"),
+    pytest.param({"SINGLETON_POSTGRES_MODE": "pooled"}, "pooled", id="pooled"),
+    pytest.param({"SINGLETON_POSTGRES_MODE": "session"}, "session", id="session"),
+])
+def test_the_postgres_mode(environ: dict[str, str], mode: str) -> None:
+    config = load(SINGLETON_BACKEND="postgres", SINGLETON_POSTGRES_DSN="postgres://h/d", SINGLETON_LOCK_KEY="k",
+                  **environ)
+    assert config.postgres_mode == mode
+
+
+@pytest.mark.parametrize("bad", ["transaction", "Pooled", ""])
+def test_a_bad_postgres_mode_is_refused_in_one_line(bad: str) -> None:
+    with pytest.raises(ConfigError) as caught:
+        load(SINGLETON_BACKEND="postgres", SINGLETON_POSTGRES_DSN="postgres://h/d", SINGLETON_LOCK_KEY="k",
+             SINGLETON_POSTGRES_MODE=bad)
+    assert str(caught.value) == (
+        f"SINGLETON_POSTGRES_MODE (--postgres-mode): must be session or pooled, got {bad!r}")

@@ -53,6 +53,15 @@ def build_backend(config: SidecarConfig, kube: KubeClient | None) -> LockBackend
 
     def postgres() -> LockBackend:
         assert config.postgres_dsn is not None
+        if config.postgres_mode == "pooled":
+            from singleton_sidecar.backends.postgres_pooled import PooledPostgresBackend
+
+            # No session ends with a crashed holder here: a takeover waits for the row's expiry,
+            # by which the old app's own deadline has stopped it, so no stop bound is recorded.
+            return PooledPostgresBackend(group=config.lock_key, dsn=config.postgres_dsn,
+                                         lease_duration=timings.lease_duration,
+                                         renew_deadline=timings.renew_deadline,
+                                         predecessor_prefix=predecessor_prefix)
         # The exec gate's keeper kills the app's group as soon as the sidecar dies, and at once
         # when the sidecar hears its lock is gone: a takeover after this holder's session ended
         # waits that long, not the whole lease.

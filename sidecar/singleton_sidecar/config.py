@@ -21,6 +21,8 @@ from singleton_sidecar.core.timings import TimingError, Timings, default_timings
 
 BackendName = Literal["postgres", "lease", "both"]
 BACKENDS: tuple[BackendName, ...] = ("postgres", "lease", "both")
+PostgresMode = Literal["session", "pooled"]
+POSTGRES_MODES: tuple[PostgresMode, ...] = ("session", "pooled")
 _DNS1123 = re.compile(r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$")
 
 
@@ -49,6 +51,10 @@ class SidecarConfig:
     """Explicit candidate identity; default: pod name + pod UID + start nonce."""
     postgres_dsn: str | None = field(default=None, repr=False)
     """PostgreSQL connection string (secret: never logged)."""
+    postgres_mode: PostgresMode = "session"
+    """``session``: an advisory lock on a dedicated connection per sidecar (crash failover in
+    milliseconds; no transaction pooler). ``pooled``: expiring rows written in short
+    transactions, through PgBouncer or RDS Proxy in transaction mode (``backends.postgres_pooled``)."""
     namespace: str | None = None
     """Namespace of the pod and the Lease; None outside Kubernetes."""
     lock_key: str = ""
@@ -104,6 +110,7 @@ _SETTINGS: dict[str, tuple[str, str]] = {
     "backend": ("--backend", contract.ENV_BACKEND),
     "postgres_dsn": ("--postgres-dsn", contract.ENV_POSTGRES_DSN),
     "postgres_dsn_file": ("--postgres-dsn-file", contract.ENV_POSTGRES_DSN_FILE),
+    "postgres_mode": ("--postgres-mode", contract.ENV_POSTGRES_MODE),
     "namespace": ("--namespace", contract.ENV_NAMESPACE),
     "lock_key": ("--lock-key", contract.ENV_LOCK_KEY),
     "pod_name": ("--pod-name", contract.ENV_POD_NAME),
@@ -132,6 +139,8 @@ _HELP = {
     "backend": "lock store: postgres, lease or both (default postgres)",
     "postgres_dsn": "PostgreSQL DSN (postgres and both backends)",
     "postgres_dsn_file": "file holding the PostgreSQL DSN (for a mounted Secret)",
+    "postgres_mode": ("session (default: an advisory lock on a connection per sidecar) or pooled (expiring rows "
+                      "in short transactions, for PgBouncer/RDS Proxy in transaction mode)"),
     "namespace": "namespace of this pod and of the Lease",
     "lock_key": ("key of the group's PostgreSQL lock and fence, the same on every replica wherever it runs "
                  "(default <namespace>/<group>; required outside Kubernetes with postgres and both)"),
@@ -250,6 +259,10 @@ def load_config(args: argparse.Namespace, environ: Mapping[str, str]) -> Sidecar
         if not dsn.startswith(("postgres://", "postgresql://")):
             raise ConfigError(f"{label('postgres_dsn')}: must be a postgres:// or postgresql:// URL")
 
+    postgres_mode = raw.get("postgres_mode", "session")
+    if postgres_mode not in POSTGRES_MODES:
+        raise ConfigError(f"{label('postgres_mode')}: must be session or pooled, got {postgres_mode!r}")
+
     namespace = raw.get("namespace") or None
     pod_name = raw.get("pod_name") or None
     if backend in ("lease", "both") and not namespace:
@@ -332,6 +345,7 @@ def load_config(args: argparse.Namespace, environ: Mapping[str, str]) -> Sidecar
         timings=timings,
         identity=identity,
         postgres_dsn=dsn,
+        postgres_mode=postgres_mode,
         namespace=namespace,
         lock_key=lock_key,
         pod_name=pod_name,
@@ -364,7 +378,7 @@ def describe(config: SidecarConfig) -> dict[str, object]:
         "lease_duration": config.timings.lease_duration, "renew_deadline": config.timings.renew_deadline,
         "retry_period": config.timings.retry_period, "drain_timeout": config.drain_timeout,
         "gate": "exec" if config.exec_command else ("file" if config.gate_dir else "none"),
-        "postgres": "configured" if config.postgres_dsn else "none",
+        "postgres": f"configured ({config.postgres_mode} mode)" if config.postgres_dsn else "none",
     }
 
 

@@ -75,8 +75,8 @@ from typing import TYPE_CHECKING, TypeAlias
 
 import asyncpg
 
-from singleton_sidecar.backends.postgres_session import check_session, session_settings
-from singleton_sidecar.backends.postgres_sql import DDL_LOCK_ID, NAMESPACE, SCHEMA_VERSION, Statements
+from singleton_sidecar.backends.postgres_session import check_session, ensure_schema, session_settings
+from singleton_sidecar.backends.postgres_sql import NAMESPACE, Statements
 from singleton_sidecar.core.identity import is_predecessor
 from singleton_sidecar.core.lock import (
     BackendUnavailable,
@@ -171,6 +171,10 @@ class PostgresBackend:
                 if not (isinstance(exc, asyncpg.PostgresError) and not conn.is_closed()):
                     self._discard(conn, "acquire failed; closed the lock's connection")
                 raise
+            if (pooled := await self._pooled_holder(conn, lock_id)) is not None:
+                remaining = deadline - self._clock()  # waited out, as a lock wait would be
+                await asyncio.sleep(max(remaining - min(_LOCK_RESERVE_MAX, remaining * 0.2), 0.0))
+                return pooled
             return await self._take(conn, identity, lock_id)
 
     async def renew(self, term: Term, *, timeout: float) -> Term | None:
@@ -275,6 +279,23 @@ class PostgresBackend:
             raise
         return granted
 
+    async def _pooled_holder(self, conn: Connection, lock_id: int) -> LockRecord | None:
+        """Under the advisory lock: the row's holder if it is a live term of the pooled mode
+        (``backends.postgres_pooled``, a group moving between modes), which holds no advisory
+        lock; the lock is then given back. The pooled mode takes a row only while no session
+        holds this lock, so nothing can slip in between this check and the take."""
+        try:
+            row = await conn.fetchrow(self._sql.pooled_holder, self.group)
+            if row is None:
+                return None
+            await conn.execute(self._sql.unlock, NAMESPACE, lock_id)
+        except BaseException:
+            self._discard(conn, "checking for a pooled-mode holder failed; closed the connection")  # frees the lock
+            raise
+        log.warning("group %s: %s holds token %s in the pooled mode: this session-mode sidecar waits",
+                    self.group, row["holder"], row["token"])
+        return LockRecord(holder=Identity(row["holder"]), token=Token(row["token"]), version=str(row["token"]))
+
     async def _take(self, conn: Connection, identity: Identity, lock_id: int) -> Term | LockRecord:
         """We hold the advisory lock: record the new term with a fresh token."""
         sent = self._clock()
@@ -378,24 +399,7 @@ class PostgresBackend:
         return conn
 
     async def _ensure_schema(self, conn: Connection) -> None:
-        sql = self._sql
-        names = (sql.leases, sql.version_table, sql.token_seq, sql.lock_id_seq)
-        version: int | None = None
-        if await conn.fetchval(sql.objects_exist, *names):
-            version = await conn.fetchval(sql.read_schema_version)
-        if version is None or version < SCHEMA_VERSION:
-            async with conn.transaction():
-                await conn.execute(sql.ddl_lock, NAMESPACE, DDL_LOCK_ID)
-                if not await conn.fetchval(sql.schema_exists, sql.schema):
-                    await conn.execute(sql.create_schema)
-                for statement in sql.create_objects:
-                    await conn.execute(statement)
-                await conn.execute(sql.record_schema_version, SCHEMA_VERSION)
-                version = await conn.fetchval(sql.read_schema_version)
-            log.info("group %s: schema %s ready (version %s)", self.group, sql.leases, version)
-        if version is not None and version > SCHEMA_VERSION:
-            raise BackendUnavailable(
-                f"{sql.leases} has schema version {version}; this sidecar knows only {SCHEMA_VERSION}")
+        await ensure_schema(conn, self._sql, self.group)
         self._schema_ready = True
 
     async def _group_lock_id(self, conn: Connection) -> int:

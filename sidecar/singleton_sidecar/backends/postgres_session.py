@@ -7,6 +7,9 @@ settings the backend depends on. Used by ``backends.postgres`` when it opens tha
   (never retried: the sidecar exits with the message).
 - ``session_settings``: server-side timeouts off and TCP keepalives, set with one statement
   after connecting (poolers refuse such startup parameters, older servers unknown ones).
+- ``ensure_schema``: the tables and sequences, created on first use (both modes, session and
+  pooled: one explicit transaction under a transaction-level advisory lock, which a
+  transaction pooler carries).
 """
 
 from __future__ import annotations
@@ -20,8 +23,16 @@ from typing import TYPE_CHECKING, NoReturn, TypeAlias
 
 import asyncpg
 
-from singleton_sidecar.backends.postgres_sql import PROBE_SETTING, SessionProbe, same_tcp_connection
-from singleton_sidecar.core.lock import BackendMisconfigured
+from singleton_sidecar.backends.postgres_sql import (
+    DDL_LOCK_ID,
+    NAMESPACE,
+    PROBE_SETTING,
+    SCHEMA_VERSION,
+    SessionProbe,
+    Statements,
+    same_tcp_connection,
+)
+from singleton_sidecar.core.lock import BackendMisconfigured, BackendUnavailable
 
 if TYPE_CHECKING:
     Connection: TypeAlias = asyncpg.Connection[asyncpg.Record]
@@ -115,6 +126,28 @@ def _misconfigured(group: str, evidence: str) -> NoReturn:
         f"postgres group {group!r}: the DSN reaches PostgreSQL through a connection pooler in "
         f"transaction or statement pooling mode ({evidence}; probe setting {PROBE_SETTING}), which could "
         "grant one session advisory lock to two sidecars: connect directly to PostgreSQL or use session "
-        "pooling (PgBouncer: pool_mode = session)")
+        "pooling (PgBouncer: pool_mode = session), or keep the pooler and set SINGLETON_POSTGRES_MODE=pooled")
     log.error("%s", message)
     raise BackendMisconfigured(message)
+
+
+async def ensure_schema(conn: Connection, sql: Statements, group: str) -> None:
+    """Create the backend's tables and sequences if missing (idempotent, concurrent-safe);
+    raise ``BackendUnavailable`` for a layout newer than this sidecar knows."""
+    names = (sql.leases, sql.version_table, sql.token_seq, sql.lock_id_seq)
+    version: int | None = None
+    if await conn.fetchval(sql.objects_exist, *names):
+        version = await conn.fetchval(sql.read_schema_version)
+    if version is None or version < SCHEMA_VERSION:
+        async with conn.transaction():
+            await conn.execute(sql.ddl_lock, NAMESPACE, DDL_LOCK_ID)
+            if not await conn.fetchval(sql.schema_exists, sql.schema):
+                await conn.execute(sql.create_schema)
+            for statement in sql.create_objects:
+                await conn.execute(statement)
+            await conn.execute(sql.record_schema_version, SCHEMA_VERSION)
+            version = await conn.fetchval(sql.read_schema_version)
+        log.info("group %s: schema %s ready (version %s)", group, sql.leases, version)
+    if version is not None and version > SCHEMA_VERSION:
+        raise BackendUnavailable(
+            f"{sql.leases} has schema version {version}; this sidecar knows only {SCHEMA_VERSION}")

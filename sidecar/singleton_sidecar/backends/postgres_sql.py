@@ -238,6 +238,14 @@ class Statements:
     def terminate(self) -> str:
         return "SELECT pg_terminate_backend($1)"
 
+    @property
+    def pooled_holder(self) -> str:
+        """$1 group. The row if a live pooled-mode term holds it (a holder without a session)."""
+        return (
+            f"SELECT holder, token FROM {self.leases} WHERE group_name = $1 AND holder IS NOT NULL"
+            " AND holder_pid IS NULL AND expires_at > now()"
+        )
+
 
 @dataclass(frozen=True)
 class SessionProbe:

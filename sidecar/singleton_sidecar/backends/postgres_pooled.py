@@ -1,0 +1,405 @@
+"""PostgreSQL lock backend, pooled mode: a term is the group's row, valid until an expiry
+taken from the DATABASE clock, written in single short statements that work through a
+connection pooler in transaction mode (PgBouncer ``pool_mode = transaction``, RDS Proxy).
+
+Why a second mode: the session mode (``backends.postgres``) holds an advisory lock on one
+dedicated connection per sidecar, leader and standbys alike, which no transaction pooler can
+carry and which fills a default server (``max_connections`` 100) at about 32 groups of 3.
+Here nothing lives in a session, so a pooler can share a few server connections among
+thousands of sidecars; the price is that a crashed holder is replaced only after its row
+expires (the lease duration), not the instant its session ends.
+
+- **A term** is the row of ``singleton_leases`` (the session mode's table and row, so a group
+  switched between modes keeps its token floor): ``holder``, ``token``, ``expires_at``;
+  ``holder_pid`` is NULL (no session holds anything), which is how the session mode tells a
+  pooled holder apart.
+- **Taking** is one ``UPDATE`` that succeeds only if the row is free (released), expired by
+  the database's ``now()``, or held by this very identity (an earlier acquisition of ours
+  whose answer was lost) or by this container's own earlier incarnation in the same pod
+  (``predecessor_prefix``). Row locking serialises racing candidates: the loser re-checks the
+  row the winner committed and matches nothing. The token is the rule of every backend,
+  ``greatest(<row's token> + 1, <database clock in ms>)``, committed with ``synchronous_commit``
+  on (``set_config(..., true)``: transaction-local, like ``SET LOCAL``).
+- **Renewing** is one ``UPDATE ... WHERE holder AND token AND expires_at > now()``; no row
+  means the term is gone (taken over, or expired: a renewal that reached the server after
+  the expiry comes from a holder already past its own deadline). **Releasing** clears the
+  holder and sets ``expires_at = now()``, so the next standby check takes over.
+- **S1**: the leader's renew deadline counts from just before it sent its last successful
+  renewal; that renewal set ``expires_at`` from the server's clock at a later instant, plus the
+  lease duration. A standby takes the row only once ``expires_at <= now()``. So the leader
+  stops ``lease_duration - renew_deadline`` (or more) before anyone may take over, measured on
+  one clock's rate, the database's (a clock stepped forward on the database server shortens
+  that margin; use a slewing NTP, as for any lease).
+- **Connections**: a standby opens a connection for each check and closes it after (one
+  statement): between checks it holds nothing, on the pooler or, connected directly, on the
+  server. The leader keeps its connection for its renewals (one every retry period; through
+  a transaction pooler an idle client connection holds no server connection) and closes it
+  when its term ends. A lost connection is not a lost term: the next renewal reconnects,
+  and only the renew deadline ends the term. So PgBouncer restarts and
+  ``pg_terminate_backend`` cost nothing if they heal within the renew deadline.
+- **Pooler rules** kept: no session state (no advisory locks, no session ``SET``: only
+  ``set_config(..., true)`` inside the statement), no prepared statements kept across
+  transactions (``statement_cache_size=0``: asyncpg then uses unnamed statements, which
+  PgBouncer before 1.21 passes through in transaction mode), every operation one statement
+  (one implicit transaction) except the one-off schema creation (one explicit transaction).
+- **Standbys poll**: every acquire call checks once, then sleeps the rest of its budget
+  (the elector passes the retry period), or only until the holder's expiry if that comes
+  sooner, and checks again then. ``LISTEN``/``NOTIFY`` would wake them on a release, but a
+  listener is session state that a transaction pooler cannot carry, so a release is taken
+  over at the next check (within a retry period).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import AsyncIterator, Callable
+from contextlib import asynccontextmanager
+from dataclasses import dataclass, replace
+from typing import TYPE_CHECKING, TypeAlias
+
+import asyncpg
+
+from singleton_sidecar.backends.postgres_session import ensure_schema
+from singleton_sidecar.backends.postgres_sql import NAMESPACE, Statements
+from singleton_sidecar.core.lock import BackendUnavailable, Identity, LockRecord, LossCallback, Term, Token
+
+if TYPE_CHECKING:
+    Connection: TypeAlias = asyncpg.Connection[asyncpg.Record]
+
+log = logging.getLogger(__name__)
+
+_DB_ERRORS = (OSError, asyncpg.PostgresError, asyncpg.InterfaceError, asyncpg.InternalClientError)
+_EXPIRY_SLACK = 0.005  # seconds a standby sleeps past the holder's expiry before checking again
+_RETURN_RESERVE = 0.01  # seconds of an acquire's budget left when a standby's call returns
+
+
+@dataclass(frozen=True)
+class PooledStatements:
+    """The pooled mode's statements on the tables of ``Statements`` (same names, same rows)."""
+
+    names: Statements
+
+    @property
+    def attempt(self) -> str:
+        """$1 group, $2 identity, $3 lease seconds, $4 predecessor prefix (NULL: none).
+
+        Takes the row if it is free, expired, ours, or our predecessor's, and reports the row
+        as it was before (one row, or none if the group has no row yet)."""
+        leases = self.names.leases
+        return (
+            "WITH durable AS (SELECT set_config('synchronous_commit', 'on', true) AS applied),"
+            f" before AS (SELECT holder, token, holder_pid, expires_at FROM {leases} WHERE group_name = $1),"
+            f" taken AS (UPDATE {leases} r SET holder = $2, holder_pid = NULL,"
+            "   token = greatest(coalesce(r.token, 0) + 1,"
+            "                    floor(extract(epoch FROM clock_timestamp()) * 1000)::bigint),"
+            "   transitions = r.transitions + 1, acquired_at = now(), renewed_at = now(),"
+            "   expires_at = now() + make_interval(secs => $3), released_at = NULL, stop_bound = NULL"
+            "   FROM durable d"
+            "   WHERE r.group_name = $1 AND d.applied = 'on' AND (r.holder IS NULL OR r.expires_at IS NULL"
+            "     OR r.expires_at <= now() OR r.holder = $2"
+            "     OR ($4::text IS NOT NULL AND left(r.holder, length($4::text)) = $4::text))"
+            # Not while a session-mode sidecar holds the group's advisory lock (a group moving
+            # between modes): transaction-level, so a transaction pooler carries it.
+            f"     AND pg_try_advisory_xact_lock({NAMESPACE}, r.lock_id::int4)"
+            "   RETURNING r.token)"
+            " SELECT (SELECT token FROM taken) AS taken_token, b.holder, b.token, b.holder_pid,"
+            " extract(epoch FROM b.expires_at - now())::float8 AS expiry_left"
+            " FROM before b"
+        )
+
+    @property
+    def renew(self) -> str:
+        """$1 group, $2 identity, $3 token, $4 lease seconds. A row only if still ours and unexpired."""
+        return (
+            f"UPDATE {self.names.leases} SET renewed_at = now(), expires_at = now() + make_interval(secs => $4)"
+            " WHERE group_name = $1 AND holder = $2 AND token = $3 AND expires_at > now()"
+            " RETURNING token"
+        )
+
+    @property
+    def release(self) -> str:
+        """$1 group, $2 identity, $3 token: free now, for the next standby check."""
+        return (
+            f"UPDATE {self.names.leases} SET holder = NULL, holder_pid = NULL, released_at = now(),"
+            " expires_at = now() WHERE group_name = $1 AND holder = $2 AND token = $3"
+        )
+
+    @property
+    def observe(self) -> str:
+        """$1 group. The holder counts while its row is unexpired by the database clock."""
+        return (
+            "SELECT holder, token, coalesce(expires_at > now(), false) AS live,"
+            " extract(epoch FROM expires_at - now())::float8 AS expiry_left"
+            f" FROM {self.names.leases} WHERE group_name = $1"
+        )
+
+
+class PooledPostgresBackend:
+    """Lock backend for one group through a transaction pooler; see the module docstring."""
+
+    def __init__(
+        self,
+        *,
+        group: str,
+        dsn: str,
+        lease_duration: float,
+        renew_deadline: float,
+        connect_timeout: float = 5.0,
+        schema: str = "public",
+        table: str = "singleton_leases",
+        clock: Callable[[], float] = time.monotonic,
+        predecessor_prefix: str | None = None,
+    ) -> None:
+        """``predecessor_prefix``: this pod's identity prefix when the sidecar is its group's
+        sole candidate in the pod: a row held by its own earlier incarnation (which the kubelet
+        replaced, so it is dead) is taken over without waiting for its expiry."""
+        if not group:
+            raise ValueError("group must not be empty")
+        if not 0 < renew_deadline < lease_duration:
+            raise ValueError(
+                f"need 0 < renew_deadline ({renew_deadline}) < lease_duration ({lease_duration})")
+        if connect_timeout <= 0:
+            raise ValueError("connect_timeout must be positive")
+        self.group = group
+        self.lease_duration = lease_duration
+        self.renew_deadline = renew_deadline
+        self._dsn = dsn
+        self._connect_timeout = connect_timeout
+        self._clock = clock
+        self._names = Statements.build(schema, table)
+        self._sql = PooledStatements(self._names)
+        self._predecessor_prefix = predecessor_prefix
+        self._server_settings = {"application_name": f"singleton:{group}"[:63]}
+        self._conn: Connection | None = None  # the leader's, kept only while a term is held
+        self._term: Term | None = None
+        self._schema_ready = False
+        self._row_ready = False
+        self._busy = asyncio.Lock()  # one statement at a time on the kept connection
+        self._on_loss: LossCallback | None = None
+
+    @property
+    def name(self) -> str:
+        return "postgres"
+
+    @property
+    def holds_connection(self) -> bool:
+        """Whether a connection is kept open now (only while a term is held)."""
+        return self._conn is not None and not self._conn.is_closed()
+
+    def set_loss_callback(self, callback: LossCallback) -> None:
+        # Nothing tells this mode asynchronously that its term is gone (no session holds it):
+        # a renewal that matches no row, or the renew deadline, ends it.
+        self._on_loss = callback
+
+    # -- the interface ---------------------------------------------------------------
+
+    async def acquire(self, identity: Identity, *, timeout: float) -> Term | LockRecord:
+        deadline = self._clock() + timeout
+        async with self._guard("acquire", timeout):
+            while True:
+                async with self._busy:
+                    if self._term is not None:
+                        log.warning("group %s: %s asked to acquire while %s holds token %s here",
+                                    self.group, identity, self._term.identity, self._term.token)
+                        held = self._term
+                        return LockRecord(holder=held.identity, token=held.token, version=str(held.token))
+                    result, expiry_left = await self._attempt(identity, deadline)
+                if isinstance(result, Term):
+                    return result
+                remaining = deadline - self._clock()
+                if expiry_left is not None and expiry_left + _EXPIRY_SLACK < remaining:
+                    # The holder's row expires within this call's budget: check again right then.
+                    await asyncio.sleep(max(expiry_left, 0.0) + _EXPIRY_SLACK)
+                    continue
+                # The next check is the elector's next call, a retry period from this one; this
+                # call returns just inside its budget.
+                await asyncio.sleep(max(remaining - _RETURN_RESERVE, 0.0))
+                return result
+
+    async def renew(self, term: Term, *, timeout: float) -> Term | None:
+        deadline = self._clock() + timeout
+        async with self._guard("renew", timeout), self._busy:
+            if term != self._term:
+                log.info("group %s: %s cannot renew token %s: not held here", self.group, term.identity, term.token)
+                return None
+            conn = await self._kept_connection(deadline)
+            sent = self._clock()  # the deadline counts from before the write: early, never late
+            try:
+                token = await conn.fetchval(self._sql.renew, self.group, term.identity, term.token,
+                                            self.lease_duration)
+            except BaseException:
+                self._drop_connection("renewal failed; the term stands until the renew deadline")
+                raise
+            if token is None:
+                log.warning("group %s: renewal by %s of token %s matched no row: taken over or expired",
+                            self.group, term.identity, term.token)
+                self._term = None
+                self._drop_connection("term ended")
+                return None
+            renewed = replace(term, written_at=sent)
+            self._term = renewed
+            return renewed
+
+    async def release(self, term: Term, *, timeout: float) -> None:
+        deadline = self._clock() + timeout
+        async with self._guard("release", timeout), self._busy:
+            if term != self._term:
+                log.debug("group %s: %s releases token %s: not held here", self.group, term.identity, term.token)
+                return
+            try:
+                conn = await self._kept_connection(deadline)
+                await conn.execute(self._sql.release, self.group, term.identity, term.token)
+            except BaseException:
+                self._drop_connection("release failed; the row frees itself at its expiry")
+                raise
+            self._term = None
+            self._drop_connection("term released")
+            log.info("group %s: %s released the lock (token %s)", self.group, term.identity, term.token)
+
+    async def observe(self, *, timeout: float) -> LockRecord:
+        deadline = self._clock() + timeout
+        async with self._guard("observe", timeout):
+            if self.holds_connection and not self._busy.locked():
+                async with self._busy:
+                    conn = await self._kept_connection(deadline)
+                    try:
+                        row = await conn.fetchrow(self._sql.observe, self.group)
+                    except BaseException:
+                        self._drop_connection("observe failed on the kept connection")
+                        raise
+            else:
+                async with self._short_lived(deadline) as conn:
+                    try:
+                        row = await conn.fetchrow(self._sql.observe, self.group)
+                    except asyncpg.UndefinedTableError:
+                        row = None
+        return _record(row)
+
+    async def current_leader(self, *, timeout: float = 5.0) -> LockRecord:
+        """Who leads the group now, with which token (an ``observe``)."""
+        return await self.observe(timeout=timeout)
+
+    async def close(self) -> None:
+        conn, self._conn = self._conn, None
+        self._term = None
+        if conn is None:
+            return
+        if self._busy.locked():
+            conn.terminate()
+        else:
+            await _close(conn)
+
+    # -- steps -----------------------------------------------------------------------
+
+    async def _attempt(self, identity: Identity, deadline: float) -> tuple[Term | LockRecord, float | None]:
+        """One check on a connection of its own: the new term, or the holder and the seconds
+        until its row expires (None: no expiry to wait for)."""
+        async with self._short_lived(deadline) as conn:
+            if not self._schema_ready:
+                await ensure_schema(conn, self._names, self.group)
+                self._schema_ready = True
+            sent = self._clock()
+            row = await conn.fetchrow(self._sql.attempt, self.group, identity, self.lease_duration,
+                                      self._predecessor_prefix)
+            if row is None and not self._row_ready:  # the group's first use: create its row, try again
+                await conn.execute(self._names.insert_group, self.group, self._names.lock_id_seq)
+                sent = self._clock()
+                row = await conn.fetchrow(self._sql.attempt, self.group, identity, self.lease_duration,
+                                          self._predecessor_prefix)
+            if row is None:
+                raise BackendUnavailable(f"row of group {self.group!r} vanished while being checked")
+            self._row_ready = True
+            token = row["taken_token"]
+            if token is None:
+                holder = row["holder"]
+                expiry_left = row["expiry_left"]
+                live = holder is not None and expiry_left is not None and expiry_left > 0
+                record = LockRecord(holder=Identity(holder) if live else None,
+                                    token=None if row["token"] is None else Token(row["token"]),
+                                    version="" if row["token"] is None else str(row["token"]))
+                return record, expiry_left if live else None
+            term = Term(identity=identity, token=Token(token), version=str(token), written_at=sent,
+                        acting_from=self._clock())
+            self._term = term
+            self._conn = conn  # the leader keeps it for its renewals
+        previous = row["holder"]
+        if previous is not None and previous != identity and row["expiry_left"] is not None \
+                and row["expiry_left"] > 0:
+            log.info("group %s: %s takes over from %s, its own earlier incarnation in this pod",
+                     self.group, identity, previous)
+        log.info("group %s: %s acquired the lock with token %s", self.group, identity, token)
+        return term, None
+
+    # -- connections -----------------------------------------------------------------
+
+    async def _kept_connection(self, deadline: float) -> Connection:
+        conn = self._conn
+        if conn is not None and not conn.is_closed():
+            return conn
+        self._conn = conn = await self._open(deadline)
+        return conn
+
+    @asynccontextmanager
+    async def _short_lived(self, deadline: float) -> AsyncIterator[Connection]:
+        """A connection for one check, closed after it unless it became the leader's."""
+        conn = await self._open(deadline)
+        try:
+            yield conn
+        finally:
+            if self._conn is not conn:
+                await _close(conn)
+
+    async def _open(self, deadline: float) -> Connection:
+        budget = max(0.001, min(self._connect_timeout, deadline - self._clock()))
+        # No statement cache: a named prepared statement lives in one server session, which a
+        # transaction pooler hands to other clients between transactions.
+        conn: Connection = await asyncpg.connect(
+            self._dsn, timeout=budget, server_settings=self._server_settings, statement_cache_size=0)
+        return conn
+
+    def _drop_connection(self, reason: str) -> None:
+        """Close the kept connection at once (its state is unknown, or it is no longer needed)."""
+        conn, self._conn = self._conn, None
+        if conn is not None:
+            log.debug("group %s: closed the kept connection: %s", self.group, reason)
+            conn.terminate()
+
+    @asynccontextmanager
+    async def _guard(self, what: str, budget: float) -> AsyncIterator[None]:
+        """Bound a call by ``budget`` seconds; failures to reach the server become BackendUnavailable."""
+        try:
+            async with asyncio.timeout(budget):
+                yield
+        except TimeoutError as exc:
+            raise BackendUnavailable(
+                f"postgres {what} of group {self.group!r} timed out after {budget:g}s") from exc
+        except _DB_ERRORS as exc:
+            if isinstance(exc, asyncpg.UndefinedTableError):
+                self._schema_ready = self._row_ready = False
+            raise BackendUnavailable(f"postgres {what} of group {self.group!r} failed: {exc!r}") from exc
+
+
+def _record(row: asyncpg.Record | None) -> LockRecord:
+    if row is None:
+        return LockRecord(holder=None, token=None)
+    token = row["token"]
+    holder = row["holder"] if row["live"] else None
+    return LockRecord(
+        holder=None if holder is None else Identity(holder),
+        token=None if token is None else Token(token),
+        version="" if token is None else str(token),
+    )
+
+
+async def _close(conn: Connection) -> None:
+    """Close gracefully if that is quick, else abort."""
+    try:
+        await conn.close(timeout=1.0)
+    except (*_DB_ERRORS, TimeoutError) as exc:
+        log.debug("closing a PostgreSQL connection failed, aborted it: %r", exc)
+        conn.terminate()
+    except asyncio.CancelledError:
+        conn.terminate()
+        raise
