@@ -1,0 +1,279 @@
+"""Logging in as people do on managed clusters, against the test bed's real API server:
+kubectl singleton and the operator (outside a pod) with a kubeconfig whose user is an exec
+credential plugin (tests/data/exec_credential.sh hands out ServiceAccount tokens), a failing
+plugin, --context, an HTTPS proxy, and kubectl finding the plugin on PATH."""
+
+from __future__ import annotations
+
+import datetime as dt
+import json
+import os
+import select
+import socket
+import socketserver
+import subprocess
+import threading
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+
+from tests.conftest import Cluster
+from tests.kubehelpers import get_json, grant
+from tests.operators import OperatorProcess
+from tests.sidecars import wait_for
+from tests.test_ctl import BIN, ctl
+
+HELPER = Path(__file__).parent / "data" / "exec_credential.sh"
+READER_RULES = [{"apiGroups": ["singleton.dev"], "resources": ["singletonservices"], "verbs": ["get", "list"]},
+                {"apiGroups": [""], "resources": ["pods"], "verbs": ["list"]}]
+
+
+def exec_kubeconfig(cluster: Cluster, path: Path, *, token_file: Path, namespace: str,
+                    calls_file: Path | None = None, expires: str | None = None) -> Path:
+    """The cluster's kubeconfig with a user whose credentials come from the exec helper."""
+    config = json.loads(cluster.kubectl("config", "view", "--minify", "--raw", "-o", "json").stdout)
+    env = [{"name": "TOKEN_FILE", "value": str(token_file)}]
+    env += [{"name": "CALLS_FILE", "value": str(calls_file)}] if calls_file else []
+    env += [{"name": "EXPIRES", "value": expires}] if expires else []
+    config["users"] = [{"name": "exec-user", "user": {"exec": {
+        "apiVersion": "client.authentication.k8s.io/v1", "command": str(HELPER), "env": env,
+        "interactiveMode": "Never"}}}]
+    for context in config["contexts"]:
+        context["context"] |= {"user": "exec-user", "namespace": namespace}
+    path.write_text(yaml.safe_dump(config))
+    path.chmod(0o600)
+    return path
+
+
+def calls(path: Path) -> int:
+    return len(path.read_text().splitlines()) if path.exists() else 0
+
+
+@pytest.fixture
+def crd_group(cluster: Cluster, singleton_crd: Path, namespace: str) -> str:
+    name = "g-" + uuid.uuid4().hex[:8]
+    body = {"apiVersion": "singleton.dev/v1alpha1", "kind": "SingletonService", "metadata": {"name": name},
+            "spec": {"template": {"spec": {"containers": [{"name": "app", "image": "x"}]}}}}
+    cluster.apply(json.dumps(body), namespace=namespace)
+    return name
+
+
+@pytest.fixture
+def reader_token(cluster: Cluster, namespace: str, tmp_path: Path) -> Path:
+    """A file holding a token of ServiceAccount ``reader``, which may read groups in the namespace."""
+    grant(cluster, namespace, "reader", READER_RULES)
+    token_file = tmp_path / "token"
+    token_file.write_text(cluster.kubectl("create", "token", "reader", "-n", namespace).stdout.strip())
+    return token_file
+
+
+def test_the_plugin_logs_in_through_an_exec_credential_plugin(cluster: Cluster, namespace: str, crd_group: str,
+                                                             reader_token: Path, tmp_path: Path) -> None:
+    calls_file = tmp_path / "calls"
+    kubeconfig = exec_kubeconfig(cluster, tmp_path / "exec.kubeconfig", token_file=reader_token,
+                                 namespace=namespace, calls_file=calls_file)
+    # No -n: the context's namespace.
+    listing = ctl(cluster, "status", "-o", "json", kubeconfig=kubeconfig)
+    assert listing.returncode == 0, listing.stderr
+    assert [v["name"] for v in json.loads(listing.stdout)] == [crd_group]
+    assert calls(calls_file) >= 1
+    as_yaml = ctl(cluster, "status", crd_group, "-o", "yaml", kubeconfig=kubeconfig)
+    assert as_yaml.returncode == 0 and yaml.safe_load(as_yaml.stdout)[0]["name"] == crd_group, as_yaml.stderr
+    # The API server saw the helper's token: the ServiceAccount may not list other namespaces.
+    denied = ctl(cluster, "status", "-A", kubeconfig=kubeconfig)
+    assert denied.returncode == 1
+    assert denied.stderr.startswith("kubectl singleton: error: forbidden: 403 Forbidden: singletonservices."
+                                    f"singleton.dev is forbidden: User \"system:serviceaccount:{namespace}:reader\""
+                                    ), denied.stderr
+    assert len(denied.stderr.strip().splitlines()) == 1
+
+
+def test_a_failing_exec_plugin_is_one_clear_line(cluster: Cluster, namespace: str, tmp_path: Path) -> None:
+    missing = tmp_path / "no-token"
+    kubeconfig = exec_kubeconfig(cluster, tmp_path / "exec.kubeconfig", token_file=missing, namespace=namespace)
+    context = yaml.safe_load(kubeconfig.read_text())["current-context"]
+    result = ctl(cluster, "status", kubeconfig=kubeconfig)
+    assert result.returncode == 1
+    assert result.stderr.strip() == (
+        f"kubectl singleton: error: kubeconfig: context {context!r}: exec credential plugin '{HELPER}' gave no "
+        f"credentials: exec: process returned 1. exec_credential.sh: login refused: no token at {missing}")
+
+
+def test_context_selects_the_cluster_user_and_namespace(cluster: Cluster, namespace: str, crd_group: str,
+                                                       reader_token: Path, tmp_path: Path) -> None:
+    config = yaml.safe_load(exec_kubeconfig(cluster, tmp_path / "exec.kubeconfig", token_file=reader_token,
+                                            namespace=namespace).read_text())
+    good = config["contexts"][0]
+    config["clusters"].append({"name": "dead", "cluster": {**config["clusters"][0]["cluster"],
+                                                           "server": "https://127.0.0.1:1"}})
+    config["contexts"] = [{"name": "dead", "context": {"cluster": "dead", "user": "exec-user"}},
+                          {"name": "good", "context": good["context"]}]
+    config["current-context"] = "dead"
+    kubeconfig = tmp_path / "two.kubeconfig"
+    kubeconfig.write_text(yaml.safe_dump(config))
+    dead = ctl(cluster, "status", kubeconfig=kubeconfig)
+    assert dead.returncode == 1 and dead.stderr.startswith("kubectl singleton: error: cannot reach the API server")
+    for args in (["--context", "good", "status", "-o", "json"], ["status", "--context", "good", "-o", "json"]):
+        chosen = ctl(cluster, *args, kubeconfig=kubeconfig)
+        assert chosen.returncode == 0, chosen.stderr
+        assert [v["namespace"] for v in json.loads(chosen.stdout)] == [namespace]
+    unknown = ctl(cluster, "--context", "nope", "status", kubeconfig=kubeconfig)
+    assert unknown.returncode == 1
+    assert unknown.stderr.strip() == (f"kubectl singleton: error: kubeconfig: --context: no context 'nope' in "
+                                      f"{kubeconfig}")
+
+
+class ConnectProxy(socketserver.ThreadingTCPServer):
+    """An HTTP CONNECT proxy that records the targets it tunnelled to."""
+
+    daemon_threads = True
+    allow_reuse_address = True
+
+    def __init__(self) -> None:
+        self.targets: list[str] = []
+        super().__init__(("127.0.0.1", 0), _Tunnel)
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.server_address[1]}"
+
+
+class _Tunnel(socketserver.StreamRequestHandler):
+    server: ConnectProxy
+
+    def handle(self) -> None:
+        method, target, _ = self.rfile.readline().decode().split(" ", 2)
+        while self.rfile.readline() not in (b"\r\n", b"\n", b""):
+            pass
+        if method != "CONNECT":
+            self.wfile.write(b"HTTP/1.1 405 Method Not Allowed\r\n\r\n")
+            return
+        self.server.targets.append(target)
+        host, _, port = target.rpartition(":")
+        with socket.create_connection((host.strip("[]"), int(port)), timeout=10) as upstream:
+            self.wfile.write(b"HTTP/1.1 200 Connection established\r\n\r\n")
+            self.wfile.flush()
+            ends = [self.connection, upstream]
+            while True:
+                readable, _, _ = select.select(ends, [], [], 30)
+                if not readable:
+                    return
+                for end in readable:
+                    data = end.recv(65536)
+                    if not data:
+                        return
+                    (upstream if end is self.connection else self.connection).sendall(data)
+
+
+@pytest.fixture
+def proxy() -> Iterator[ConnectProxy]:
+    server = ConnectProxy()
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    try:
+        yield server
+    finally:
+        server.shutdown()
+        server.server_close()
+
+
+def test_https_proxy_and_no_proxy_are_honoured(cluster: Cluster, namespace: str, crd_group: str,
+                                              proxy: ConnectProxy) -> None:
+    server = yaml.safe_load(cluster.kubeconfig.read_text())["clusters"][0]["cluster"]["server"]
+    no_proxy_env = {"NO_PROXY": "", "no_proxy": ""}
+    through = ctl(cluster, "status", "-n", namespace, "-o", "json",
+                  env={"HTTPS_PROXY": proxy.url, "https_proxy": proxy.url, **no_proxy_env})
+    assert through.returncode == 0, through.stderr
+    assert [v["name"] for v in json.loads(through.stdout)] == [crd_group]
+    assert proxy.targets and all(t == server.removeprefix("https://") for t in proxy.targets), proxy.targets
+    seen = len(proxy.targets)
+    host = server.removeprefix("https://").rpartition(":")[0].strip("[]")
+    bypassed = ctl(cluster, "status", "-n", namespace,
+                   env={"HTTPS_PROXY": proxy.url, "https_proxy": proxy.url, "NO_PROXY": host, "no_proxy": host})
+    assert bypassed.returncode == 0, bypassed.stderr
+    assert len(proxy.targets) == seen
+    dead = ctl(cluster, "status", "-n", namespace,
+               env={"HTTPS_PROXY": "http://127.0.0.1:1", "https_proxy": "http://127.0.0.1:1", **no_proxy_env})
+    assert dead.returncode == 1 and dead.stderr.startswith("kubectl singleton: error: cannot reach the API server")
+    assert len(dead.stderr.strip().splitlines()) == 1, dead.stderr
+
+
+def test_kubectl_runs_the_plugin_from_path(cluster: Cluster, namespace: str, crd_group: str) -> None:
+    env = {**cluster.env, "PATH": os.pathsep.join([str(BIN), os.environ.get("PATH", "")])}
+    plugins = subprocess.run(["kubectl", "plugin", "list", "--name-only"], capture_output=True, text=True, env=env,
+                             check=False, timeout=30)
+    assert "kubectl-singleton" in plugins.stdout.split(), plugins.stdout + plugins.stderr
+    result = subprocess.run(["kubectl", "singleton", "status", crd_group, "-n", namespace, "-o", "json"],
+                            capture_output=True, text=True, env=env, check=False, timeout=60)
+    assert result.returncode == 0, result.stderr
+    assert json.loads(result.stdout)[0]["name"] == crd_group
+    usage = subprocess.run(["kubectl", "singleton", "--help"], capture_output=True, text=True, env=env, check=False,
+                           timeout=60)
+    assert usage.stdout.startswith("usage: kubectl singleton "), usage.stdout
+
+
+def _deployment_exists(cluster: Cluster, namespace: str, name: str) -> bool:
+    return cluster.kubectl("get", "deployment", name, "-n", namespace, check=False).returncode == 0
+
+
+def _apply_group(cluster: Cluster, namespace: str, name: str) -> None:
+    body = {"apiVersion": "singleton.dev/v1alpha1", "kind": "SingletonService", "metadata": {"name": name},
+            "spec": {"template": {"spec": {"containers": [{"name": "app", "image": "x"}]}}}}
+    cluster.apply(json.dumps(body), namespace=namespace)
+
+
+def _token_bound_to_secret(cluster: Cluster, namespace: str, account: str, secret: str) -> str:
+    cluster.kubectl("create", "secret", "generic", secret, "-n", namespace)
+    return str(cluster.kubectl("create", "token", account, "-n", namespace, "--bound-object-kind", "Secret",
+                               "--bound-object-name", secret).stdout.strip())
+
+
+def _accepted(cluster: Cluster, token: str, namespace: str) -> bool:
+    result = cluster.kubectl("--token", token, "get", "singletonservices", "-n", namespace, check=False)
+    return result.returncode == 0
+
+
+@pytest.mark.usefixtures("singleton_crd")
+def test_the_operator_logs_in_through_exec_and_renews_the_token(cluster: Cluster, namespace: str,
+                                                                tmp_path: Path) -> None:
+    """The operator outside a pod, its kubeconfig's user an exec plugin whose token expires:
+    after the token it started with is revoked, it goes on with the one the plugin now gives."""
+    account, binding = "op-exec", f"op-exec-{namespace}"
+    cluster.kubectl("create", "serviceaccount", account, "-n", namespace)
+    cluster.kubectl("create", "clusterrolebinding", binding, "--clusterrole=cluster-admin",
+                    f"--serviceaccount={namespace}:{account}")
+    op: OperatorProcess | None = None
+    try:
+        first = _token_bound_to_secret(cluster, namespace, account, "first-login")
+        second = _token_bound_to_secret(cluster, namespace, account, "second-login")
+        token_file, calls_file = tmp_path / "token", tmp_path / "calls"
+        token_file.write_text(first)
+        # Within the loader's five minutes of skew: every request asks the plugin again.
+        expires = (dt.datetime.now(dt.UTC) + dt.timedelta(minutes=4)).strftime("%Y-%m-%dT%H:%M:%SZ")
+        kubeconfig = exec_kubeconfig(cluster, tmp_path / "op.kubeconfig", token_file=token_file,
+                                     namespace=namespace, calls_file=calls_file, expires=expires)
+        op = OperatorProcess(kubeconfig, namespace, tmp_path / "op.log",
+                             extra_args=["--namespace", namespace]).start()
+        wait_for(lambda: op.role() == "leader", 30, "the operator to lead", 0.1)
+        _apply_group(cluster, namespace, "before")
+        wait_for(lambda: _deployment_exists(cluster, namespace, "before"), 30, "the first group reconciled", 0.2)
+        # Revoke the first token (its Secret goes) and let the plugin hand out the second.
+        token_file.write_text(second)
+        cluster.kubectl("delete", "secret", "first-login", "-n", namespace)
+        wait_for(lambda: not _accepted(cluster, first, namespace), 10, "the first token to be refused", 0.2)
+        assert _accepted(cluster, second, namespace)
+        called = calls(calls_file)
+        _apply_group(cluster, namespace, "after")
+        wait_for(lambda: _deployment_exists(cluster, namespace, "after"), 60, "the second group reconciled", 0.2)
+        assert calls(calls_file) > called
+        assert op.alive() and op.role() == "leader", op.log()[-3000:]
+        lease: dict[str, Any] = get_json(cluster, "lease", "singleton-operator", "-n", namespace)
+        assert lease["spec"]["holderIdentity"].startswith("op/")
+    finally:
+        if op is not None:
+            op.stop()
+        cluster.kubectl("delete", "clusterrolebinding", binding, "--ignore-not-found", check=False)
