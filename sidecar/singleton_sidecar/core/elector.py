@@ -97,6 +97,10 @@ class Elector:
     def __repr__(self) -> str:
         return f"<Elector group={self.group} identity={self.identity} role={self._status.role}>"
 
+    def _fields(self, **more: object) -> dict[str, object]:
+        """The fields of this elector's log lines: its group and identity, then ``more``."""
+        return {"group": self.group, "identity": self.identity, **more}
+
     # --- what others read --------------------------------------------------------------
 
     @property
@@ -138,7 +142,7 @@ class Elector:
     def request_drain(self) -> None:
         """Stop taking work, let the app finish, release, and campaign no more."""
         if not self._drain_requested.is_set():
-            log.info("drain requested group=%s identity=%s", self.group, self.identity)
+            log.info("drain requested", extra=self._fields())
         self._drain_requested.set()
         self._wakeup.set()
 
@@ -152,7 +156,7 @@ class Elector:
         """Do not campaign for ``seconds`` (0 ends a hold): a planned handover to another
         candidate holds every other standby off while the leader steps down."""
         self._hold_until = self.clock.monotonic() + max(seconds, 0.0)
-        log.info("hold requested group=%s identity=%s seconds=%g", self.group, self.identity, seconds)
+        log.info("hold requested", extra=self._fields(hold_seconds=seconds))
         self._hold_changed.set()
 
     def _holding(self) -> float:
@@ -317,16 +321,14 @@ class Elector:
             drain_task.cancel()
             await asyncio.gather(drain_task, return_exceptions=True)
         if decision.then is Role.STANDBY:
-            log.warning("stepped down group=%s identity=%s token=%s reason=%s",
-                        self.group, self.identity, term.token, decision.reason)
+            log.warning("stepped down", extra=self._fields(token=term.token, reason=decision.reason))
         if not was_acting or await self._stop_app(urgent=decision.urgent):
             await self._release(term, decision.reason)
             return decision.pause
         # Never release while the app may still act: the lock frees by itself at expiry.
         self.unconfirmed_stops += 1
-        log.error("app not confirmed stopped within %gs group=%s identity=%s token=%s: not releasing; "
-                  "the lock frees by itself when its lease expires", self.stop_timeout, self.group,
-                  self.identity, term.token)
+        log.error("app not confirmed stopped: not releasing; the lock frees by itself when its lease expires",
+                  extra=self._fields(token=term.token, stop_timeout_seconds=self.stop_timeout))
         return max(decision.pause, self.timings.lease_duration)
 
     async def _stop_app(self, *, urgent: bool) -> bool:
@@ -349,10 +351,9 @@ class Elector:
             self._on_app_stopped(seconds, confirmed)
         if not confirmed:
             if isinstance(outcome, Exception):
-                log.error("stopping the app failed group=%s identity=%s", self.group, self.identity,
-                          exc_info=outcome)
+                log.error("stopping the app failed", extra=self._fields(), exc_info=outcome)
             return False
-        log.info("app stopped group=%s identity=%s seconds=%.3f", self.group, self.identity, seconds)
+        log.info("app stopped", extra=self._fields(duration_seconds=round(seconds, 3)))
         return True
 
     async def _renew(self, term: Term, now: float) -> tuple[Term | None, float]:
@@ -363,8 +364,7 @@ class Elector:
             renewed = await self.backend.renew(term, timeout=max(self._deadline - now, 0.001))
         except BackendUnavailable as exc:
             self._observe_renew(started, ok=False)
-            log.warning("renewal failed group=%s identity=%s token=%s error=%s",
-                        self.group, self.identity, term.token, exc)
+            log.warning("renewal failed", extra=self._fields(token=term.token, error=exc))
             # Retry soon: the deadline, not the retry period, bounds how long we keep trying.
             return term, self.clock.monotonic() + min(timings.retry_period / 4, 0.25)
         self._observe_renew(started, ok=renewed is not None)
@@ -374,7 +374,7 @@ class Elector:
         if self._status.term is not None:
             self._status = replace(self._status, term=renewed)
             self._tell_deadline(self._deadline)
-        log.debug("renewed group=%s identity=%s token=%s", self.group, self.identity, renewed.token)
+        log.debug("renewed", extra=self._fields(token=renewed.token))
         return renewed, renewed.written_at + timings.retry_period
 
     def _observe_renew(self, started: float, *, ok: bool) -> None:
@@ -386,7 +386,7 @@ class Elector:
             try:
                 listener(deadline)
             except Exception:
-                log.exception("deadline listener %r failed group=%s", listener, self.group)
+                log.exception("deadline listener %r failed", listener, extra=self._fields())
 
     async def _drain(self, *, final: bool) -> None:
         if self._drain_hook is None:
@@ -395,29 +395,26 @@ class Elector:
         try:
             hook = asyncio.ensure_future(self._drain_hook(final))
         except Exception:
-            log.exception("drain hook failed group=%s identity=%s", self.group, self.identity)
+            log.exception("drain hook failed", extra=self._fields())
             return
         finished = asyncio.Event()
         hook.add_done_callback(lambda _t: finished.set())
         try:
             if not await self.clock.wait(finished, self.drain_timeout):
-                log.warning("drain timeout (%gs) passed group=%s identity=%s; stopping the app",
-                            self.drain_timeout, self.group, self.identity)
+                log.warning("drain timeout passed; stopping the app",
+                            extra=self._fields(drain_timeout_seconds=self.drain_timeout))
         finally:
             hook.cancel()
             (outcome,) = await asyncio.gather(hook, return_exceptions=True)
         if isinstance(outcome, Exception):
-            log.error("drain hook failed group=%s identity=%s; stopping the app", self.group, self.identity,
-                      exc_info=outcome)
+            log.error("drain hook failed; stopping the app", extra=self._fields(), exc_info=outcome)
 
     async def _release(self, term: Term, reason: str) -> None:
         try:
             await self.backend.release(term, timeout=RELEASE_TIMEOUT)
-            log.info("released group=%s identity=%s token=%s reason=%s",
-                     self.group, self.identity, term.token, reason)
+            log.info("released", extra=self._fields(token=term.token, reason=reason))
         except BackendUnavailable as exc:
-            log.warning("release failed group=%s identity=%s token=%s error=%s (the lock frees by itself)",
-                        self.group, self.identity, term.token, exc)
+            log.warning("release failed (the lock frees by itself)", extra=self._fields(token=term.token, error=exc))
 
     def _on_lock_lost(self, reason: str) -> None:
         # Recorded whatever the role: a loss may arrive while the acquisition that won the
@@ -458,10 +455,10 @@ class Elector:
             return
         self._status = new
         if role != old.role:
-            log.info("role %s -> %s group=%s identity=%s token=%s reason=%s", old.role, role, self.group,
-                     self.identity, new.token, reason)
+            log.info("role %s -> %s", old.role, role,
+                     extra=self._fields(role=role, previous_role=old.role, token=new.token, reason=reason))
         for listener in list(self._listeners):
             try:
                 listener(new)
             except Exception:
-                log.exception("election listener %r failed group=%s", listener, self.group)
+                log.exception("election listener %r failed", listener, extra=self._fields())
