@@ -153,6 +153,10 @@ class PostgresBackend:
     def set_loss_callback(self, callback: LossCallback) -> None:
         self._on_loss = callback
 
+    def _fields(self, **more: object) -> dict[str, object]:
+        """The fields of this backend's log lines: its lock key, then ``more``."""
+        return {"lock_key": self.group, **more}
+
     # -- the interface ---------------------------------------------------------------
 
     async def acquire(self, identity: Identity, *, timeout: float) -> Term | LockRecord:
@@ -161,8 +165,9 @@ class PostgresBackend:
             conn = await self._connection(deadline)
             try:
                 if self._term is not None:
-                    log.warning("group %s: %s asked to acquire while %s holds token %s here",
-                                self.group, identity, self._term.identity, self._term.token)
+                    log.warning("asked to acquire while a term is held here",
+                                extra=self._fields(identity=identity, holder=self._term.identity,
+                                                   token=self._term.token))
                     return await self._read(conn)
                 lock_id = await self._group_lock_id(conn)
                 if not await self._wait_for_lock(conn, lock_id, deadline):
@@ -181,8 +186,8 @@ class PostgresBackend:
         async with self._guard("renew", timeout), self._busy:
             conn = self._conn
             if term != self._term or conn is None or conn.is_closed():
-                log.info("group %s: %s cannot renew token %s: not held on a live connection",
-                         self.group, term.identity, term.token)
+                log.info("cannot renew: not held on a live connection",
+                         extra=self._fields(identity=term.identity, token=term.token))
                 return None
             try:
                 sent = self._clock()  # the deadline counts from before the write: early, never late
@@ -192,8 +197,8 @@ class PostgresBackend:
                     renewed = replace(term, written_at=sent)
                     self._term = renewed
                     return renewed
-                log.warning("group %s: renewal by %s of token %s matched no row: taken over",
-                            self.group, term.identity, term.token)
+                log.warning("renewal matched no row: taken over",
+                            extra=self._fields(identity=term.identity, token=term.token))
                 self._term = None
                 await conn.execute(self._sql.unlock, NAMESPACE, self._held_lock_id)
                 return None
@@ -207,8 +212,7 @@ class PostgresBackend:
         async with self._guard("release", timeout), self._busy:
             conn = self._conn
             if term != self._term:
-                log.debug("group %s: %s releases token %s: not held here",
-                          self.group, term.identity, term.token)
+                log.debug("release: not held here", extra=self._fields(identity=term.identity, token=term.token))
                 return
             if conn is None or conn.is_closed():
                 self._term = None
@@ -221,7 +225,7 @@ class PostgresBackend:
                 self._discard(conn, "release failed; closed the lock's connection, which frees the lock")
                 raise
             self._term = None
-            log.info("group %s: %s released the lock (token %s)", self.group, term.identity, term.token)
+            log.info("released the lock", extra=self._fields(identity=term.identity, token=term.token))
 
     async def observe(self, *, timeout: float) -> LockRecord:
         deadline = self._clock() + timeout
@@ -292,8 +296,8 @@ class PostgresBackend:
         except BaseException:
             self._discard(conn, "checking for a pooled-mode holder failed; closed the connection")  # frees the lock
             raise
-        log.warning("group %s: %s holds token %s in the pooled mode: this session-mode sidecar waits",
-                    self.group, row["holder"], row["token"])
+        log.warning("the group is held in the pooled mode: this session-mode sidecar waits",
+                    extra=self._fields(holder=row["holder"], token=row["token"]))
         return LockRecord(holder=Identity(row["holder"]), token=Token(row["token"]), version=str(row["token"]))
 
     async def _take(self, conn: Connection, identity: Identity, lock_id: int) -> Term | LockRecord:
@@ -307,8 +311,8 @@ class PostgresBackend:
             taken = self._clock()
             token = None if row is None else row["token"]
             if row is None or token is None:
-                log.warning("group %s: row for lock id %s vanished while %s acquired; retrying later",
-                            self.group, lock_id, identity)
+                log.warning("the group's row vanished while acquiring; retrying later",
+                            extra=self._fields(identity=identity, lock_id=lock_id))
                 self._lock_id = None
                 await conn.execute(self._sql.unlock, NAMESPACE, lock_id)
                 return LockRecord(holder=None, token=None)
@@ -321,15 +325,15 @@ class PostgresBackend:
         wait = 0.0 if own else takeover_wait(unreleased=row["unreleased"], expiry_left=row["previous_expiry_left"],
                                              stop_bound=row["previous_stop_bound"])
         if own:
-            log.info("group %s: %s takes over from %s, its own earlier incarnation in this pod",
-                     self.group, identity, row["previous_holder"])
+            log.info("taking over from this pod's own earlier incarnation",
+                     extra=self._fields(identity=identity, previous_holder=row["previous_holder"]))
         term = Term(identity=identity, token=Token(token), version=str(token), written_at=sent,
                     acting_from=taken + wait)
         self._term, self._held_lock_id = term, lock_id
         if wait > 0:
-            log.warning("group %s: %s took over token %s from a holder that did not release; acting in %.3fs",
-                        self.group, identity, token, wait)
-        log.info("group %s: %s acquired the lock with token %s", self.group, identity, token)
+            log.warning("took over from a holder that did not release; acting after a wait",
+                        extra=self._fields(identity=identity, token=token, wait_seconds=round(wait, 3)))
+        log.info("acquired the lock", extra=self._fields(identity=identity, token=token))
         return term
 
     async def _busy_record(self, conn: Connection, identity: Identity) -> LockRecord:
@@ -338,19 +342,18 @@ class PostgresBackend:
         if row is None:
             return LockRecord(holder=None, token=None)
         if row["expired"] and row["live"]:
-            log.warning(
-                "group %s: holder %s (token %s, backend pid %s) let its lease expire but still holds "
-                "the lock; %s terminates its session", self.group, row["holder"], row["token"],
-                row["holder_pid"], identity)
+            log.warning("the holder let its lease expire but still holds the lock; terminating its session",
+                        extra=self._fields(identity=identity, holder=row["holder"], token=row["token"],
+                                           holder_pid=row["holder_pid"]))
             try:
                 done = await conn.fetchval(self._sql.terminate, row["holder_pid"])
             except asyncpg.InsufficientPrivilegeError as exc:
-                log.error("group %s: %s may not terminate stalled holder %s (token %s): %s",
-                          self.group, identity, row["holder"], row["token"], exc)
+                log.error("may not terminate the stalled holder's session",
+                          extra=self._fields(identity=identity, holder=row["holder"], token=row["token"], error=exc))
             else:
                 if not done:
-                    log.warning("group %s: terminating stalled holder %s (token %s) failed",
-                                self.group, row["holder"], row["token"])
+                    log.warning("terminating the stalled holder's session failed",
+                                extra=self._fields(holder=row["holder"], token=row["token"]))
         return _record(row)
 
     async def _read(self, conn: Connection) -> LockRecord:
@@ -380,7 +383,7 @@ class PostgresBackend:
         conn.add_termination_listener(
             lambda _: self._lost(conn, "connection to PostgreSQL closed (server restart, "
                                        "pg_terminate_backend or network failure)"))
-        log.debug("group %s: connected to PostgreSQL (backend pid %s)", self.group, conn.get_server_pid())
+        log.debug("connected to PostgreSQL", extra=self._fields(backend_pid=conn.get_server_pid()))
         return conn
 
     @asynccontextmanager
@@ -418,15 +421,14 @@ class PostgresBackend:
         self._conn = None
         term, self._term = self._term, None
         if term is None:
-            log.info("group %s: %s", self.group, reason)
+            log.info("connection lost", extra=self._fields(reason=reason))
             return
-        log.warning("group %s: %s lost the lock (token %s): %s",
-                    self.group, term.identity, term.token, reason)
+        log.warning("lost the lock", extra=self._fields(identity=term.identity, token=term.token, reason=reason))
         if self._on_loss is not None:
             try:
                 self._on_loss(reason)
             except Exception:
-                log.exception("group %s: loss callback failed", self.group)
+                log.exception("loss callback failed", extra=self._fields())
 
     def _discard(self, conn: Connection, reason: str) -> None:
         """Close ``conn`` at once (the server frees its locks); a term held on it is reported lost."""
@@ -473,7 +475,7 @@ async def _close(conn: Connection) -> None:
     try:
         await conn.close(timeout=1.0)
     except (*_DB_ERRORS, TimeoutError) as exc:
-        log.debug("closing a PostgreSQL connection failed, aborted it: %r", exc)
+        log.debug("closing a PostgreSQL connection failed, aborted it", extra={"error": exc})
         conn.terminate()
     except asyncio.CancelledError:
         conn.terminate()
