@@ -108,13 +108,13 @@ async def test_acquire_renew_release_through_a_transaction_pooler(make_backend: 
     seen = await standby.acquire(Identity("b"), timeout=0.4)
     assert seen == LockRecord(holder=Identity("a"), token=term.token, version=str(term.token))
     assert time.monotonic() - started >= 0.35, "a standby's call waits out its budget: one check per call"
-    assert not standby.holds_connection
+    # Behind a transaction pooler an idle client connection holds no server connection: kept.
+    assert standby.through_transaction_pooler is True and standby.holds_connection
 
     renewed = await holder.renew(term, timeout=1)
     assert renewed is not None and renewed.token == term.token and renewed.written_at > term.written_at
     assert await holder.observe(timeout=1) == seen
     await holder.release(renewed, timeout=1)
-    assert not holder.holds_connection
     started = time.monotonic()
     second = await acquired(standby, "b")
     assert time.monotonic() - started < 0.3, "a released row is taken at the next check"
@@ -139,7 +139,6 @@ async def test_a_renewal_that_matches_no_row_is_refused(make_backend: Factory, p
     term = await acquired(holder, "a")
     await fetchval(pg_admin_dsn, "UPDATE singleton_leases SET token = token + 1 WHERE group_name = $1", holder.group)
     assert await holder.renew(term, timeout=1) is None
-    assert not holder.holds_connection
 
 
 async def test_a_renewal_after_the_expiry_is_refused_even_if_nobody_took_over(
@@ -278,8 +277,8 @@ async def test_terminated_server_sessions_cost_no_term(
         assert holder._conn.get_server_pid() != pid
 
 
-async def test_standbys_hold_no_server_connection_between_checks(make_backend: Factory, pg_dsn: str,
-                                                                 pg_admin_dsn: str) -> None:
+async def test_standbys_connected_directly_hold_no_connection_between_checks(
+        make_backend: Factory, pg_dsn: str, pg_admin_dsn: str) -> None:
     """Connected directly (every client connection is a server session): a group of one leader
     and 20 polling standbys holds one connection at rest, the leader's."""
     group = unique()
@@ -293,9 +292,37 @@ async def test_standbys_hold_no_server_connection_between_checks(make_backend: F
                                f"singleton:{group}")
         assert count == 1
         assert not any(s.holds_connection for s in standbys)
+        assert not any(s.through_transaction_pooler for s in standbys)
     finally:
         results = await asyncio.gather(*polls)
     assert all(isinstance(r, LockRecord) and r.holder == "leader" for r in results)
+
+
+async def test_through_a_transaction_pooler_many_groups_share_a_few_server_connections(
+        make_backend: Factory, pg_admin_dsn: str) -> None:
+    """10 groups of 3 (30 client connections kept at PgBouncer) renew and poll through its pool
+    of 5 server connections: the server never sees more."""
+    groups = [unique() for _ in range(10)]
+    members = [[make_backend(group=group) for _ in range(3)] for group in groups]
+    terms = [await acquired(group[0], "leader") for group in members]
+    polls = [asyncio.create_task(b.acquire(Identity(f"s{i}"), timeout=1.0))
+             for group in members for i, b in enumerate(group[1:])]
+    peak = 0
+    try:
+        for _ in range(4):
+            renewed = await asyncio.gather(*(group[0].renew(term, timeout=1)
+                                             for group, term in zip(members, terms, strict=True)))
+            assert all(isinstance(term, Term) for term in renewed)
+            terms = [term for term in renewed if term is not None]
+            count = await fetchval(pg_admin_dsn, "SELECT count(*) FROM pg_stat_activity WHERE usename = 'singleton'")
+            assert isinstance(count, int)
+            peak = max(peak, count)
+            await asyncio.sleep(0.2)
+    finally:
+        results = await asyncio.gather(*polls)
+    assert all(isinstance(r, LockRecord) and r.holder == "leader" for r in results)
+    assert all(b.holds_connection for group in members for b in group)
+    assert 1 <= peak <= 5
 
 
 # --- S1: a holder that cannot renew stops before anyone takes over --------------------------------

@@ -67,9 +67,11 @@ class PostgresInfo:
 
 class PostgresServer:
     def __init__(self, workdir: Path | None = None, *, serve_pods: bool | None = None,
-                 pod_cidrs: Sequence[str] = POD_NETWORKS) -> None:
+                 pod_cidrs: Sequence[str] = POD_NETWORKS, max_connections: int = 200) -> None:
         """``serve_pods``: also accept the pod networks (default: when root, as pods need root);
-        ``pod_cidrs``: the networks admitted by ``pg_hba.conf``."""
+        ``pod_cidrs``: the networks admitted by ``pg_hba.conf``; ``max_connections``: the
+        server's (PostgreSQL's default is 100; the benchmarks of a default server use it)."""
+        self.max_connections = max_connections
         self.serve_pods = os.geteuid() == 0 if serve_pods is None else serve_pods
         self.pod_cidrs = tuple(pod_cidrs)
         self._own_workdir = workdir is None
@@ -129,7 +131,7 @@ class PostgresServer:
                 "-c", f"listen_addresses={'0.0.0.0' if self.serve_pods else '127.0.0.1'}",  # pods: see the docstring
                 "-c", f"unix_socket_directories={sockets}",
                 "-c", "fsync=off", "-c", "synchronous_commit=off", "-c", "full_page_writes=off",
-                "-c", "max_connections=200", "-c", "log_min_messages=warning",
+                "-c", f"max_connections={self.max_connections}", "-c", "log_min_messages=warning",
             ],
             log_path=self.workdir / "postgres.log",
             user=self.user,

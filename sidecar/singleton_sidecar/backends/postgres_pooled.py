@@ -30,13 +30,19 @@ expires (the lease duration), not the instant its session ends.
   stops ``lease_duration - renew_deadline`` (or more) before anyone may take over, measured on
   one clock's rate, the database's (a clock stepped forward on the database server shortens
   that margin; use a slewing NTP, as for any lease).
-- **Connections**: a standby opens a connection for each check and closes it after (one
-  statement): between checks it holds nothing, on the pooler or, connected directly, on the
-  server. The leader keeps its connection for its renewals (one every retry period; through
-  a transaction pooler an idle client connection holds no server connection) and closes it
-  when its term ends. A lost connection is not a lost term: the next renewal reconnects,
-  and only the renew deadline ends the term. So PgBouncer restarts and
-  ``pg_terminate_backend`` cost nothing if they heal within the renew deadline.
+- **Connections**: what counts is server sessions (``max_connections``), and a standby holds
+  none between its checks. Which connection that takes depends on what the DSN reaches, so
+  the first connection is probed once (``postgres_session.check_session``, the session
+  mode's pooler check): a connection that is a server session of its own (direct, or a
+  session-mode pooler) is opened for each check and closed after it; one that a transaction
+  pooler multiplexes is kept, since an idle client connection there holds no server
+  connection, and reconnecting every check would cost each standby a TCP handshake and a
+  password exchange (about 1.5 to 3 ms of CPU, which for 2,000 standbys polling every 2 s is
+  a CPU core) for nothing. The leader keeps its connection for its renewals either way (one
+  every retry period) and, on a server session, closes it when its term ends. A lost
+  connection is not a lost term: the next renewal reconnects, and only the renew deadline
+  ends the term. So PgBouncer restarts and ``pg_terminate_backend`` cost nothing if they
+  heal within the renew deadline.
 - **Pooler rules** kept: no session state (no advisory locks, no session ``SET``: only
   ``set_config(..., true)`` inside the statement), no prepared statements kept across
   transactions (``statement_cache_size=0``: asyncpg then uses unnamed statements, which
@@ -61,9 +67,16 @@ from typing import TYPE_CHECKING, TypeAlias
 
 import asyncpg
 
-from singleton_sidecar.backends.postgres_session import ensure_schema
+from singleton_sidecar.backends.postgres_session import ensure_schema, pooler_evidence
 from singleton_sidecar.backends.postgres_sql import NAMESPACE, Statements
-from singleton_sidecar.core.lock import BackendUnavailable, Identity, LockRecord, LossCallback, Term, Token
+from singleton_sidecar.core.lock import (
+    BackendUnavailable,
+    Identity,
+    LockRecord,
+    LossCallback,
+    Term,
+    Token,
+)
 
 if TYPE_CHECKING:
     Connection: TypeAlias = asyncpg.Connection[asyncpg.Record]
@@ -172,7 +185,8 @@ class PooledPostgresBackend:
         self._sql = PooledStatements(self._names)
         self._predecessor_prefix = predecessor_prefix
         self._server_settings = {"application_name": f"singleton:{group}"[:63]}
-        self._conn: Connection | None = None  # the leader's, kept only while a term is held
+        self._conn: Connection | None = None  # kept while a term is held, or always behind a transaction pooler
+        self._pooled_connection: bool | None = None  # a transaction pooler's client connection (None: not probed)
         self._term: Term | None = None
         self._schema_ready = False
         self._row_ready = False
@@ -185,8 +199,14 @@ class PooledPostgresBackend:
 
     @property
     def holds_connection(self) -> bool:
-        """Whether a connection is kept open now (only while a term is held)."""
+        """Whether a connection is kept open now (a term is held, or it is a transaction
+        pooler's client connection, which holds no server connection while idle)."""
         return self._conn is not None and not self._conn.is_closed()
+
+    @property
+    def through_transaction_pooler(self) -> bool | None:
+        """What the probe of the first connection found (None: not connected yet)."""
+        return self._pooled_connection
 
     def set_loss_callback(self, callback: LossCallback) -> None:
         # Nothing tells this mode asynchronously that its term is gone (no session holds it):
@@ -224,7 +244,7 @@ class PooledPostgresBackend:
             if term != self._term:
                 log.info("group %s: %s cannot renew token %s: not held here", self.group, term.identity, term.token)
                 return None
-            conn = await self._kept_connection(deadline)
+            conn = await self._connection(deadline)
             sent = self._clock()  # the deadline counts from before the write: early, never late
             try:
                 token = await conn.fetchval(self._sql.renew, self.group, term.identity, term.token,
@@ -236,7 +256,7 @@ class PooledPostgresBackend:
                 log.warning("group %s: renewal by %s of token %s matched no row: taken over or expired",
                             self.group, term.identity, term.token)
                 self._term = None
-                self._drop_connection("term ended")
+                await self._idle()
                 return None
             renewed = replace(term, written_at=sent)
             self._term = renewed
@@ -249,13 +269,13 @@ class PooledPostgresBackend:
                 log.debug("group %s: %s releases token %s: not held here", self.group, term.identity, term.token)
                 return
             try:
-                conn = await self._kept_connection(deadline)
+                conn = await self._connection(deadline)
                 await conn.execute(self._sql.release, self.group, term.identity, term.token)
             except BaseException:
                 self._drop_connection("release failed; the row frees itself at its expiry")
                 raise
             self._term = None
-            self._drop_connection("term released")
+            await self._idle()
             log.info("group %s: %s released the lock (token %s)", self.group, term.identity, term.token)
 
     async def observe(self, *, timeout: float) -> LockRecord:
@@ -263,7 +283,7 @@ class PooledPostgresBackend:
         async with self._guard("observe", timeout):
             if self.holds_connection and not self._busy.locked():
                 async with self._busy:
-                    conn = await self._kept_connection(deadline)
+                    conn = await self._connection(deadline)
                     try:
                         row = await conn.fetchrow(self._sql.observe, self.group)
                     except BaseException:
@@ -296,7 +316,8 @@ class PooledPostgresBackend:
     async def _attempt(self, identity: Identity, deadline: float) -> tuple[Term | LockRecord, float | None]:
         """One check on a connection of its own: the new term, or the holder and the seconds
         until its row expires (None: no expiry to wait for)."""
-        async with self._short_lived(deadline) as conn:
+        conn = await self._connection(deadline)
+        try:
             if not self._schema_ready:
                 await ensure_schema(conn, self._names, self.group)
                 self._schema_ready = True
@@ -308,22 +329,26 @@ class PooledPostgresBackend:
                 sent = self._clock()
                 row = await conn.fetchrow(self._sql.attempt, self.group, identity, self.lease_duration,
                                           self._predecessor_prefix)
-            if row is None:
-                raise BackendUnavailable(f"row of group {self.group!r} vanished while being checked")
-            self._row_ready = True
-            token = row["taken_token"]
-            if token is None:
-                holder = row["holder"]
-                expiry_left = row["expiry_left"]
-                live = holder is not None and expiry_left is not None and expiry_left > 0
-                record = LockRecord(holder=Identity(holder) if live else None,
-                                    token=None if row["token"] is None else Token(row["token"]),
-                                    version="" if row["token"] is None else str(row["token"]))
-                return record, expiry_left if live else None
-            term = Term(identity=identity, token=Token(token), version=str(token), written_at=sent,
-                        acting_from=self._clock())
-            self._term = term
-            self._conn = conn  # the leader keeps it for its renewals
+        except BaseException:
+            self._drop_connection("a check failed")
+            raise
+        if row is None:
+            await self._idle()
+            raise BackendUnavailable(f"row of group {self.group!r} vanished while being checked")
+        self._row_ready = True
+        token = row["taken_token"]
+        if token is None:
+            await self._idle()
+            holder = row["holder"]
+            expiry_left = row["expiry_left"]
+            live = holder is not None and expiry_left is not None and expiry_left > 0
+            record = LockRecord(holder=Identity(holder) if live else None,
+                                token=None if row["token"] is None else Token(row["token"]),
+                                version="" if row["token"] is None else str(row["token"]))
+            return record, expiry_left if live else None
+        term = Term(identity=identity, token=Token(token), version=str(token), written_at=sent,
+                    acting_from=self._clock())
+        self._term = term  # the connection stays for the renewals
         previous = row["holder"]
         if previous is not None and previous != identity and row["expiry_left"] is not None \
                 and row["expiry_left"] > 0:
@@ -334,22 +359,39 @@ class PooledPostgresBackend:
 
     # -- connections -----------------------------------------------------------------
 
-    async def _kept_connection(self, deadline: float) -> Connection:
+    async def _connection(self, deadline: float) -> Connection:
+        """The kept connection, or a new one (probed once: see the module docstring)."""
         conn = self._conn
         if conn is not None and not conn.is_closed():
             return conn
-        self._conn = conn = await self._open(deadline)
+        conn = await self._open(deadline)
+        if self._pooled_connection is None:
+            try:
+                evidence = await pooler_evidence(conn, second=lambda: self._short_lived(deadline))
+            except BaseException:
+                conn.terminate()
+                raise
+            self._pooled_connection = evidence is not None
+            log.info("group %s: %s", self.group, "a transaction pooler's connection: kept between checks"
+                     if self._pooled_connection else "a server session: opened for each check")
+        self._conn = conn
         return conn
+
+    async def _idle(self) -> None:
+        """No term held: give up a connection that is a server session of its own."""
+        if self._pooled_connection or self._conn is None:
+            return
+        conn, self._conn = self._conn, None
+        await _close(conn)
 
     @asynccontextmanager
     async def _short_lived(self, deadline: float) -> AsyncIterator[Connection]:
-        """A connection for one check, closed after it unless it became the leader's."""
+        """A connection of its own for one look, closed after it."""
         conn = await self._open(deadline)
         try:
             yield conn
         finally:
-            if self._conn is not conn:
-                await _close(conn)
+            await _close(conn)
 
     async def _open(self, deadline: float) -> Connection:
         budget = max(0.001, min(self._connect_timeout, deadline - self._clock()))

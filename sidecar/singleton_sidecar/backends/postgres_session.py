@@ -92,18 +92,30 @@ async def check_session(
     query protocol is used: behind such a pooler, prepared statements would fail first, with
     a less clear error.
     """
+    evidence = await pooler_evidence(conn, second=second)
+    if evidence is not None:
+        _misconfigured(group, evidence)
+
+
+async def pooler_evidence(
+    conn: Connection, *, second: Callable[[], AbstractAsyncContextManager[Connection]]
+) -> str | None:
+    """None if ``conn`` is a server session of its own, else what showed that a transaction or
+    statement pooler shares it (the checks of ``check_session``). The pooled mode asks too: it
+    keeps such a connection between checks, as it then holds no server connection."""
     if await _direct_tcp(conn):
-        return
+        return None
     probe = SessionProbe(secrets.token_hex(16))
     await conn.execute(probe.mark)
     if await conn.execute(probe.still_mine) != "SELECT 1":
-        _misconfigured(group, "a setting made on the connection was gone at its next statement")
+        return "a setting made on the connection was gone at its next statement"
     async with second() as other:
         seen = await other.execute(probe.seen_elsewhere)
     if seen != "SELECT 0":
-        _misconfigured(group, "a second connection saw the first one's session setting")
+        return "a second connection saw the first one's session setting"
     if await conn.execute(probe.still_mine) != "SELECT 1":
-        _misconfigured(group, "a setting made on the connection was gone after another client connected")
+        return "a setting made on the connection was gone after another client connected"
+    return None
 
 
 async def _direct_tcp(conn: Connection) -> bool:
