@@ -394,9 +394,10 @@ async def test_pod_tokens_need_the_right_to_list_pods(
             again = await acquired(backend, "pod-a")  # the Lease exists: no second try
         await backend.close()  # before its client
     assert before <= term.token < again.token < pod_token
-    warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
-    assert len(warnings) == 1 and "403" in warnings[0], warnings
-    assert "cannot read the tokens on the group's pods" in warnings[0]
+    warnings = [r for r in caplog.records if r.levelno == logging.WARNING]
+    assert len(warnings) == 1, [r.getMessage() for r in warnings]
+    assert "cannot read the tokens on the group's pods" in warnings[0].getMessage()
+    assert "403" in str(warnings[0].__dict__["error"]), warnings[0].__dict__  # the refusal: the error field
     cluster.kubectl("delete", "lease", GROUP, "-n", namespace)
     async with KubeClient(sidecar) as client:
         backend = make_backend(client=client)

@@ -173,6 +173,10 @@ class LeaseBackend:
     def set_loss_callback(self, callback: LossCallback) -> None:
         self._on_loss = callback
 
+    def _fields(self, **more: object) -> dict[str, object]:
+        """The fields of this backend's log lines: its Lease, then ``more``."""
+        return {"lease": f"{self.namespace}/{self.lease_name}", **more}
+
     # -- the interface ---------------------------------------------------------------
 
     async def acquire(self, identity: Identity, *, timeout: float) -> Term | LockRecord:
@@ -217,15 +221,15 @@ class LeaseBackend:
         with self._unavailable("renew", term.identity, term.token):
             written = await self._rewrite(term, deadline, self._renewed)
         if written is None:
-            log.warning("lease %s/%s: %s lost token %s: the Lease is no longer ours",
-                        self.namespace, self.lease_name, term.identity, term.token)
+            log.warning("lost the term: the Lease is no longer ours",
+                        extra=self._fields(identity=term.identity, token=term.token))
             if self._term is not None and self._term.token == term.token:
                 self._term = self._held = None
             return None
         lease, sent = written
         renewed = Term(identity=term.identity, token=term.token, version=observed(lease, 0).version, written_at=sent)
         self._term, self._held = renewed, lease
-        log.debug("lease %s/%s: %s renewed token %s", self.namespace, self.lease_name, term.identity, term.token)
+        log.debug("renewed the Lease", extra=self._fields(identity=term.identity, token=term.token))
         return renewed
 
     async def release(self, term: Term, *, timeout: float) -> None:
@@ -238,10 +242,10 @@ class LeaseBackend:
         finally:
             self._held = None
         if written is None:
-            log.debug("lease %s/%s: %s releases token %s: not ours any more",
-                      self.namespace, self.lease_name, term.identity, term.token)
+            log.debug("release: the Lease is not ours any more",
+                      extra=self._fields(identity=term.identity, token=term.token))
         else:
-            log.info("lease %s/%s: %s released token %s", self.namespace, self.lease_name, term.identity, term.token)
+            log.info("released the Lease", extra=self._fields(identity=term.identity, token=term.token))
 
     async def observe(self, *, timeout: float) -> LockRecord:
         with self._unavailable("observe"):
@@ -271,8 +275,8 @@ class LeaseBackend:
 
     def _takeable(self, seen: Observed, identity: Identity, now: float) -> bool:
         if is_predecessor(seen.holder, identity, self._predecessor_prefix):
-            log.info("lease %s/%s: %s takes over from %s, its own earlier incarnation in this pod",
-                     self.namespace, self.lease_name, identity, seen.holder)
+            log.info("taking over from this pod's own earlier incarnation",
+                     extra=self._fields(identity=identity, previous_holder=seen.holder))
             return True
         return seen.holder is None or seen.holder == identity or now >= self._expires_at(seen)
 
@@ -313,8 +317,8 @@ class LeaseBackend:
                 raise  # no namespace
             now = self._observe(None)
         except KubeConflict as exc:
-            log.info("lease %s/%s: %s lost the race for token %s (%s)",
-                     self.namespace, self.lease_name, identity, token, exc.reason)
+            log.info("lost the race for the Lease",
+                     extra=self._fields(identity=identity, token=token, reason=exc.reason))
             now = await self._read(deadline)
             if now.lease is not None or seen.lease is None:
                 return now.record()
@@ -327,8 +331,8 @@ class LeaseBackend:
     def _began(self, term: Term, written: Lease, transitions: int) -> Term:
         self._term, self._held = term, written
         self._observe(written)
-        log.info("lease %s/%s: %s acquired token %s (transitions %s)",
-                 self.namespace, self.lease_name, term.identity, term.token, transitions)
+        log.info("acquired the Lease",
+                 extra=self._fields(identity=term.identity, token=term.token, transitions=transitions))
         return term
 
     async def _rewrite(
@@ -370,8 +374,8 @@ class LeaseBackend:
             pods = await self._client.request("GET", self._pods, params=selector,
                                               timeout=self._left(deadline) / 2)
         except KubeError as exc:
-            log.warning("lease %s/%s: cannot read the tokens on the group's pods (%s): the next token is "
-                        "above the wall clock and the tokens seen here only", self.namespace, self.lease_name, exc)
+            log.warning("cannot read the tokens on the group's pods: the next token is "
+                        "above the wall clock and the tokens seen here only", extra=self._fields(error=exc))
             return
         for pod in pods.get("items") or []:
             if isinstance(pod, dict):
@@ -421,13 +425,12 @@ class LeaseBackend:
         else:
             return  # our own write, or an older version than ours
         self._term = self._held = None
-        log.warning("lease %s/%s: %s lost token %s: %s", self.namespace, self.lease_name,
-                    term.identity, term.token, reason)
+        log.warning("lost the term", extra=self._fields(identity=term.identity, token=term.token, reason=reason))
         if self._on_loss is not None:
             try:
                 self._on_loss(reason)
             except Exception:
-                log.exception("lease %s/%s: loss callback failed", self.namespace, self.lease_name)
+                log.exception("loss callback failed", extra=self._fields())
 
     def _start_watch(self) -> None:
         if self._watch_task is None or self._watch_task.done():
@@ -446,14 +449,13 @@ class LeaseBackend:
                 backoff = _BACKOFF_MIN
                 continue
             except KubeGone:
-                log.debug("lease %s/%s: watch expired (410), listing again", self.namespace, self.lease_name)
+                log.debug("watch expired (410), listing again", extra=self._fields())
                 version = ""
                 continue
             except KubeError as exc:
-                log.warning("lease %s/%s: watch failed (%s); retrying in %.1fs",
-                            self.namespace, self.lease_name, exc, backoff)
+                log.warning("watch failed; retrying", extra=self._fields(error=exc, retry_seconds=backoff))
             except Exception:
-                log.exception("lease %s/%s: watch failed; retrying in %.1fs", self.namespace, self.lease_name, backoff)
+                log.exception("watch failed; retrying", extra=self._fields(retry_seconds=backoff))
             self._synced, version = False, ""
             await asyncio.sleep(backoff)
             backoff = min(backoff * 2, _BACKOFF_MAX)
@@ -492,6 +494,5 @@ class LeaseBackend:
         try:
             yield
         except KubeError as exc:
-            log.warning("lease %s/%s: %s by %s (token %s) failed: %s",
-                        self.namespace, self.lease_name, what, identity, token, exc)
+            log.warning("%s failed", what, extra=self._fields(identity=identity, token=token, error=exc))
             raise BackendUnavailable(f"lease {self.namespace}/{self.lease_name}: {what} failed: {exc}") from exc
