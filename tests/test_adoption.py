@@ -129,8 +129,9 @@ def test_the_pod_patch_is_the_templates_injection_and_empty_once_injected() -> N
 
 
 def singletonctl(*args: str, stdin: str = "") -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, "-m", "singleton_ctl.cli", *args], input=stdin, capture_output=True,
-                          text=True, timeout=60, check=False)
+    # The alias console script (kubectl-singleton is the plugin's name; tests/test_ctl.py runs it).
+    return subprocess.run([str(Path(sys.executable).parent / "singletonctl"), *args], input=stdin,
+                          capture_output=True, text=True, timeout=60, check=False)
 
 
 def test_singletonctl_inject_reads_files_and_stdin_and_writes_everything(tmp_path: Path) -> None:

@@ -246,7 +246,8 @@ def test_the_test_bed_is_not_in_the_image(built: Built, run: RunInImage) -> None
     assert (dist_info / "top_level.txt").read_text().split() == [
         "singleton_ctl", "singleton_operator", "singleton_sidecar"]
     scripts = re.findall(r"^(\S+) = ", (dist_info / "entry_points.txt").read_text(), flags=re.MULTILINE)
-    assert sorted(scripts) == ["singleton-operator", "singleton-sample-poller", "singleton-sidecar", "singletonctl"]
+    assert sorted(scripts) == ["kubectl-singleton", "singleton-operator", "singleton-sample-poller",
+                               "singleton-sidecar", "singletonctl"]
     result = run("python", "-c", "import importlib.util as u; print(u.find_spec('singleton_testbed'))")
     assert (result.returncode, result.stdout) == (0, "None\n"), result.stderr
 

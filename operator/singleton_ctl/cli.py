@@ -36,8 +36,7 @@ PLUGIN_NAME = "kubectl-singleton"
 
 def prog_name(argv0: str) -> str:
     """``kubectl singleton`` when run as the kubectl plugin, else the name it was run by."""
-    name = os.path.basename(argv0)
-    return "singletonctl" if name in ("singletonctl", "cli.py", "__main__.py") else "kubectl singleton"
+    return "singletonctl" if os.path.basename(argv0) == "singletonctl" else "kubectl singleton"
 
 
 def parser(prog: str = "kubectl singleton") -> argparse.ArgumentParser:
@@ -47,6 +46,8 @@ def parser(prog: str = "kubectl singleton") -> argparse.ArgumentParser:
     cluster.add_argument("--kubeconfig", default=argparse.SUPPRESS,
                          help="kubeconfig file (default: $KUBECONFIG, ~/.kube/config)")
     cluster.add_argument("--context", default=argparse.SUPPRESS, help="the kubeconfig context to use")
+    cluster.add_argument("-n", "--namespace", default=argparse.SUPPRESS,
+                         help="namespace (default: the kubeconfig context's)")
     top = argparse.ArgumentParser(prog=prog, parents=[cluster],
                                   description="See and steer singleton groups (SingletonServices).")
     sub = top.add_subparsers(dest="command", required=True)
@@ -54,7 +55,6 @@ def parser(prog: str = "kubectl singleton") -> argparse.ArgumentParser:
     def add(name: str, text: str, *, group: str) -> argparse.ArgumentParser:
         cmd = sub.add_parser(name, help=text, description=text, parents=[cluster])
         cmd.add_argument("group", nargs="?" if group == "optional" else None, help="the SingletonService's name")
-        cmd.add_argument("-n", "--namespace", default=None, help="namespace (default: the kubeconfig context's)")
         return cmd
 
     status = add("status", "leader, token, since and standbys of every group, or of one", group="optional")
@@ -79,7 +79,7 @@ def parser(prog: str = "kubectl singleton") -> argparse.ArgumentParser:
                     "it to their pods. The SingletonServices must be part of the input. Talks to no cluster.")
     inject.add_argument("-f", "--filename", action="append", default=None, metavar="FILE",
                         help="a manifest file, or - for stdin (repeatable; default: stdin)")
-    inject.add_argument("-n", "--namespace", default="default",
+    inject.add_argument("-n", "--namespace", default=argparse.SUPPRESS,
                         help="namespace of documents that name none (default: default)")
     inject.add_argument("--sidecar-image", default=DEFAULT_SIDECAR_IMAGE, metavar="IMAGE",
                         help="the sidecar image when a SingletonService sets no spec.sidecar.image (default: the "
@@ -158,13 +158,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parser(prog).parse_args(argv)
     try:
         if args.command == "inject":
-            sys.stdout.write(inject_files(args.filename or ["-"], namespace=args.namespace,
+            sys.stdout.write(inject_files(args.filename or ["-"], namespace=getattr(args, "namespace", "default"),
                                           sidecar_image=args.sidecar_image,
                                           pull_policy=args.sidecar_image_pull_policy,
                                           pull_secrets=args.sidecar_image_pull_secret or ()))
             return 0
         resolved = resolve(getattr(args, "kubeconfig", None), getattr(args, "context", None))
-        namespace = args.namespace or resolved.namespace
+        namespace = getattr(args, "namespace", None) or resolved.namespace
         if args.command == "release" and not args.yes and not confirmed(namespace, args.group):
             print("Nothing done.")
             return 1
