@@ -109,7 +109,7 @@ class Sidecar:
             waited = gate.sees_the_app
             if final and wait_container is not None and reporter is not None:
                 # Only when the pod goes away: on a step-down the main container keeps running.
-                log.info("draining: waiting for container %s to stop", wait_container)
+                log.info("draining: waiting for the main container to stop", extra={"container": wait_container})
                 await self._wait_main_container_stopped(reporter, wait_container)
                 waited = True
             if not drained and not waited:
@@ -160,9 +160,10 @@ class Sidecar:
             async with aiohttp.ClientSession() as session, session.post(drain_url) as response:
                 if response.status < 300:
                     return True
-                log.warning("drain hook %s answered %s; waiting for the app to stop", drain_url, response.status)
+                log.warning("drain hook answered an error; waiting for the app to stop",
+                            extra={"url": drain_url, "status": response.status})
         except (aiohttp.ClientError, OSError) as exc:
-            log.warning("drain hook %s failed: %r; waiting for the app to stop", drain_url, exc)
+            log.warning("drain hook failed; waiting for the app to stop", extra={"url": drain_url, "error": exc})
         return False
 
     def _make_gate(self, request_step_down: Callable[[str], None]) -> Gate:
@@ -180,7 +181,7 @@ class Sidecar:
 
     async def run(self) -> int:
         config = self.config
-        log.info("starting identity=%s config=%s", self.identity, describe(config))
+        log.info("starting", extra={"identity": self.identity, **describe(config)})
         needs_kube = config.backend in ("lease", "both") or config.in_kubernetes
         kube = KubeClient(load_kube_config(config.kubeconfig)) if needs_kube else None
         backend = build_backend(config, kube)
@@ -219,7 +220,8 @@ class Sidecar:
             await control.setup()
             await web.TCPSite(probe, config.listen.host, config.listen.port).start()
             await web.TCPSite(control, config.control_listen.host, config.control_listen.port).start()
-            log.info("serving probes on %s, control on %s", config.listen, config.control_listen)
+            log.info("serving probes and control",
+                     extra={"listen": str(config.listen), "control_listen": str(config.control_listen)})
             try:
                 await self._run_parts(elector, gate, reporter)
             except* BackendMisconfigured as group:
@@ -236,7 +238,7 @@ class Sidecar:
             await backend.close()
             if kube is not None:
                 await kube.close()
-        log.info("stopped identity=%s", self.identity)
+        log.info("stopped", extra={"group": config.group, "identity": self.identity})
         return 0
 
     async def _run_parts(self, elector: Elector, gate: Gate,

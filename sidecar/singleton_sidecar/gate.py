@@ -71,7 +71,8 @@ def sweep_orphans(*, timeout: float = 5.0) -> int:
             with contextlib.suppress(ChildProcessError):
                 os.waitpid(pid, 0)
     if killed:
-        log.warning("exec gate: killed %d orphaned process(es) of the app (its keeper died alone)", killed)
+        log.warning("exec gate: killed orphaned processes of the app (its keeper died alone)",
+                    extra={"killed": killed})
     return killed
 
 
@@ -151,7 +152,7 @@ class ExecGate:
             try:
                 self._dir = tempfile.mkdtemp(prefix="singleton-gate-")
             except OSError as exc:
-                log.warning("exec gate: no folder for the deadline file (%s); apps get none", exc)
+                log.warning("exec gate: no folder for the deadline file; apps get none", extra={"error": exc})
                 self._dir = ""
         return self._dir
 
@@ -162,7 +163,7 @@ class ExecGate:
             os.write(self._control, f"{line}\n".encode())
         except (BlockingIOError, BrokenPipeError):
             # A keeper that does not read is stalled or gone: its own deadline stops the app.
-            log.warning("exec gate: the keeper did not take %r", line)
+            log.warning("exec gate: the keeper did not take a command", extra={"command": line})
 
     async def run(self) -> None:
         try:
@@ -206,8 +207,8 @@ class ExecGate:
             os.close(read_end)
         self._control = write_end
         self._exited.clear()
-        log.info("gated process started keeper_pid=%s group=%s identity=%s token=%s",
-                 self._proc.pid, status.group, status.identity, status.token)
+        log.info("gated process started", extra={"group": status.group, "identity": status.identity,
+                                                 "token": status.token, "keeper_pid": self._proc.pid})
         proc = self._proc
 
         def reaped(task: asyncio.Task[int]) -> None:
@@ -223,7 +224,7 @@ class ExecGate:
                 with contextlib.suppress(OSError):
                     os.unlink(deadline_file)
             code = task.result() if not task.cancelled() and task.exception() is None else None
-            log.info("gated process stopped exit_code=%s group=%s", code, status.group)
+            log.info("gated process stopped", extra={"group": status.group, "exit_code": code})
             self._exited.set()
             self._changed.set()  # start it again if we still lead
 
@@ -347,7 +348,8 @@ class FileGate:
             requested.unlink(missing_ok=True)
             status = self._status
             if status is not None and status.role is Role.LEADER and self._on_app_stopping is not None:
-                log.info("file gate: the main container is stopping; handing the term over group=%s", status.group)
+                log.info("file gate: the main container is stopping; handing the term over",
+                         extra={"group": status.group, "token": status.token})
                 self._on_app_stopping()
 
 

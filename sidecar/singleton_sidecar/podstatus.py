@@ -130,8 +130,9 @@ class PodReporter:
                 try:
                     await self._write(status)
                 except KubeError as exc:
-                    log.warning("pod status write failed pod=%s group=%s role=%s error=%s; retrying in %.1fs",
-                                self.pod_name, status.group, status.role, exc, backoff)
+                    log.warning("pod status write failed; retrying",
+                                extra={"pod": self.pod_name, "group": status.group, "role": status.role,
+                                       "error": exc, "retry_seconds": backoff})
                     await asyncio.sleep(backoff)
                     backoff = min(backoff * 2, 5.0)
                     self._changed.set()
@@ -165,7 +166,7 @@ class PodReporter:
             await self.client.request("POST", f"/api/v1/namespaces/{self.namespace}/events", body=event,
                                       timeout=CALL_TIMEOUT)
         except KubeError as exc:
-            log.warning("event not recorded pod=%s reason=%s error=%s", self.pod_name, reason, exc)
+            log.warning("event not recorded", extra={"pod": self.pod_name, "reason": reason, "error": exc})
 
     async def wait_container_stopped(self, name: str) -> None:
         """Return once the pod shows container ``name`` terminated (or the pod gone)."""
@@ -183,7 +184,7 @@ class PodReporter:
         except KubeNotFound:
             return True
         except KubeError as exc:
-            log.warning("reading own pod %s failed: %s", self.pod_name, exc)
+            log.warning("reading own pod failed", extra={"pod": self.pod_name, "error": exc})
             return False
         return bool(pod.get("metadata", {}).get("deletionTimestamp"))
 
@@ -209,7 +210,7 @@ class PodReporter:
             return
         step_down = now[contract.ANNOTATION_STEP_DOWN]
         if step_down and step_down != before[contract.ANNOTATION_STEP_DOWN] and self._on_step_down is not None:
-            log.info("step-down requested on pod %s (request %s)", self.pod_name, step_down)
+            log.info("step-down requested", extra={"pod": self.pod_name, "request": step_down})
             self._on_step_down(f"step-down requested (request {step_down[:64]})")
         hold = now[contract.ANNOTATION_HOLD]
         if hold != before[contract.ANNOTATION_HOLD] and self._on_hold is not None:
@@ -218,7 +219,8 @@ class PodReporter:
                 try:
                     seconds = float(hold.rpartition(":")[2])
                 except ValueError:
-                    log.warning("ignoring hold request %r on pod %s: not <id>:<seconds>", hold, self.pod_name)
+                    log.warning("ignoring a hold request: not <id>:<seconds>",
+                                extra={"pod": self.pod_name, "request": hold})
                     return
             self._on_hold(min(max(seconds, 0.0), 300.0))
 
@@ -246,7 +248,8 @@ class PodReporter:
             except KubeNotFound:
                 self._note_pod({}, deleted=True)
             except KubeError as exc:
-                log.warning("watching own pod %s failed: %s; retrying in %.1fs", self.pod_name, exc, backoff)
+                log.warning("watching own pod failed; retrying",
+                            extra={"pod": self.pod_name, "error": exc, "retry_seconds": backoff})
                 await asyncio.sleep(backoff)
                 backoff = min(backoff * 2, 5.0)
                 resource_version = None
