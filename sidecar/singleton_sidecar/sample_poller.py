@@ -18,6 +18,7 @@ import sys
 
 import asyncpg
 
+from singleton_sidecar.logs import setup_logging
 from singleton_sidecar.sdk import LeaderClient, StaleToken, Term, ensure_fence_table, fenced
 
 log = logging.getLogger("sample-poller")
@@ -38,7 +39,7 @@ async def record(conn: asyncpg.Connection, term: Term, item: int, phase: str) ->
 
 
 async def main() -> int:
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    setup_logging("json" if os.environ.get("SINGLETON_LOG_FORMAT") == "json" else "text")
     stop = asyncio.Event()
     asyncio.get_running_loop().add_signal_handler(signal.SIGTERM, stop.set)
     # A poller whose pod vanished mid-write can leave its session "idle in transaction" on the
@@ -52,7 +53,7 @@ async def main() -> int:
         await ensure_fence_table(conn)
     finally:
         await conn.execute("SELECT pg_advisory_unlock(777)")
-    log.info("ledger ready (PostgreSQL backend pid %s); working while this replica leads", conn.get_server_pid())
+    log.info("ledger ready; working while this replica leads", extra={"backend_pid": conn.get_server_pid()})
     item = 0
     acting: int | None = None
     async with LeaderClient() as leadership:
@@ -61,9 +62,10 @@ async def main() -> int:
             token = None if term is None else term.token
             if token != acting:
                 if token is None:
-                    log.info("not acting: token %s ended after item %d", acting, item)
+                    log.info("not acting: the term ended", extra={"token": acting, "last_item": item})
                 else:
-                    log.info("acting for token %s from item %d", token, item + 1)
+                    log.info("acting", extra={"group": term.group if term else None, "token": token,
+                                              "first_item": item + 1})
                 acting = token
             if term is None:
                 await asyncio.sleep(0.05)
@@ -76,7 +78,7 @@ async def main() -> int:
             except StaleToken as exc:
                 log.warning("fenced out: %s", exc)
     await conn.close()
-    log.info("stopped after %d items", item)
+    log.info("stopped", extra={"items": item})
     return 0
 
 
