@@ -213,6 +213,10 @@ class PooledPostgresBackend:
         # a renewal that matches no row, or the renew deadline, ends it.
         self._on_loss = callback
 
+    def _fields(self, **more: object) -> dict[str, object]:
+        """The fields of this backend's log lines: its lock key, then ``more``."""
+        return {"lock_key": self.group, **more}
+
     # -- the interface ---------------------------------------------------------------
 
     async def acquire(self, identity: Identity, *, timeout: float) -> Term | LockRecord:
@@ -221,8 +225,9 @@ class PooledPostgresBackend:
             while True:
                 async with self._busy:
                     if self._term is not None:
-                        log.warning("group %s: %s asked to acquire while %s holds token %s here",
-                                    self.group, identity, self._term.identity, self._term.token)
+                        log.warning("asked to acquire while a term is held here",
+                                    extra=self._fields(identity=identity, holder=self._term.identity,
+                                                       token=self._term.token))
                         held = self._term
                         return LockRecord(holder=held.identity, token=held.token, version=str(held.token))
                     result, expiry_left = await self._attempt(identity, deadline)
@@ -242,7 +247,7 @@ class PooledPostgresBackend:
         deadline = self._clock() + timeout
         async with self._guard("renew", timeout), self._busy:
             if term != self._term:
-                log.info("group %s: %s cannot renew token %s: not held here", self.group, term.identity, term.token)
+                log.info("cannot renew: not held here", extra=self._fields(identity=term.identity, token=term.token))
                 return None
             conn = await self._connection(deadline)
             sent = self._clock()  # the deadline counts from before the write: early, never late
@@ -253,8 +258,8 @@ class PooledPostgresBackend:
                 self._drop_connection("renewal failed; the term stands until the renew deadline")
                 raise
             if token is None:
-                log.warning("group %s: renewal by %s of token %s matched no row: taken over or expired",
-                            self.group, term.identity, term.token)
+                log.warning("renewal matched no row: taken over or expired",
+                            extra=self._fields(identity=term.identity, token=term.token))
                 self._term = None
                 await self._idle()
                 return None
@@ -266,7 +271,7 @@ class PooledPostgresBackend:
         deadline = self._clock() + timeout
         async with self._guard("release", timeout), self._busy:
             if term != self._term:
-                log.debug("group %s: %s releases token %s: not held here", self.group, term.identity, term.token)
+                log.debug("release: not held here", extra=self._fields(identity=term.identity, token=term.token))
                 return
             try:
                 conn = await self._connection(deadline)
@@ -276,7 +281,7 @@ class PooledPostgresBackend:
                 raise
             self._term = None
             await self._idle()
-            log.info("group %s: %s released the lock (token %s)", self.group, term.identity, term.token)
+            log.info("released the lock", extra=self._fields(identity=term.identity, token=term.token))
 
     async def observe(self, *, timeout: float) -> LockRecord:
         deadline = self._clock() + timeout
@@ -352,9 +357,9 @@ class PooledPostgresBackend:
         previous = row["holder"]
         if previous is not None and previous != identity and row["expiry_left"] is not None \
                 and row["expiry_left"] > 0:
-            log.info("group %s: %s takes over from %s, its own earlier incarnation in this pod",
-                     self.group, identity, previous)
-        log.info("group %s: %s acquired the lock with token %s", self.group, identity, token)
+            log.info("taking over from this pod's own earlier incarnation",
+                     extra=self._fields(identity=identity, previous_holder=previous))
+        log.info("acquired the lock", extra=self._fields(identity=identity, token=token))
         return term, None
 
     # -- connections -----------------------------------------------------------------
@@ -372,8 +377,8 @@ class PooledPostgresBackend:
                 conn.terminate()
                 raise
             self._pooled_connection = evidence is not None
-            log.info("group %s: %s", self.group, "a transaction pooler's connection: kept between checks"
-                     if self._pooled_connection else "a server session: opened for each check")
+            log.info("a transaction pooler's connection: kept between checks"
+                     if self._pooled_connection else "a server session: opened for each check", extra=self._fields())
         self._conn = conn
         return conn
 
@@ -405,7 +410,7 @@ class PooledPostgresBackend:
         """Close the kept connection at once (its state is unknown, or it is no longer needed)."""
         conn, self._conn = self._conn, None
         if conn is not None:
-            log.debug("group %s: closed the kept connection: %s", self.group, reason)
+            log.debug("closed the kept connection", extra=self._fields(reason=reason))
             conn.terminate()
 
     @asynccontextmanager
@@ -440,7 +445,7 @@ async def _close(conn: Connection) -> None:
     try:
         await conn.close(timeout=1.0)
     except (*_DB_ERRORS, TimeoutError) as exc:
-        log.debug("closing a PostgreSQL connection failed, aborted it: %r", exc)
+        log.debug("closing a PostgreSQL connection failed, aborted it", extra={"error": exc})
         conn.terminate()
     except asyncio.CancelledError:
         conn.terminate()

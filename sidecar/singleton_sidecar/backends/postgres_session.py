@@ -139,7 +139,7 @@ def _misconfigured(group: str, evidence: str) -> NoReturn:
         f"transaction or statement pooling mode ({evidence}; probe setting {PROBE_SETTING}), which could "
         "grant one session advisory lock to two sidecars: connect directly to PostgreSQL or use session "
         "pooling (PgBouncer: pool_mode = session), or keep the pooler and set SINGLETON_POSTGRES_MODE=pooled")
-    log.error("%s", message)
+    log.error("%s", message, extra={"lock_key": group})
     raise BackendMisconfigured(message)
 
 
@@ -159,7 +159,7 @@ async def ensure_schema(conn: Connection, sql: Statements, group: str) -> None:
                 await conn.execute(statement)
             await conn.execute(sql.record_schema_version, SCHEMA_VERSION)
             version = await conn.fetchval(sql.read_schema_version)
-        log.info("group %s: schema %s ready (version %s)", group, sql.leases, version)
+        log.info("schema ready", extra={"lock_key": group, "table": sql.leases, "schema_version": version})
     if version is not None and version > SCHEMA_VERSION:
         raise BackendUnavailable(
             f"{sql.leases} has schema version {version}; this sidecar knows only {SCHEMA_VERSION}")
