@@ -38,7 +38,7 @@ from singleton_testbed.procs import free_port
 CRD = Path(__file__).resolve().parent.parent / "crds" / "singleton.dev_singletonservices.yaml"
 NAMESPACE = "bench"
 GROUP = "poller"
-ADMISSION_LINE = re.compile(r"pod admission .* patched=True seconds=([0-9.]+)")
+ADMISSION_LINE = re.compile(r"pod admission .* patched=True duration_seconds=(\S+)")  # the operator's text log
 
 
 def pod(labelled: bool) -> dict[str, object]:

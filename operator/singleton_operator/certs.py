@@ -234,7 +234,7 @@ class SecretStore:
                                               timeout=CALL_TIMEOUT)
                 except KubeConflict:
                     continue  # another replica made it first: use theirs
-                log.info("webhook certificate created secret=%s/%s", self.namespace, self.name)
+                log.info("webhook certificate created", extra={"secret": f"{self.namespace}/{self.name}"})
                 return bundle
             try:
                 bundle = Bundle.from_secret_data(secret.get("data") or {})
@@ -242,8 +242,8 @@ class SecretStore:
                 due = renewal_due(bundle, self.names, now)
             except (KeyError, ValueError, TypeError) as exc:
                 # Not ours, or damaged: made anew (the caBundle follows).
-                log.warning("webhook certificate secret=%s/%s unreadable (%s): making a new one", self.namespace,
-                            self.name, exc)
+                log.warning("webhook certificate unreadable: making a new one",
+                            extra={"secret": f"{self.namespace}/{self.name}", "error": exc})
                 bundle, due = new_bundle(self.names, now), False
                 if not await self._replace(secret, bundle):
                     continue
@@ -252,8 +252,8 @@ class SecretStore:
                 return bundle
             fresh = renewed(bundle, self.names, now)
             if await self._replace(secret, fresh):
-                log.info("webhook certificate renewed secret=%s/%s new_ca=%s", self.namespace, self.name,
-                         fresh.ca_key != bundle.ca_key)
+                log.info("webhook certificate renewed",
+                         extra={"secret": f"{self.namespace}/{self.name}", "new_ca": fresh.ca_key != bundle.ca_key})
                 return fresh
         raise KubeConflict(409, "Conflict", f"Secret {self.namespace}/{self.name} kept changing while it was renewed")
 
@@ -284,7 +284,7 @@ async def patch_ca_bundle(client: KubeClient, configuration: str, ca_cert: bytes
                      "value": current["metadata"]["resourceVersion"]})
     await client.request("PATCH", path, body=patch, content_type="application/json-patch+json",
                          timeout=CALL_TIMEOUT)
-    log.info("webhook caBundle set configuration=%s", configuration)
+    log.info("webhook caBundle set", extra={"configuration": configuration})
     return True
 
 
@@ -334,7 +334,8 @@ class SecretSource:
         if self.configuration:
             await patch_ca_bundle(self.store.client, self.configuration, bundle.ca_cert)
         if serving.load(bundle.cert, bundle.key):
-            log.info("webhook serving certificate loaded secret=%s/%s", self.store.namespace, self.store.name)
+            log.info("webhook serving certificate loaded",
+                     extra={"secret": f"{self.store.namespace}/{self.store.name}"})
 
 
 @dataclass
@@ -348,7 +349,7 @@ class DirectorySource:
         cert = (self.folder / "tls.crt").read_bytes()
         key = (self.folder / "tls.key").read_bytes()
         if serving.load(cert, key):
-            log.info("webhook serving certificate loaded folder=%s", self.folder)
+            log.info("webhook serving certificate loaded", extra={"folder": str(self.folder)})
 
 
 CertificateSource = SecretSource | DirectorySource
@@ -367,7 +368,6 @@ async def keep_fresh(source: CertificateSource, serving: ServingContext, interva
         except (KubeError, OSError, ssl.SSLError, ValueError, KeyError, TypeError) as exc:
             # KeyError, TypeError: an object of an unexpected shape (a hand-edited configuration).
             wait = min(regular, RETRY_INTERVAL)
-            log.warning("webhook certificate check failed error=%s: %s; retrying in %.0fs", type(exc).__name__, exc,
-                        wait)
+            log.warning("webhook certificate check failed; retrying", extra={"error": exc, "retry_seconds": wait})
         else:
             wait = regular

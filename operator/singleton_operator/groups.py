@@ -117,7 +117,8 @@ class Groups:
         except ReconcileProblem as exc:
             self.problems[key] = exc
             self.metrics.reconcile_errors.inc()
-            log.warning("group %s/%s: %s: %s", *key, exc.reason, exc.message)
+            log.warning("reconcile failed: %s", exc.message,
+                        extra={"namespace": key[0], "group": key[1], "reason": exc.reason})
             raise
         finally:
             self.mark(*key)
@@ -183,7 +184,8 @@ class Groups:
                 try:
                     await self.refresh(*key)
                 except KubeError as exc:
-                    log.warning("group %s/%s: status refresh failed: %s; retrying", *key, exc)
+                    log.warning("status refresh failed; retrying",
+                                extra={"namespace": key[0], "group": key[1], "error": exc})
                     self._dirty.add(key)
                     self._wake.set()
                     await asyncio.sleep(1.0)
@@ -198,7 +200,7 @@ class Groups:
                 try:
                     listing = await self.client.request("GET", path, timeout=CALL_TIMEOUT)
                 except KubeError as exc:
-                    log.warning("periodic refresh: listing %s failed: %s", path, exc)
+                    log.warning("periodic refresh: listing failed", extra={"path": path, "error": exc})
                     continue
                 for item in listing.get("items") or []:
                     self.mark(item["metadata"]["namespace"], item["metadata"]["name"])

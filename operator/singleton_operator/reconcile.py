@@ -314,4 +314,5 @@ async def post_event(client: KubeClient, spec: GroupSpec, reason: str, message: 
         await client.request("POST", f"/api/v1/namespaces/{spec.namespace}/events", body=event,
                              timeout=CALL_TIMEOUT)
     except KubeError as exc:
-        log.warning("event not recorded group=%s/%s reason=%s error=%s", spec.namespace, spec.name, reason, exc)
+        log.warning("event not recorded",
+                    extra={"namespace": spec.namespace, "group": spec.name, "reason": reason, "error": exc})

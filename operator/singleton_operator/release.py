@@ -23,7 +23,7 @@ from typing import Any
 import asyncpg
 
 from singleton_operator.reconcile import cr_path
-from singleton_operator.release_request import RELEASE_RESULT, ReleaseRequest
+from singleton_operator.release_request import RELEASE_RESULT, ReleaseRequest, pending_request
 from singleton_operator.resources import MANAGED_BY
 from singleton_sidecar import contract
 from singleton_sidecar.backends.postgres_sql import Statements
@@ -42,6 +42,20 @@ class ReleaseFailed(Exception):
     """The release could not be carried out; the message says why."""
 
 
+async def answer_pending(client: KubeClient, namespace: str, name: str) -> dict[str, Any] | None:
+    """Carry out the group's unanswered release request, if any; returns the answer.
+
+    Read afresh rather than from the watch event that woke us: kopf may hand a handler an
+    event queued before our own answer was written, and a request carried out twice would
+    clear the holder of the next term too."""
+    try:
+        body = await client.request("GET", cr_path(namespace, name), timeout=CALL_TIMEOUT)
+    except KubeNotFound:
+        return None
+    request = pending_request(body)
+    return None if request is None else await carry_out(client, body, request)
+
+
 async def carry_out(client: KubeClient, body: dict[str, Any], request: ReleaseRequest) -> dict[str, Any]:
     """Release the group's lock, record the Event, write the answer; returns the answer."""
     metadata = body["metadata"]
@@ -58,13 +72,13 @@ async def carry_out(client: KubeClient, body: dict[str, Any], request: ReleaseRe
         error = str(exc)
     summary = "; ".join(done)
     if error is None:
-        log.warning("lock force-released group=%s/%s by=%s request=%s done=%s", namespace, name, request.by,
-                    request.id, summary)
+        log.warning("lock force-released", extra={"namespace": namespace, "group": name, "by": request.by,
+                                                  "request": request.id, "done": done})
         await _event(client, body, "LockReleased",
                      f"{request.by} force-released the lock with kubectl singleton: {summary}")
     else:
-        log.error("lock release failed group=%s/%s by=%s request=%s error=%s", namespace, name, request.by,
-                  request.id, error)
+        log.error("lock release failed", extra={"namespace": namespace, "group": name, "by": request.by,
+                                                "request": request.id, "done": done, "error": error})
         await _event(client, body, "LockReleaseFailed", f"release requested by {request.by} failed: {error}"
                      + (f" (done: {summary})" if done else ""), warning=True)
     answer = {"id": request.id, "by": request.by, "done": done, "error": error,
@@ -143,5 +157,5 @@ async def _event(client: KubeClient, body: dict[str, Any], reason: str, message:
         await client.request("POST", f"/api/v1/namespaces/{metadata['namespace']}/events", body=event,
                              timeout=CALL_TIMEOUT)
     except KubeError as exc:
-        log.warning("event not recorded group=%s/%s reason=%s error=%s", metadata["namespace"], metadata["name"],
-                    reason, exc)
+        log.warning("event not recorded", extra={"namespace": metadata["namespace"], "group": metadata["name"],
+                                                 "reason": reason, "error": exc})

@@ -147,9 +147,11 @@ async def run_operator(config: OperatorConfig) -> int:
     election = asyncio.create_task(elector.run(), name="operator-election")
     exit_code = 0
     try:
-        log.info("campaigning for lease %s/%s as %s", config.lease_namespace, LEASE_NAME, config.identity)
+        log.info("campaigning for the operator lease",
+                 extra={"lease": f"{config.lease_namespace}/{LEASE_NAME}", "identity": config.identity})
         if await _first(leading, stopping) is leading:
-            log.info("leading: starting kopf (namespaces: %s)", ", ".join(config.namespaces) or "all")
+            log.info("leading: starting kopf",
+                     extra={"identity": config.identity, "role": "leader", "namespaces": list(config.namespaces)})
             kopf_stopped.clear()
             try:
                 exit_code = await _run_kopf_while_leading(config, client, metrics, lost, stopping,
@@ -211,7 +213,7 @@ class PodWebhook:
                 break
             except (KubeError, OSError, ssl.SSLError, ValueError, KeyError) as exc:
                 self.problem = f"pod webhook: no certificate yet: {exc}"
-                log.error("pod webhook certificate not ready error=%s retry_seconds=%.0f", exc, delay)
+                log.error("pod webhook certificate not ready", extra={"error": exc, "retry_seconds": delay})
                 await asyncio.sleep(delay)
                 delay = min(delay * 2, self.RETRY_MAX)
         self.runner = web.AppRunner(self.admission.app(), access_log=None)
@@ -219,8 +221,8 @@ class PodWebhook:
         await web.TCPSite(self.runner, self.hook.listen.host, self.hook.listen.port,
                           ssl_context=serving.context).start()
         self.problem = None
-        log.info("pod webhook serving listen=%s:%d path=%s", self.hook.listen.host, self.hook.listen.port,
-                 WEBHOOK_PATH)
+        log.info("pod webhook serving",
+                 extra={"listen": f"{self.hook.listen.host}:{self.hook.listen.port}", "path": WEBHOOK_PATH})
         await certs.keep_fresh(self.source, serving)
 
     async def stop(self) -> None:
@@ -272,7 +274,8 @@ async def _run_kopf_while_leading(config: OperatorConfig, client: KubeClient, me
             with contextlib.suppress(asyncio.CancelledError, TimeoutError):
                 await asyncio.wait_for(asyncio.shield(kopf_task), timeout=KOPF_STOP_GRACE)
             return 0
-        log.error("kopf ended on its own: %s", kopf_task.exception() if not kopf_task.cancelled() else "cancelled")
+        log.error("kopf ended on its own",
+                  extra={"error": kopf_task.exception() if not kopf_task.cancelled() else "cancelled"})
         return 1
     finally:
         for task in (*helpers, kopf_task):

@@ -81,9 +81,10 @@ class PodAdmission:
             response["warnings"] = warnings
         elapsed = time.perf_counter() - started
         self.observe(elapsed)
-        log.info("pod admission namespace=%s group=%s allowed=%s patched=%s seconds=%.4f",
-                 admission.get("namespace"), _group_label(admission.get("object") or {}), response["allowed"],
-                 "patch" in response, elapsed)
+        log.info("pod admission", extra={"namespace": admission.get("namespace"),
+                                         "group": _group_label(admission.get("object") or {}),
+                                         "allowed": response["allowed"], "patched": "patch" in response,
+                                         "duration_seconds": elapsed})
         return web.json_response({"apiVersion": "admission.k8s.io/v1", "kind": "AdmissionReview",
                                   "response": response})
 
