@@ -20,6 +20,7 @@ import uuid
 from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING
 
+from singleton_operator import kopf_logs
 from singleton_sidecar.config import ConfigError, Listen, _listen
 from singleton_sidecar.early_stop import stop_on_sigterm_until_started
 from singleton_sidecar.logs import setup_logging
@@ -180,6 +181,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 2
     setup_logging(args.log_format or os.environ.get("SINGLETON_LOG_FORMAT", "json"),  # type: ignore[arg-type]
                   getattr(logging, (args.log_level or "info").upper()))
+    kopf_logs.install()
     from singleton_operator.runtime import run_operator
 
     return asyncio.run(run_operator(config))
