@@ -33,11 +33,12 @@ class SidecarProcess:
     command: list[str] = field(default_factory=list)
     port: int = field(default_factory=free_port)
     control_port: int = field(default_factory=free_port)
+    log_format: str = "text"
     popen: subprocess.Popen[bytes] | None = None
 
     def start(self) -> SidecarProcess:
         env = {**os.environ, **self.env, "SINGLETON_LISTEN": f"127.0.0.1:{self.port}",
-               "SINGLETON_CONTROL_LISTEN": f"127.0.0.1:{self.control_port}", "SINGLETON_LOG_FORMAT": "text"}
+               "SINGLETON_CONTROL_LISTEN": f"127.0.0.1:{self.control_port}", "SINGLETON_LOG_FORMAT": self.log_format}
         if "SINGLETON_NAMESPACE" not in env and "SINGLETON_GROUP" in env:
             # Outside Kubernetes the PostgreSQL lock key is given, as on a VM.
             env.setdefault("SINGLETON_LOCK_KEY", f"local/{env['SINGLETON_GROUP']}")
