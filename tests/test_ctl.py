@@ -187,6 +187,25 @@ async def test_release_of_a_postgres_group_ends_the_holders_session(  # noqa: PL
     one_leader(members, timeout=10)
 
 
+@pytest.mark.usefixtures("singleton_crd")
+def test_a_release_the_operator_cannot_carry_out_is_reported(cluster: Cluster, namespace: str, group: str,  # noqa: F811
+                                                             operator: OperatorProcess) -> None:
+    cluster.kubectl("create", "secret", "generic", "pg", "-n", namespace,
+                    "--from-literal=dsn=postgresql://nobody@127.0.0.1:1/none")
+    body = {"apiVersion": "singleton.dev/v1alpha1", "kind": "SingletonService", "metadata": {"name": group},
+            "spec": {"backend": "postgres", "postgres": {"secretRef": {"name": "pg"}},
+                     "template": {"spec": {"containers": [{"name": "app", "image": "x"}]}}}}
+    cluster.apply(json.dumps(body), namespace=namespace)
+    result = ctl(cluster, "release", group, "-n", namespace, "--yes")
+    assert result.returncode == 1
+    assert result.stderr.strip() == (
+        f"kubectl singleton: error: the operator could not release the lock of group {namespace}/{group}: "
+        f"cannot connect with the DSN in Secret {namespace}/pg: ConnectionRefusedError"), result.stderr
+    events = get_json(cluster, "events", "-n", namespace, "--field-selector", f"involvedObject.name={group}")
+    failed = [e for e in events["items"] if e["reason"] == "LockReleaseFailed"]
+    assert len(failed) == 1 and failed[0]["type"] == "Warning", failed
+
+
 def test_the_plugin_loads_no_database_driver(cluster: Cluster, namespace: str) -> None:
     probe = ("import sys, runpy; sys.argv = ['kubectl-singleton', '--kubeconfig', sys.argv[1], 'status', '-n', "
              "sys.argv[2]]\ntry:\n    runpy.run_module('singleton_ctl.cli', run_name='__main__')\n"

@@ -11,7 +11,7 @@ import kopf
 
 from singleton_operator.groups import Groups
 from singleton_operator.reconcile import ReconcileProblem
-from singleton_operator.release import carry_out
+from singleton_operator.release import answer_pending
 from singleton_operator.release_request import RELEASE_REQUEST, pending_request
 from singleton_operator.resources import LABEL_MANAGED_BY, MANAGED_BY
 from singleton_operator.spec import SpecError
@@ -83,10 +83,10 @@ def registry(kube_config: KubeConfig,
 
     # `kubectl singleton release` asks on the object; the answer goes on it too (release.py).
     @kopf.on.event(*resource, annotations={RELEASE_REQUEST: kopf.PRESENT}, registry=reg)
-    async def release_requested(event: kopf.RawEvent, body: kopf.Body, memo: Any, **_: Any) -> None:
-        request = pending_request(dict(body))
-        if request is not None and event.get("type") != "DELETED":
-            await carry_out(memo["groups"].client, dict(body), request)
+    async def release_requested(event: kopf.RawEvent, body: kopf.Body, name: str, namespace: str | None,
+                                memo: Any, **_: Any) -> None:
+        if namespace and event.get("type") != "DELETED" and pending_request(dict(body)) is not None:
+            await answer_pending(memo["groups"].client, namespace, name)
 
     # Every pod of a group carries the group label: the operator's own and adopted ones.
     @kopf.on.event("v1", "pods", labels={contract.LABEL_GROUP: kopf.PRESENT}, registry=reg)
