@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from prometheus_client.parser import text_string_to_metric_families
 
 from singleton_sidecar import contract
 from tests.conftest import Cluster
@@ -103,12 +104,18 @@ def test_spec_edits_roll_out(cluster: Cluster, namespace: str, operators: Factor
 def test_missing_secret_is_reported_and_nothing_is_created_until_it_exists(
     cluster: Cluster, namespace: str, operators: Factory, pg_dsn: str
 ) -> None:
-    operators()
+    operator = operators()
     name = "pg-" + uuid.uuid4().hex[:4]
     cluster.apply(service(name, backend="postgres", postgres={"secretRef": {"name": "feed-db"}}),
                   namespace=namespace)
     degraded = wait_for(lambda: condition(cr(cluster, namespace, name), "Degraded"), 20, "a Degraded condition", 0.2)
     assert degraded["status"] == "True" and degraded["reason"] == "SecretNotFound"
+    # The failed reconciles are counted per group and reason; the build is described.
+    samples = {(sample.name, tuple(sorted(sample.labels.items()))): sample.value
+               for family in text_string_to_metric_families(operator.get("/metrics")[1]) for sample in family.samples}
+    errors = (("group", name), ("namespace", namespace), ("reason", "SecretNotFound"))
+    assert samples[("singleton_operator_reconcile_errors_total", errors)] >= 1
+    assert [value for (metric, _), value in samples.items() if metric == "singleton_operator_build_info"] == [1.0]
     assert f"Secret {namespace}/feed-db" in degraded["message"]
     assert cr(cluster, namespace, name)["status"]["phase"] == "Failed"
     events = get_json(cluster, "events", "-n", namespace, "--field-selector", f"involvedObject.name={name}")

@@ -15,6 +15,7 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
+from prometheus_client.parser import text_string_to_metric_families
 
 from singleton_testbed.ledger import check_ledger
 from singleton_testbed.pgbouncer import PgBouncer, PoolMode
@@ -78,6 +79,12 @@ def test_exactly_one_leader_and_probes(sidecars: Factory) -> None:
     metrics = leader.get("/metrics")[1]
     assert 'singleton_is_leader{backend="postgres"' in metrics and "} 1.0" in metrics
     assert "singleton_renew_latency_seconds_bucket" in metrics
+    for sidecar in group:
+        families = text_string_to_metric_families(sidecar.get("/metrics")[1])
+        samples = {sample.name: sample.value for family in families for sample in family.samples}
+        # Every replica sees the lock held (the standbys learned the holder above); one term was won.
+        assert samples["singleton_lock_held"] == 1.0
+        assert samples["singleton_terms_total"] == (1.0 if sidecar is leader else 0.0)
     # Control actions are not reachable through the probe port: it has no such routes at all
     # (405 would mean a /drain route exists there for some method), and the leader still leads.
     for path in ("/drain", "/drain?wait=true", "/step-down"):

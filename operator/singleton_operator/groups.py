@@ -36,6 +36,7 @@ from singleton_operator.resources import (
     uninjected_template,
 )
 from singleton_operator.spec import GroupSpec, SpecError, WorkloadSpecError, read_spec
+from singleton_operator.status import find_leader
 from singleton_sidecar import contract
 from singleton_sidecar.kube import KubeClient, KubeError, KubeNotFound
 
@@ -112,11 +113,11 @@ class Groups:
             await reconcile(self.client, spec)
         except SpecError as exc:
             self.problems[key] = ReconcileProblem("InvalidSpec", str(exc))
-            self.metrics.reconcile_errors.inc()
+            self.metrics.reconcile_failed(*key, "InvalidSpec")
             raise
         except ReconcileProblem as exc:
             self.problems[key] = exc
-            self.metrics.reconcile_errors.inc()
+            self.metrics.reconcile_failed(*key, exc.reason)
             log.warning("reconcile failed: %s", exc.message,
                         extra={"namespace": key[0], "group": key[1], "reason": exc.reason})
             raise
@@ -168,6 +169,7 @@ class Groups:
         self._readopted.pop((namespace, name), None)
         self.applied.pop((namespace, name), None)
         self._dirty.discard((namespace, name))
+        self.metrics.forget(namespace, name)
 
     def mark(self, namespace: str, name: str) -> None:
         """Refresh this group's status soon."""
@@ -237,5 +239,10 @@ class Groups:
                 await self.reconcile(body)
         observed = await observe(self.client, spec, self.problems.get((namespace, name)),
                                  self.applied.get((namespace, name)))
+        leader_changes = self.metrics.leader_changes.labels(namespace, name)  # exported from 0 on
         if await write_status(self.client, spec, body.get("status") or {}, observed):
             self.metrics.status_updates.inc()
+            # The same rule as write_status's LeaderChanged Event.
+            leader = find_leader(observed.pods)
+            if leader is not None and leader.pod != (body.get("status") or {}).get("leader"):
+                leader_changes.inc()

@@ -20,6 +20,11 @@ class SidecarMetrics:
                             list(labels), registry=self.registry).labels(**labels)
         self._transitions = Counter("singleton_transitions", "Changes of this replica's role.",
                                     list(labels), registry=self.registry).labels(**labels)
+        self._terms = Counter("singleton_terms", "Terms this replica won (became leader): summed over a group, "
+                              "the group's leader changes.", list(labels), registry=self.registry).labels(**labels)
+        self._lock_held = Gauge("singleton_lock_held", "1 while this replica sees the group's lock held, by itself "
+                                "or another holder (a standby: the holder it last observed).",
+                                list(labels), registry=self.registry).labels(**labels)
         self._renew_latency = Histogram("singleton_renew_latency_seconds", "Duration of lock renewals.",
                                         list(labels), buckets=RENEW_BUCKETS, registry=self.registry).labels(**labels)
         self._renew_failures = Counter("singleton_renew_failures", "Renewals that failed or found the lock lost.",
@@ -41,6 +46,9 @@ class SidecarMetrics:
         self._token.set(status.token or 0)
         if self._last_role is not None and status.role != self._last_role:
             self._transitions.inc()
+        if status.role is Role.LEADER and self._last_role not in (Role.LEADER, Role.DRAINING):
+            self._terms.inc()
+        self._lock_held.set(1 if status.leader is not None else 0)
         self._last_role = status.role
         for role, gauge in self._roles.items():
             gauge.set(1 if role is status.role else 0)
