@@ -34,6 +34,7 @@ import time
 import urllib.error
 import urllib.request
 from dataclasses import asdict, dataclass
+from datetime import datetime
 from pathlib import Path
 from typing import Any
 
@@ -65,6 +66,11 @@ class Run:
     seconds: float
     old: str
     new: str
+    restart: float | None = None
+    """sidecar-kill, the same pod leading again: SIGKILL -> the new incarnation's first log line
+    (the kubelet noticing and restarting the container, and Python starting)."""
+    start_to_lead: float | None = None
+    """... -> that incarnation's log line saying it acquired the lock."""
 
 
 class Bed:
@@ -224,8 +230,11 @@ def one_run(bed: Bed, backend: str, fault: str) -> Run:
         new, at = wait_new_leader(bed, group, token, exclude=name)
     elif fault == "sidecar-kill":
         node_pods.signal_container(leader, "singleton-sidecar", signal.SIGKILL, layout=bed.layout)
-        started = time.monotonic()
+        started, killed = time.monotonic(), time.time()
         new, at = wait_new_leader(bed, group, token, exclude=None)
+        if new == name:
+            restart, start_to_lead = incarnation_times(bed, name, killed)
+            return Run(backend, fault, at - started, name, new, restart, start_to_lead)
     else:
         targets = cut_targets(bed, backend)
         for address, port in targets:
@@ -237,6 +246,32 @@ def one_run(bed: Bed, backend: str, fault: str) -> Run:
             for address, port in targets:
                 node_pods.heal(leader, address, port=port, layout=bed.layout)
     return Run(backend, fault, at - started, name, new)
+
+
+def _log_time(line: str) -> float | None:
+    """The wall-clock time of a sidecar's JSON log line (its ``time`` field), or None."""
+    with contextlib.suppress(ValueError, TypeError, AttributeError):
+        stamp = json.loads(line)["time"]
+        return datetime.fromisoformat(stamp.replace("Z", "+00:00")).timestamp()
+    return None
+
+
+def incarnation_times(bed: Bed, pod: str, killed: float) -> tuple[float | None, float | None]:
+    """(killed -> first log line, first log line -> "acquired" line) of the pod's restarted sidecar,
+    from its log (the node's clock is this machine's)."""
+    assert bed.info is not None
+    request = urllib.request.Request(
+        f"{bed.info.server}/api/v1/namespaces/{NAMESPACE}/pods/{pod}/log?container=singleton-sidecar",
+        headers={"Authorization": f"Bearer {bed.info.token}"})
+    context = ssl.create_default_context(cafile=str(bed.info.ca_file))
+    with urllib.request.urlopen(request, context=context, timeout=10) as response:
+        lines = response.read().decode(errors="replace").splitlines()
+    times = [(stamp, line) for line in lines if (stamp := _log_time(line)) is not None]
+    if not times:
+        return None, None
+    first = times[0][0]
+    acquired = next((stamp for stamp, line in times if "acquired" in line), None)
+    return first - killed, None if acquired is None else acquired - first
 
 
 def keep_evidence(bed: Bed) -> None:
@@ -288,6 +323,12 @@ def main() -> int:
         for fault in args.fault:
             values = [r.seconds for r in runs if r.backend == backend and r.fault == fault]
             print("  " + summary(f"{backend} {fault}", values))
+            restarts = [r for r in runs if r.backend == backend and r.fault == fault and r.restart is not None]
+            if restarts:
+                print("    " + summary("kill -> restarted sidecar's log", [r.restart or 0.0 for r in restarts]))
+            leads = [r.start_to_lead for r in restarts if r.start_to_lead is not None]
+            if leads:
+                print("    " + summary("its first log line -> acquired", leads))
     if args.json:
         args.json.write_text(json.dumps([asdict(r) for r in runs], indent=1))
     return 0
