@@ -17,12 +17,12 @@ import asyncpg
 import pytest
 import pytest_asyncio
 
+from singleton_sdk.asyncpg import StaleToken, ensure_fence_table, fence
 from singleton_sidecar.backends.postgres import PostgresBackend
 from singleton_sidecar.backends.postgres_pooled import PooledPostgresBackend
 from singleton_sidecar.core.elector import Elector
 from singleton_sidecar.core.lock import BackendUnavailable, Identity, LockRecord, Term
 from singleton_sidecar.core.timings import Timings
-from singleton_sidecar.fencing import StaleToken, ensure_fence_table, fence
 from singleton_testbed.pgbouncer import PgBouncer
 from singleton_testbed.postgres import PostgresInfo
 from tests.pgquery import fetchval
@@ -402,3 +402,27 @@ async def test_an_unreachable_pooler_is_backend_unavailable() -> None:
     with pytest.raises(BackendUnavailable, match="acquire of group"):
         await backend.acquire(Identity("a"), timeout=1)
     assert not backend.holds_connection
+
+
+async def test_campaigning_again_after_an_unreleased_term_retakes_the_row(make_backend: Factory) -> None:
+    """The elector leaves a term unreleased when its app was not confirmed stopped, and campaigns
+    again only later: the backend then forgets that term and retakes its own row."""
+    backend = make_backend()
+    term = await acquired(backend, "a")
+    again = await acquired(backend, "a", timeout=0.5)
+    assert again.token > term.token
+    assert await backend.renew(term, timeout=1) is None  # the forgotten term is not ours any more
+    assert await backend.renew(again, timeout=1) is not None
+
+
+async def test_renewals_and_releases_quote_their_values(make_backend: Factory, pg_admin_dsn: str) -> None:
+    """Sent with the simple query protocol, values quoted into the text: a lock key with quotes
+    and backslashes (any printable key is allowed) renews and releases its own row only."""
+    group = "team-a/o'brien\\" + unique()
+    holder = make_backend(group=group)
+    term = await acquired(holder, "a")
+    renewed = await holder.renew(term, timeout=1)
+    assert renewed is not None
+    await holder.release(renewed, timeout=1)
+    state = await row(pg_admin_dsn, group)
+    assert state["holder"] is None and state["token"] == term.token

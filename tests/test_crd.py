@@ -278,6 +278,8 @@ VALID: list[Any] = [
         id="file-gate-with-other-mounts",
     ),
     pytest.param({"spec.backend": "postgres", "spec.postgres": {"secretRef": {"name": "db"}}}, id="postgres"),
+    pytest.param({"spec.backend": "postgres", "spec.postgres": {"mode": "pooled", "secretRef": {"name": "db"}}},
+                 id="postgres-pooled"),
     pytest.param(
         {"spec.backend": "postgres", "spec.postgres": {"secretRef": {"name": "db", "key": ".dsn"}}},
         id="secret-key-starting-with-one-dot",
@@ -458,6 +460,11 @@ INVALID: list[Any] = [
         {"spec.backend": "postgres", "spec.postgres": {"secretRef": {"name": "db", "key": "a/b"}}},
         ["spec.postgres.secretRef.key"],
         id="secret-key-invalid",
+    ),
+    pytest.param(
+        {"spec.backend": "postgres", "spec.postgres": {"mode": "transaction", "secretRef": {"name": "db"}}},
+        ["spec.postgres.mode", "Unsupported value"],
+        id="postgres-mode-transaction",
     ),
     *(pytest.param({"spec.backend": "postgres", "spec.postgres": {"secretRef": {"name": "db", "key": key}}},
                    ["spec.postgres.secretRef.key", SECRET_KEY_MSG], id=f"secret-key-{key}")

@@ -350,6 +350,7 @@ OPERATOR_REFUSES = {
     "secret-key-.": "spec.postgres.secretRef.key",
     "secret-key-..": "spec.postgres.secretRef.key",
     "secret-key-..dsn": "spec.postgres.secretRef.key",
+    "postgres-mode-transaction": "spec.postgres.mode",
     "drain-equals-grace": "spec.drain.timeout",
     "drain-within-2s-of-grace": "spec.drain.timeout",
     "drain-1ns-over-grace-less-2s": "spec.drain.timeout",
@@ -610,3 +611,16 @@ def test_sidecar_pull_policy_and_pull_secrets_set_once_for_every_groups_pods() -
     assert "imagePullPolicy" not in pod_spec["containers"][0]  # the app's own stays the user's
     plain = resources.deployment(read_spec(body(), default_sidecar_image=IMAGE))["spec"]["template"]["spec"]
     assert "imagePullSecrets" not in plain and "imagePullPolicy" not in plain["initContainers"][0]
+
+
+@pytest.mark.parametrize(("postgres", "mode"), [
+    pytest.param({"secretRef": {"name": "db"}}, None, id="not set: the sidecar's default, session"),
+    pytest.param({"mode": "session", "secretRef": {"name": "db"}}, None, id="session"),
+    pytest.param({"mode": "pooled", "secretRef": {"name": "db"}}, "pooled", id="pooled"),
+])
+def test_the_postgres_mode_reaches_the_sidecar_only_when_pooled(postgres: dict[str, Any], mode: str | None) -> None:
+    """Unset for session, so pods of groups created before the field existed stay as they are."""
+    spec = read_spec(body(backend="postgres", postgres=postgres), default_sidecar_image=IMAGE)
+    env = env_of(resources.deployment(spec)["spec"]["template"]["spec"]["initContainers"][0])
+    assert env.get(contract.ENV_POSTGRES_MODE) == mode
+    assert sidecar_config(spec).postgres_mode == (mode or "session")

@@ -170,6 +170,8 @@ def sidecar_env(spec: GroupSpec) -> list[dict[str, Any]]:
     if spec.uses_postgres:
         env.append({"name": contract.ENV_POSTGRES_DSN, "valueFrom": {"secretKeyRef": {
             "name": spec.postgres_secret, "key": spec.postgres_secret_key}}})
+        if spec.postgres_mode != "session":  # only when set: existing groups' pods stay as they are
+            env.append({"name": contract.ENV_POSTGRES_MODE, "value": spec.postgres_mode})
     return env
 
 

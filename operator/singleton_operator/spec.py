@@ -32,6 +32,7 @@ from typing import Any, Literal
 from singleton_sidecar.core.timings import BACKEND_DEFAULTS, TimingError, Timings
 
 Backend = Literal["postgres", "lease", "both"]
+PostgresMode = Literal["session", "pooled"]
 GatingMode = Literal["cooperative", "file"]
 
 # Names the operator puts into every pod; the CRD reserves them too.
@@ -204,6 +205,8 @@ class GroupSpec:
     drain_hook_url: str | None = None
     postgres_secret: str | None = None
     postgres_secret_key: str = "dsn"
+    postgres_mode: PostgresMode = "session"
+    """``spec.postgres.mode``: ``session`` (advisory lock) or ``pooled`` (through a transaction pooler)."""
     service_type: str = "ClusterIP"
     service_ports: tuple[ServicePort, ...] = ()
     service_annotations: dict[str, str] = field(default_factory=dict)
@@ -504,6 +507,9 @@ def _read_spec(body: dict[str, Any], template: dict[str, Any], replicas: int, de
     secret_key = secret_ref.get("key", "dsn")
     if secret_key == "." or secret_key.startswith(".."):
         raise SpecError("spec.postgres.secretRef.key: must not be '.' or start with '..' (not a valid Secret key)")
+    postgres_mode: PostgresMode = postgres.get("mode", "session")
+    if postgres_mode not in ("session", "pooled"):
+        raise SpecError(f"spec.postgres.mode: must be session or pooled, got {postgres_mode!r}")
     sidecar = spec.get("sidecar") or {}
     sidecar_port = int(sidecar.get("port", DEFAULT_SIDECAR_PORT))
     _check_sidecar_port(sidecar_port, pod)
@@ -542,6 +548,7 @@ def _read_spec(body: dict[str, Any], template: dict[str, Any], replicas: int, de
         sidecar_resources=_sidecar_resources(sidecar.get("resources")),
         postgres_secret=secret_ref.get("name"),
         postgres_secret_key=secret_key,
+        postgres_mode=postgres_mode,
         service_type=service.get("type", "ClusterIP"),
         service_ports=service_ports,
         service_annotations=service_annotations,

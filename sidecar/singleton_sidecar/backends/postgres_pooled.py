@@ -59,6 +59,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import math
 import time
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
@@ -122,21 +123,27 @@ class PooledStatements:
             " FROM before b"
         )
 
-    @property
-    def renew(self) -> str:
-        """$1 group, $2 identity, $3 token, $4 lease seconds. A row only if still ours and unexpired."""
+    # The renewal and the release are sent with the simple query protocol, their values quoted
+    # into the text here: one message and one answer, where asyncpg's extended protocol takes two
+    # round trips (Parse/Describe, then Bind/Execute/Sync) and a transaction pooler keeps the
+    # server connection assigned between them, across any pause of the client. The command tag
+    # ("UPDATE 1" or "UPDATE 0") is the row count that says whether the term is still ours.
+
+    def renew(self, group: str, identity: str, token: int, lease_seconds: float) -> str:
+        """One row updated only if the term is still ours and unexpired."""
         return (
-            f"UPDATE {self.names.leases} SET renewed_at = now(), expires_at = now() + make_interval(secs => $4)"
-            " WHERE group_name = $1 AND holder = $2 AND token = $3 AND expires_at > now()"
-            " RETURNING token"
+            f"UPDATE {self.names.leases} SET renewed_at = now(),"
+            f" expires_at = now() + make_interval(secs => {_seconds(lease_seconds)})"
+            f" WHERE group_name = {_text(group)} AND holder = {_text(identity)} AND token = {int(token)}"
+            " AND expires_at > now()"
         )
 
-    @property
-    def release(self) -> str:
-        """$1 group, $2 identity, $3 token: free now, for the next standby check."""
+    def release(self, group: str, identity: str, token: int) -> str:
+        """Free now, for the next standby check."""
         return (
             f"UPDATE {self.names.leases} SET holder = NULL, holder_pid = NULL, released_at = now(),"
-            " expires_at = now() WHERE group_name = $1 AND holder = $2 AND token = $3"
+            f" expires_at = now() WHERE group_name = {_text(group)} AND holder = {_text(identity)}"
+            f" AND token = {int(token)}"
         )
 
     @property
@@ -147,6 +154,19 @@ class PooledStatements:
             " extract(epoch FROM expires_at - now())::float8 AS expiry_left"
             f" FROM {self.names.leases} WHERE group_name = $1"
         )
+
+
+def _text(value: str) -> str:
+    """A text literal that means ``value`` whatever ``standard_conforming_strings`` says."""
+    if "\0" in value:
+        raise ValueError("a PostgreSQL text value cannot hold a NUL character")
+    return "E'" + value.replace("\\", "\\\\").replace("'", "''") + "'"
+
+
+def _seconds(value: float) -> str:
+    if not (isinstance(value, int | float) and math.isfinite(value)):
+        raise ValueError(f"not a number of seconds: {value!r}")
+    return repr(float(value))
 
 
 class PooledPostgresBackend:
@@ -225,11 +245,12 @@ class PooledPostgresBackend:
             while True:
                 async with self._busy:
                     if self._term is not None:
-                        log.warning("asked to acquire while a term is held here",
-                                    extra=self._fields(identity=identity, holder=self._term.identity,
-                                                       token=self._term.token))
-                        held = self._term
-                        return LockRecord(holder=held.identity, token=held.token, version=str(held.token))
+                        # The elector campaigns only once a term has ended: this one was left
+                        # unreleased (its app not confirmed stopped, after which the elector waits
+                        # a lease duration). The row names us until it expires; the attempt retakes it.
+                        log.info("campaigning again: forgetting an unreleased term",
+                                 extra=self._fields(identity=identity, token=self._term.token))
+                        self._term = None
                     result, expiry_left = await self._attempt(identity, deadline)
                 if isinstance(result, Term):
                     return result
@@ -252,12 +273,12 @@ class PooledPostgresBackend:
             conn = await self._connection(deadline)
             sent = self._clock()  # the deadline counts from before the write: early, never late
             try:
-                token = await conn.fetchval(self._sql.renew, self.group, term.identity, term.token,
-                                            self.lease_duration)
+                status = await conn.execute(self._sql.renew(self.group, term.identity, term.token,
+                                                            self.lease_duration))
             except BaseException:
                 self._drop_connection("renewal failed; the term stands until the renew deadline")
                 raise
-            if token is None:
+            if status != "UPDATE 1":
                 log.warning("renewal matched no row: taken over or expired",
                             extra=self._fields(identity=term.identity, token=term.token))
                 self._term = None
@@ -275,8 +296,9 @@ class PooledPostgresBackend:
                 return
             try:
                 conn = await self._connection(deadline)
-                await conn.execute(self._sql.release, self.group, term.identity, term.token)
+                await conn.execute(self._sql.release(self.group, term.identity, term.token))
             except BaseException:
+                self._term = None  # never renewed again: the row frees itself at its expiry
                 self._drop_connection("release failed; the row frees itself at its expiry")
                 raise
             self._term = None
