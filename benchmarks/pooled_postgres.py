@@ -161,8 +161,7 @@ async def worker(config: dict[str, Any]) -> dict[str, Any]:
     for candidate in candidates:
         candidate.elector.request_drain()
     await asyncio.wait(tasks, timeout=30)
-    for candidate in candidates:
-        await candidate.backend.close()
+    await asyncio.gather(*(candidate.backend.close() for candidate in candidates))
     return {
         "renewals": renewals,
         "acting": {f"{c.group} {c.identity}": c.acting for c in candidates},
@@ -381,8 +380,7 @@ async def session_capacity(args: argparse.Namespace) -> None:
         for elector, _backend in electors:
             elector.request_drain()
         await asyncio.wait(tasks, timeout=30)
-        for _elector, backend in electors:
-            await backend.close()
+        await asyncio.gather(*(backend.close() for _elector, backend in electors))
         server.cleanup()
 
 

@@ -7,6 +7,8 @@ from __future__ import annotations
 import asyncio
 import itertools
 import shutil
+import signal
+import sys
 import tempfile
 import time
 import uuid
@@ -26,7 +28,9 @@ from singleton_sidecar.core.timings import Timings
 from singleton_testbed.pgbouncer import PgBouncer
 from singleton_testbed.postgres import PostgresInfo
 from tests.pgquery import fetchval
+from tests.sidecars import SidecarProcess, one_leader, wait_for
 from tests.tcpproxy import CuttableProxy
+from tests.test_stop_before_release import assert_never_two_actors, spans
 
 pytestmark = [pytest.mark.postgres, pytest.mark.timeout(90)]
 
@@ -426,3 +430,45 @@ async def test_renewals_and_releases_quote_their_values(make_backend: Factory, p
     await holder.release(renewed, timeout=1)
     state = await row(pg_admin_dsn, group)
     assert state["holder"] is None and state["token"] == term.token
+
+
+# --- real sidecar processes in the pooled mode ---------------------------------------------------
+
+APP = str(Path(__file__).parent / "data" / "acting_app.py")
+SIDECAR_TIMINGS = {"SINGLETON_LEASE_DURATION": "3", "SINGLETON_RENEW_DEADLINE": "2", "SINGLETON_RETRY_PERIOD": "0.5"}
+
+
+def test_real_sidecars_in_the_pooled_mode_hand_over_and_fail_over_with_the_exec_gate(
+        bouncer: PgBouncer, tmp_path: Path) -> None:
+    """Three sidecar processes through PgBouncer in transaction mode, each running
+    ``acting_app.py`` behind the exec gate: a drained leader's app stops before the next one
+    acts (taken at the next check), and a SIGKILLed one (sidecar, keeper and app) is replaced
+    once its row has expired. Judged by what the apps did."""
+    acts = tmp_path / "acts.log"
+    group = "pooled-" + uuid.uuid4().hex[:8]
+    sidecars = [SidecarProcess(f"p{index}", {
+        "SINGLETON_GROUP": group, "SINGLETON_BACKEND": "postgres", "SINGLETON_POSTGRES_MODE": "pooled",
+        "SINGLETON_POSTGRES_DSN": bouncer.dsn, "SINGLETON_IDENTITY": f"p{index}-{uuid.uuid4().hex[:6]}",
+        "ACT_LOG": str(acts), **SIDECAR_TIMINGS}, tmp_path / f"p{index}.log", command=[sys.executable, APP])
+        for index in range(3)]
+    try:
+        for sidecar in sidecars:
+            sidecar.start()
+        first = one_leader(sidecars, timeout=20)
+        wait_for(acts.exists, 10, "the first leader's app to act")
+        first.signal_sidecar_only(signal.SIGTERM)  # a drain: stop the app, release, exit
+        wait_for(lambda: len(spans(acts)) >= 2, 10, "a standby's app to act after the release")
+        second = one_leader([s for s in sidecars if s is not first], timeout=5)
+        time.sleep(0.5)
+        killed_at = time.monotonic()
+        second.signal(signal.SIGKILL)  # its whole process group: sidecar, keeper, app
+        lease = float(SIDECAR_TIMINGS["SINGLETON_LEASE_DURATION"])
+        retry = float(SIDECAR_TIMINGS["SINGLETON_RETRY_PERIOD"])
+        wait_for(lambda: len(spans(acts)) >= 3, lease + retry + 5, "the last standby's app to act after the crash")
+        third = spans(acts)[2]
+        assert third.first - killed_at <= lease + retry + 0.5, "crash failover within lease + retry"
+        assert third.first - killed_at >= lease - retry - 0.5, "not before the killed holder's row expired"
+        assert_never_two_actors(acts, terms=3)
+    finally:
+        for sidecar in sidecars:
+            sidecar.stop()
