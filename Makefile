@@ -4,15 +4,15 @@
 PYTHON ?= python3
 VENV ?= .venv
 BIN := $(VENV)/bin
-PACKAGES := sidecar testbed operator
+PACKAGES := sidecar testbed operator sdk
 
 .PHONY: test lint unit venv testbed testbed-up testbed-down testbed-node-test e2e-existing clean
 
 # The test bed (testbed/pyproject.toml) is a distribution of its own, for development only.
-$(BIN)/.installed: pyproject.toml testbed/pyproject.toml
+$(BIN)/.installed: pyproject.toml testbed/pyproject.toml sdk/pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install --quiet --upgrade pip
-	$(BIN)/pip install --quiet -e '.[dev]' -e ./testbed
+	$(BIN)/pip install --quiet -e '.[dev]' -e ./testbed -e ./sdk
 	touch $@
 
 venv: $(BIN)/.installed

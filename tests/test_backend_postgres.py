@@ -16,11 +16,11 @@ import asyncpg
 import pytest
 import pytest_asyncio
 
+from singleton_sdk.asyncpg import ensure_fence_table, fence
 from singleton_sidecar.backends.postgres import PostgresBackend, takeover_wait
 from singleton_sidecar.backends.postgres_session import keepalive_settings, session_settings
 from singleton_sidecar.backends.postgres_sql import NAMESPACE
 from singleton_sidecar.core.lock import BackendMisconfigured, BackendUnavailable, Identity, LockRecord, Term, Token
-from singleton_sidecar.fencing import ensure_fence_table, fence
 from singleton_testbed.pgbouncer import PgBouncer, PoolMode
 from singleton_testbed.postgres import PostgresInfo, PostgresServer
 from tests.pgquery import fetchval

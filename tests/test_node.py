@@ -274,7 +274,7 @@ def test_the_test_apps_image_runs_the_tests_workers(real_node: RealNode, test_ap
                                                   node_namespace: str) -> None:
     """The test-only image has what ``tests/data/ledger_worker.py`` imports, from its own files,
     as the image's non-root user on a read-only root."""
-    check = ("import asyncpg, singleton_sidecar.fencing, singleton_testbed.actlog, os; "
+    check = ("import asyncpg, singleton_sdk.asyncpg, singleton_testbed.actlog, os; "
              "print(singleton_testbed.actlog.__file__, os.path.isfile('/opt/singleton-tests/data/ledger_worker.py'), "
              "os.path.isfile('/opt/singleton-tests/data/acting_app.py'), os.getuid())")
     manifest = {

@@ -13,7 +13,7 @@ before every act.
 
 Its term's token (the ``token`` column of the ledger and of the act log) is the start of the
 elector's term (``since``, in epoch ms): client-go has no fencing token. With ``--fence`` the
-writes go through ``singleton_sidecar.fencing.fence`` with that token (fence key: the group),
+writes go through ``singleton_sdk.asyncpg.fence`` with that token (fence key: the group),
 as an app beside client-go could fence them: a newer term starts later on this machine's clock,
 so a deposed leader's writes are refused once the new one has written. A refused write ends
 the worker's acting in that term (``fenced out`` in its log), as our worker exits on one.
@@ -37,7 +37,7 @@ from typing import Any
 
 import asyncpg
 
-from singleton_sidecar.fencing import StaleToken, fence
+from singleton_sdk.asyncpg import StaleToken, fence
 from singleton_testbed.actlog import FAILED, REFUSED, WRITTEN, ActLog, create_tables
 
 POLL_INTERVAL = 0.01

@@ -6,6 +6,13 @@ Probe app (pod network): ``GET /readyz`` (200 only for a leader that is not drai
 ``GET /leader`` (JSON), ``GET /metrics``. Read-only by construction: it has no
 route that changes anything.
 
+``GET /leader?after=<version>&wait=<seconds>`` is a long poll: it answers as soon as the
+document's ``version`` is no longer ``after`` (a new role, term or leader, a renewal that moved
+the term's deadline, a sidecar restarted since), when this replica's term passes its deadline
+unrenewed (``isLeader`` turns false without an event), or after ``wait`` seconds (at most 60)
+with the unchanged document. ``validFor`` is how many seconds this replica may still act
+without another renewal, so a client that hears nothing for that long knows the term is over.
+
 Control app (loopback only): ``POST /drain`` and ``POST /step-down``; ``GET /leader``; in
 cooperative mode ``POST /acting?token=N`` and ``POST /stopped?token=N``, with which an app
 (the SDK) makes the end of term N wait until it has stopped acting.
@@ -15,6 +22,9 @@ from __future__ import annotations
 
 import asyncio
 import datetime as dt
+import math
+import re
+import secrets
 from typing import Any
 
 from aiohttp import web
@@ -28,6 +38,64 @@ ELECTOR: web.AppKey[Elector] = web.AppKey("elector", Elector)
 METRICS: web.AppKey[SidecarMetrics] = web.AppKey("metrics", SidecarMetrics)
 FENCE_KEY: web.AppKey[str] = web.AppKey("fence_key", str)
 APP_ACKS: web.AppKey[CooperativeGate] = web.AppKey("app_acks", CooperativeGate)
+
+MAX_WAIT = 60.0
+"""The longest long poll, in seconds: short enough that a client's request never outlives a
+proxy's idle timeout, long enough that a standby asks about once a minute."""
+_VERSION = re.compile(r"[0-9a-f]{16}\.[0-9]+")
+
+
+class LeaderFeed:
+    """Versions of the ``/leader`` document, for long polls. A version is ``<epoch>.<count>``:
+    the epoch is random per feed, so a version from before a restart never matches, and the
+    count moves on every status the elector publishes and every move of the term's deadline."""
+
+    def __init__(self, elector: Elector) -> None:
+        self._elector = elector
+        self._epoch = secrets.token_hex(8)
+        self._count = 0
+        self._changed = asyncio.Event()
+        self._closed = False
+        elector.add_listener(self._on_change)
+        elector.add_deadline_listener(self._on_change)
+
+    def __repr__(self) -> str:
+        return f"<LeaderFeed version={self.version}>"
+
+    @property
+    def version(self) -> str:
+        return f"{self._epoch}.{self._count}"
+
+    def _on_change(self, _change: object) -> None:
+        self._count += 1
+        self._changed.set()
+        self._changed = asyncio.Event()
+
+    def close(self) -> None:
+        """Answer every waiting long poll now (the server is shutting down)."""
+        self._closed = True
+        self._changed.set()
+
+    async def wait_for_change(self, after: str, wait: float) -> None:
+        """Until the version is not ``after``, the acting term's deadline passed, the feed
+        closed, or ``wait`` seconds passed."""
+        loop = asyncio.get_running_loop()
+        end = loop.time() + wait
+        while not self._closed and self.version == after:
+            left = end - loop.time()
+            if left <= 0:
+                return
+            acting = self._elector.acting_term() is not None
+            changed = self._changed
+            try:
+                async with asyncio.timeout(min(left, self._elector.remaining()) if acting else left):
+                    await changed.wait()
+            except TimeoutError:
+                if acting and self._elector.acting_term() is None:
+                    return  # the deadline passed unrenewed: the document says isLeader false now
+
+
+FEED: web.AppKey[LeaderFeed] = web.AppKey("feed", LeaderFeed)
 
 
 def _rfc3339(epoch: float | None) -> str | None:
@@ -53,6 +121,7 @@ def leader_document(elector: Elector, fence_key: str) -> dict[str, Any]:
         "transitions": status.transitions,
         "reason": status.reason,
         "backend": elector.backend.name,
+        "validFor": round(elector.remaining(), 3),
     }
 
 
@@ -89,8 +158,53 @@ async def livez(request: web.Request) -> web.Response:
     return web.Response(text="ok\n")
 
 
+def _long_poll(request: web.Request) -> tuple[str, float] | web.Response | None:
+    """``(after, wait)`` for a long poll, None for a plain read, or a 400 answer naming the problem."""
+    after, wait = request.query.get("after"), request.query.get("wait")
+    if after is None and wait is None:
+        return None
+    if wait is None:
+        return _bad_request("query parameter after needs wait=<seconds> (the long poll's limit)")
+    if after is None:
+        return _bad_request("query parameter wait needs after=<version> (the version of an earlier answer)")
+    try:
+        seconds = float(wait)
+    except ValueError:
+        seconds = math.nan
+    if not 0 < seconds <= MAX_WAIT:  # also refuses nan
+        return _bad_request(f"query parameter wait must be a number of seconds above 0, at most {MAX_WAIT:g}, "
+                            f"got {wait!r}")
+    if not _VERSION.fullmatch(after):
+        return _bad_request(f"query parameter after must be the version of an earlier /leader answer, got {after!r}")
+    return after, seconds
+
+
+def _bad_request(message: str) -> web.Response:
+    return web.json_response({"error": message}, status=400)
+
+
 async def leader(request: web.Request) -> web.Response:
-    return web.json_response(leader_document(request.app[ELECTOR], request.app[FENCE_KEY]))
+    long_poll = _long_poll(request)
+    if isinstance(long_poll, web.Response):
+        return long_poll
+    feed = request.app[FEED]
+    if long_poll is not None:
+        await feed.wait_for_change(*long_poll)
+    # No await between reading the version and the document: they belong together.
+    return web.json_response({**leader_document(request.app[ELECTOR], request.app[FENCE_KEY]),
+                              "version": feed.version})
+
+
+def _serve_leader(app: web.Application, elector: Elector) -> None:
+    feed = LeaderFeed(elector)
+    app[FEED] = feed
+
+    async def answer_long_polls(_app: web.Application) -> None:
+        feed.close()
+
+    # on_shutdown runs before the server waits for its requests to finish: no long poll holds up an exit.
+    app.on_shutdown.append(answer_long_polls)
+    app.router.add_get("/leader", leader)
 
 
 async def metrics(request: web.Request) -> web.Response:
@@ -106,7 +220,7 @@ def probe_app(elector: Elector, sidecar_metrics: SidecarMetrics, *, fence_key: s
     app.router.add_get("/readyz", readyz)
     app.router.add_get("/livez", livez)
     app.router.add_get("/candidate", candidate)
-    app.router.add_get("/leader", leader)
+    _serve_leader(app, elector)
     app.router.add_get("/metrics", metrics)
     return app
 
@@ -171,7 +285,7 @@ def control_app(elector: Elector, *, fence_key: str, acks: CooperativeGate | Non
     app[FENCE_KEY] = fence_key
     app.router.add_post("/drain", drain)
     app.router.add_post("/step-down", step_down)
-    app.router.add_get("/leader", leader)
+    _serve_leader(app, elector)
     if acks is not None:
         app[APP_ACKS] = acks
         app.router.add_post("/acting", acting)

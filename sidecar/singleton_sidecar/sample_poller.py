@@ -1,6 +1,8 @@
-"""A sample poller for demos and end-to-end tests: while its replica leads, it processes
-one "item" every few tens of milliseconds and records each item's start and end in a
-ledger table, through fenced writes. SIGTERM: it finishes the item in flight and exits.
+"""A sample poller for demos and end-to-end tests, and an app of the SDK (``singleton_sdk``):
+while its replica leads, it processes one "item" every few tens of milliseconds and records
+each item's start and end in a ledger table, through fenced writes. When the term ends or
+starts ending, or on SIGTERM, it finishes the item in hand (``uninterrupted``) and stops;
+the sidecar releases the lock only after that.
 
     LEDGER_DSN=postgresql://... singleton-sample-poller
 
@@ -18,8 +20,9 @@ import sys
 
 import asyncpg
 
+from singleton_sdk import LeaderClient, StaleToken, Term, uninterrupted
+from singleton_sdk.asyncpg import ensure_fence_table, fenced
 from singleton_sidecar.logs import setup_logging
-from singleton_sidecar.sdk import LeaderClient, StaleToken, Term, ensure_fence_table, fenced
 
 log = logging.getLogger("sample-poller")
 
@@ -40,8 +43,9 @@ async def record(conn: asyncpg.Connection, term: Term, item: int, phase: str) ->
 
 async def main() -> int:
     setup_logging("json" if os.environ.get("SINGLETON_LOG_FORMAT") == "json" else "text")
-    stop = asyncio.Event()
-    asyncio.get_running_loop().add_signal_handler(signal.SIGTERM, stop.set)
+    main_task = asyncio.current_task()
+    assert main_task is not None
+    asyncio.get_running_loop().add_signal_handler(signal.SIGTERM, main_task.cancel)
     # A poller whose pod vanished mid-write can leave its session "idle in transaction" on the
     # server (no FIN reached it), holding the fence row: every later leader's write then waits
     # behind it. Our transactions never idle, so the server may end such a session after 5 s.
@@ -55,29 +59,31 @@ async def main() -> int:
         await conn.execute("SELECT pg_advisory_unlock(777)")
     log.info("ledger ready; working while this replica leads", extra={"backend_pid": conn.get_server_pid()})
     item = 0
-    acting: int | None = None
-    async with LeaderClient() as leadership:
-        while not stop.is_set():
-            term = await leadership.current_term()
-            token = None if term is None else term.token
-            if token != acting:
-                if token is None:
-                    log.info("not acting: the term ended", extra={"token": acting, "last_item": item})
-                else:
-                    log.info("acting", extra={"group": term.group if term else None, "token": token,
-                                              "first_item": item + 1})
-                acting = token
-            if term is None:
-                await asyncio.sleep(0.05)
-                continue
-            item += 1
-            try:
-                await record(conn, term, item, "start")
-                await asyncio.sleep(ITEM_SECONDS)  # the work
-                await record(conn, term, item, "done")
-            except StaleToken as exc:
-                log.warning("fenced out: %s", exc)
-    await conn.close()
+
+    async def work_one(term: Term, number: int) -> None:
+        await record(conn, term, number, "start")
+        await asyncio.sleep(ITEM_SECONDS)  # the work
+        await record(conn, term, number, "done")
+
+    async def act(term: Term) -> None:
+        nonlocal item
+        log.info("acting", extra={"group": term.group, "token": term.token, "first_item": item + 1})
+        try:
+            while True:
+                item += 1
+                await uninterrupted(work_one(term, item))
+        except StaleToken as exc:
+            log.warning("fenced out: %s", exc)
+        finally:
+            log.info("not acting: the term ended", extra={"token": term.token, "last_item": item})
+
+    try:
+        async with LeaderClient() as leadership:
+            await leadership.run_while_leading(act)
+    except asyncio.CancelledError:
+        log.info("SIGTERM: the item in hand is finished")
+    finally:
+        await conn.close()
     log.info("stopped", extra={"items": item})
     return 0
 

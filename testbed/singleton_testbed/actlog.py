@@ -28,7 +28,7 @@ from datetime import UTC, datetime
 
 import asyncpg
 
-from singleton_sidecar.fencing import ensure_fence_table
+from singleton_sdk.asyncpg import ensure_fence_table
 from singleton_testbed.ledger import ACTS_DDL
 
 LEDGER_DDL = """

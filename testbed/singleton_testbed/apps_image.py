@@ -1,7 +1,7 @@
 """The test-apps image: the project's image plus what the tests' own workers need, for pods of
 the real node (``node``). Test-only: never pushed, never the product.
 
-Workers such as ``tests/data/ledger_worker.py`` (asyncpg, ``singleton_sidecar.fencing``,
+Workers such as ``tests/data/ledger_worker.py`` (asyncpg, ``singleton_sdk.asyncpg``,
 ``singleton_testbed.actlog``) and ``tests/data/acting_app.py`` run inside pods. The project's
 image already has Python, asyncpg and the sidecar's package; this image adds, on top of it,
 one layer with ``tests/data`` at ``/opt/singleton-tests/data`` and the test bed's package at

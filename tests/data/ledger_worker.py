@@ -64,7 +64,7 @@ import time
 
 import asyncpg
 
-from singleton_sidecar.fencing import StaleToken, fence
+from singleton_sdk.asyncpg import StaleToken, fence
 from singleton_testbed.actlog import FAILED, REFUSED, WRITTEN, ActLog, create_tables
 
 PAUSED_ACT = 3
