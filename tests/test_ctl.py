@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import secrets
 import subprocess
 import sys
 from collections.abc import Iterator
@@ -185,6 +186,44 @@ async def test_release_of_a_postgres_group_ends_the_holders_session(  # noqa: PL
         await conn.close()
     wait_for(lambda: not leader.ready(), 3, "the old leader to stop", 0.02)
     one_leader(members, timeout=10)
+
+
+@pytest.mark.usefixtures("singleton_crd")
+def test_the_charts_operator_role_is_enough_to_release(  # noqa: PLR0917
+        cluster: Cluster, namespace: str, group: str, pg_dsn: str, pod_sidecars: Factory,  # noqa: F811
+        tmp_path: Path) -> None:
+    """No permission was added for release: the operator running as the chart's
+    ServiceAccount, with exactly its ClusterRole and Role, carries out a postgres release
+    (the group's Secret read by name, the CR annotated, the Event recorded)."""
+    from tests.kubehelpers import bound_token, token_kubeconfig
+    from tests.test_rbac import helm_template
+
+    release = "rel-" + secrets.token_hex(2)
+    objects = helm_template(release, namespace, "--show-only=templates/serviceaccount.yaml",
+                            "--show-only=templates/clusterrole.yaml", "--show-only=templates/role.yaml")
+    cluster.apply(json.dumps({"apiVersion": "v1", "kind": "List", "items": objects}))
+    cluster_scoped = [f"{o['kind'].lower()}/{o['metadata']['name']}" for o in objects
+                      if o["kind"].startswith("Cluster")]
+    account = next(o for o in objects if o["kind"] == "ServiceAccount")["metadata"]["name"]
+    kubeconfig = token_kubeconfig(cluster, bound_token(cluster, namespace, account), namespace,
+                                  tmp_path / "op.kubeconfig")
+    op = OperatorProcess(kubeconfig, namespace, tmp_path / "op.log", extra_args=["--namespace", namespace]).start()
+    try:
+        wait_for(lambda: op.role() == "leader", 30, "the operator to lead", 0.1)
+        cluster.kubectl("create", "secret", "generic", "pg", "-n", namespace, f"--from-literal=dsn={pg_dsn}")
+        body = {"apiVersion": "singleton.dev/v1alpha1", "kind": "SingletonService", "metadata": {"name": group},
+                "spec": {"backend": "postgres", "postgres": {"secretRef": {"name": "pg"}},
+                         "template": {"spec": {"containers": [{"name": "app", "image": "x"}]}}}}
+        cluster.apply(json.dumps(body), namespace=namespace)
+        members = pod_sidecars("postgres", 2, extra=SLOW)
+        leader = one_leader(members)
+        result = ctl(cluster, "release", group, "-n", namespace, "--yes")
+        assert result.returncode == 0, result.stderr + op.log()[-3000:]
+        assert result.stdout.startswith(f"ended the PostgreSQL session of holder {leader.pod}/"), result.stdout
+        assert "forbidden" not in op.log().lower(), op.log()[-3000:]
+    finally:
+        op.stop()
+        cluster.kubectl("delete", *cluster_scoped, "--ignore-not-found", check=False)
 
 
 @pytest.mark.usefixtures("singleton_crd")
