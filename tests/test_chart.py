@@ -367,9 +367,52 @@ def test_service_monitor_only_when_the_api_exists_or_forced(tmp_path: Path) -> N
         monitor = one(render(tmp_path, values, *extra), "ServiceMonitor")
         endpoint = monitor["spec"]["endpoints"][0]
         assert endpoint["port"] == "metrics" and endpoint["path"] == "/metrics"
+        assert endpoint["honorLabels"] is True  # the per-group series keep the group's namespace
         assert endpoint["interval"] == values["serviceMonitor"].get("interval", "30s")
         service = named(render(tmp_path, values, *extra), "Service", "demo-singleton-operator-metrics")
         assert set(monitor["spec"]["selector"]["matchLabels"].items()) <= set(service["metadata"]["labels"].items())
+
+
+@needs_helm
+def test_sidecar_pod_monitor_and_alerts_only_when_the_api_exists_or_forced(tmp_path: Path) -> None:
+    from singleton_operator.spec import SIDECAR_PORT_NAME
+    from singleton_sidecar import contract
+
+    assert not by_kind(render(tmp_path), "PodMonitor") and not by_kind(render(tmp_path), "PrometheusRule")
+    for kind, key in (("PodMonitor", "podMonitor"), ("PrometheusRule", "prometheusRule")):
+        failed = template(tmp_path, {"monitoring": {key: {"enabled": True}}}, check=False)
+        assert failed.returncode != 0
+        assert f"monitoring.{key}.enabled=true but the cluster serves no monitoring.coreos.com/v1 {kind}" \
+            in failed.stderr, failed.stderr
+    apis = ["--api-versions", "monitoring.coreos.com/v1/PodMonitor",
+            "--api-versions", "monitoring.coreos.com/v1/PrometheusRule"]
+    values = {"monitoring": {"podMonitor": {"enabled": True, "labels": {"release": "kube-prometheus"}},
+                             "prometheusRule": {"enabled": True, "labels": {"release": "kube-prometheus"}}}}
+    objects = render(tmp_path, values, *apis)
+    monitor = one(objects, "PodMonitor")
+    assert monitor["metadata"]["labels"]["release"] == "kube-prometheus"
+    assert monitor["spec"]["namespaceSelector"] == {"any": True}
+    # The label the operator and its webhook put on every member pod, the sidecar's port.
+    assert monitor["spec"]["selector"] == {"matchExpressions": [{"key": contract.LABEL_GROUP, "operator": "Exists"}]}
+    (endpoint,) = monitor["spec"]["podMetricsEndpoints"]
+    assert endpoint == {"port": SIDECAR_PORT_NAME, "path": "/metrics", "interval": "30s", "scrapeTimeout": "10s"}
+    rule = one(objects, "PrometheusRule")
+    assert rule["metadata"]["labels"]["release"] == "kube-prometheus"
+    assert "SingletonStuckLock" in {r["alert"] for group in rule["spec"]["groups"] for r in group["rules"]}
+    scoped = {"monitoring": {"podMonitor": {"enabled": True, "force": True,
+                                            "namespaceSelector": {"matchNames": ["feeds"]}}}}
+    assert one(render(tmp_path, scoped), "PodMonitor")["spec"]["namespaceSelector"] == {"matchNames": ["feeds"]}
+
+
+@needs_helm
+def test_dashboard_config_map_only_when_enabled(tmp_path: Path) -> None:
+    assert not [o for o in by_kind(render(tmp_path), "ConfigMap") if o["metadata"]["name"].endswith("-dashboard")]
+    objects = render(tmp_path, {"monitoring": {"dashboard": {"enabled": True, "namespace": "grafana"}}})
+    config_map = named(objects, "ConfigMap", "demo-singleton-operator-dashboard")
+    assert config_map["metadata"]["namespace"] == "grafana"
+    assert config_map["metadata"]["labels"]["grafana_dashboard"] == "1"
+    shipped = json.loads(config_map["data"]["singleton.json"])
+    assert shipped == json.loads((CHART / "dashboards" / "singleton.json").read_text())
 
 
 @needs_helm
@@ -410,6 +453,10 @@ BAD_VALUES = [
     pytest.param({"podDisruptionBudget": {"minAvailable": "half"}}, "/podDisruptionBudget/minAvailable",
                  id="pdb-min-available"),
     pytest.param({"tolerations": {"key": "x"}}, "/tolerations", id="tolerations-not-list"),
+    pytest.param({"monitoring": {"prometheusRule": {"for": {"SingletonNoLeader": "1.5m"}}}},
+                 "/monitoring/prometheusRule/for/SingletonNoLeader", id="alert-for-not-a-prometheus-duration"),
+    pytest.param({"monitoring": {"podMonitor": {"namespaceSelector": {"matchNames": "feeds"}}}},
+                 "/monitoring/podMonitor/namespaceSelector/matchNames", id="pod-monitor-namespaces-not-list"),
     pytest.param({"nodeSelector": ["linux"]}, "/nodeSelector", id="node-selector-not-map"),
     pytest.param({"admissionPolicy": {"validationActions": ["Block"]}}, "/admissionPolicy/validationActions/0",
                  id="validation-action"),

@@ -32,3 +32,6 @@ printf 'module singleton.dev/testbed/etcd\n\ngo 1.24\n\nrequire go.etcd.io/etcd/
 
 printf 'module singleton.dev/testbed/helm\n\ngo 1.24\n\nrequire helm.sh/helm/v3 %s\n' "$HELM_VERSION" > "$here/helm/go.mod"
 (cd "$here/helm" && rm -f go.sum && go mod tidy)
+
+printf 'module singleton.dev/testbed/prometheus\n\ngo 1.24\n\nrequire github.com/prometheus/prometheus %s\n' "$PROMETHEUS_VERSION" > "$here/prometheus/go.mod"
+(cd "$here/prometheus" && rm -f go.sum && go mod tidy)

@@ -66,3 +66,20 @@ def add_to_path(binaries: dict[str, Path]) -> None:
     folders = dict.fromkeys(str(path.parent) for name, path in binaries.items() if name in ("kubectl", "helm"))
     os.environ["PATH"] = os.pathsep.join([*folders, os.environ.get("PATH", "")])
     assert shutil.which("kubectl") is not None
+
+
+PROMETHEUS_NAMES = ("promtool", "prometheus")
+PROMETHEUS_BUILD_SCRIPT = BUILD_SCRIPT.with_name("build-prometheus.sh")
+
+
+def find_prometheus(name: str) -> Path:
+    """promtool or the Prometheus server: ``SINGLETON_TESTBED_PROMTOOL`` (``…_PROMETHEUS``), else
+    the cache folder of ``testbed/build-prometheus.sh``, which builds it when missing."""
+    if name not in PROMETHEUS_NAMES:
+        raise ValueError(f"unknown Prometheus binary {name!r}")
+    if explicit := os.environ.get(_env_name(name)):
+        return Path(explicit)
+    print(f"[testbed] checking {name} (a cold build takes minutes)", file=sys.stderr)
+    result = subprocess.run(["bash", str(PROMETHEUS_BUILD_SCRIPT), name], check=True, stdout=subprocess.PIPE,
+                            text=True)
+    return Path(result.stdout.strip().splitlines()[-1]) / name

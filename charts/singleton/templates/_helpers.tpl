@@ -108,3 +108,18 @@ neither is available (the policy is then not rendered and NOTES says so).
 {{- end }}
 {{- end }}
 {{- end }}
+
+{{/*
+"true" when a monitoring.coreos.com/v1 object of "kind" is to be rendered: "values" (its
+values: enabled, force) enabled, and the API served or forced; enabled without either fails
+with a message naming "key" (the values' path).
+*/}}
+{{- define "singleton.monitoringApi" -}}
+{{- if .values.enabled }}
+{{- if or .values.force (.ctx.Capabilities.APIVersions.Has (printf "monitoring.coreos.com/v1/%s" .kind)) }}
+{{- print "true" }}
+{{- else }}
+{{- fail (printf "%s.enabled=true but the cluster serves no monitoring.coreos.com/v1 %s (install the Prometheus Operator's CRDs first; with `helm template`, pass --api-versions monitoring.coreos.com/v1/%s; or set %s.force=true)" .key .kind .kind .key) }}
+{{- end }}
+{{- end }}
+{{- end }}
