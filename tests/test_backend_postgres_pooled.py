@@ -259,7 +259,7 @@ async def test_a_pgbouncer_restart_within_the_renew_deadline_keeps_the_term(
     bouncer.start()
     renewed, _ = await renew_within(holder, term, RENEW_DEADLINE)
     assert renewed.token == term.token and lost == []
-    assert await standby.acquire(Identity("b"), timeout=0.2) == LockRecord(
+    assert await standby.acquire(Identity("b"), timeout=1) == LockRecord(
         holder=Identity("a"), token=term.token, version=str(term.token))
 
 

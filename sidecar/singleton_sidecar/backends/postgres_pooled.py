@@ -46,11 +46,18 @@ expires (the lease duration), not the instant its session ends.
 - **Pooler rules** kept: no session state (no advisory locks, no session ``SET``: only
   ``set_config(..., true)`` inside the statement), no prepared statements kept across
   transactions (``statement_cache_size=0``: asyncpg then uses unnamed statements, which
-  PgBouncer before 1.21 passes through in transaction mode), every operation one statement
-  (one implicit transaction) except the one-off schema creation (one explicit transaction).
-- **Standbys poll**: every acquire call checks once, then sleeps the rest of its budget
-  (the elector passes the retry period), or only until the holder's expiry if that comes
-  sooner, and checks again then. ``LISTEN``/``NOTIFY`` would wake them on a release, but a
+  PgBouncer before 1.21 passes through in transaction mode). The frequent statements (the
+  take of every check, the renewal, the release) go in one message each, with the simple
+  query protocol and their values quoted here: asyncpg's extended protocol takes two round
+  trips (Parse/Describe, then Bind/Execute/Sync), and a transaction pooler keeps the server
+  connection assigned to the client in between, across any pause of the client, which for
+  thousands of busy clients drains the pool. The command tag (``UPDATE 1``) is the row count.
+- **Standbys poll**: every acquire call checks once (the take), then sleeps the rest of its
+  budget (the elector passes the retry period), or only until the holder's expiry if that
+  comes sooner, and checks again then. The row is read (holder, token, expiry: what the
+  standby reports and when to check again) only when what was last read may be out of date:
+  never read, or its expiry has passed; so a standby reports a new leader within a lease
+  duration. ``LISTEN``/``NOTIFY`` would wake them on a release, but a
   listener is session state that a transaction pooler cannot carry, so a release is taken
   over at the next check (within a retry period).
 """
@@ -95,33 +102,29 @@ class PooledStatements:
 
     names: Statements
 
-    @property
-    def attempt(self) -> str:
-        """$1 group, $2 identity, $3 lease seconds, $4 predecessor prefix (NULL: none).
-
-        Takes the row if it is free, expired, ours, or our predecessor's, and reports the row
-        as it was before (one row, or none if the group has no row yet)."""
-        leases = self.names.leases
+    def take(self, group: str, identity: str, lease_seconds: float, predecessor_prefix: str | None) -> str:
+        """One row updated if the row is free, expired, ours, or our predecessor's (simple
+        query protocol, like the renewal: see below)."""
+        predecessor = ("" if predecessor_prefix is None else
+                       f" OR left(r.holder, {len(predecessor_prefix)}) = {_text(predecessor_prefix)}")
         return (
-            "WITH durable AS (SELECT set_config('synchronous_commit', 'on', true) AS applied),"
-            f" before AS (SELECT holder, token, holder_pid, expires_at FROM {leases} WHERE group_name = $1),"
-            f" taken AS (UPDATE {leases} r SET holder = $2, holder_pid = NULL,"
-            "   token = greatest(coalesce(r.token, 0) + 1,"
-            "                    floor(extract(epoch FROM clock_timestamp()) * 1000)::bigint),"
-            "   transitions = r.transitions + 1, acquired_at = now(), renewed_at = now(),"
-            "   expires_at = now() + make_interval(secs => $3), released_at = NULL, stop_bound = NULL"
-            "   FROM durable d"
-            "   WHERE r.group_name = $1 AND d.applied = 'on' AND (r.holder IS NULL OR r.expires_at IS NULL"
-            "     OR r.expires_at <= now() OR r.holder = $2"
-            "     OR ($4::text IS NOT NULL AND left(r.holder, length($4::text)) = $4::text))"
+            "WITH durable AS (SELECT set_config('synchronous_commit', 'on', true) AS applied)"
+            f" UPDATE {self.names.leases} r SET holder = {_text(identity)}, holder_pid = NULL,"
+            " token = greatest(coalesce(r.token, 0) + 1, floor(extract(epoch FROM clock_timestamp()) * 1000)::bigint),"
+            " transitions = r.transitions + 1, acquired_at = now(), renewed_at = now(),"
+            f" expires_at = now() + make_interval(secs => {_seconds(lease_seconds)}), released_at = NULL,"
+            " stop_bound = NULL FROM durable d"
+            f" WHERE r.group_name = {_text(group)} AND d.applied = 'on' AND (r.holder IS NULL"
+            f" OR r.expires_at IS NULL OR r.expires_at <= now() OR r.holder = {_text(identity)}{predecessor})"
             # Not while a session-mode sidecar holds the group's advisory lock (a group moving
             # between modes): transaction-level, so a transaction pooler carries it.
-            f"     AND pg_try_advisory_xact_lock({NAMESPACE}, r.lock_id::int4)"
-            "   RETURNING r.token)"
-            " SELECT (SELECT token FROM taken) AS taken_token, b.holder, b.token, b.holder_pid,"
-            " extract(epoch FROM b.expires_at - now())::float8 AS expiry_left"
-            " FROM before b"
+            f" AND pg_try_advisory_xact_lock({NAMESPACE}, r.lock_id::int4)"
         )
+
+    @property
+    def taken(self) -> str:
+        """$1 group, $2 identity: the token of the term just taken."""
+        return f"SELECT token FROM {self.names.leases} WHERE group_name = $1 AND holder = $2"
 
     # The renewal and the release are sent with the simple query protocol, their values quoted
     # into the text here: one message and one answer, where asyncpg's extended protocol takes two
@@ -209,7 +212,8 @@ class PooledPostgresBackend:
         self._pooled_connection: bool | None = None  # a transaction pooler's client connection (None: not probed)
         self._term: Term | None = None
         self._schema_ready = False
-        self._row_ready = False
+        self._seen: LockRecord | None = None  # the row as last read, for the standby's reports
+        self._seen_until = 0.0  # local time at which that row's expiry passes
         self._busy = asyncio.Lock()  # one statement at a time on the kept connection
         self._on_loss: LossCallback | None = None
 
@@ -341,46 +345,42 @@ class PooledPostgresBackend:
     # -- steps -----------------------------------------------------------------------
 
     async def _attempt(self, identity: Identity, deadline: float) -> tuple[Term | LockRecord, float | None]:
-        """One check on a connection of its own: the new term, or the holder and the seconds
-        until its row expires (None: no expiry to wait for)."""
+        """One check: the new term, or the holder and the seconds until its row expires (None:
+        no expiry to wait for). The check itself is one message (the take); the row is read
+        (two round trips) only when what was last read of it may be out of date: never read,
+        or its expiry has passed (the holder renewed since, crashed, or released)."""
         conn = await self._connection(deadline)
         try:
             if not self._schema_ready:
                 await ensure_schema(conn, self._names, self.group)
                 self._schema_ready = True
-            sent = self._clock()
-            row = await conn.fetchrow(self._sql.attempt, self.group, identity, self.lease_duration,
-                                      self._predecessor_prefix)
-            if row is None and not self._row_ready:  # the group's first use: create its row, try again
-                await conn.execute(self._names.insert_group, self.group, self._names.lock_id_seq)
+            for _ in range(2):
                 sent = self._clock()
-                row = await conn.fetchrow(self._sql.attempt, self.group, identity, self.lease_duration,
-                                          self._predecessor_prefix)
+                status = await conn.execute(self._sql.take(self.group, identity, self.lease_duration,
+                                                           self._predecessor_prefix))
+                token = None
+                if status == "UPDATE 1":
+                    token = await conn.fetchval(self._sql.taken, self.group, identity)
+                elif self._seen is None or self._clock() >= self._seen_until:
+                    row = await conn.fetchrow(self._sql.observe, self.group)
+                    if row is None:  # the group's first use: create its row and take it
+                        await conn.execute(self._names.insert_group, self.group, self._names.lock_id_seq)
+                        continue
+                    self._seen = _record(row)
+                    self._seen_until = self._clock() + max(row["expiry_left"] or 0.0, 0.0)
+                break
         except BaseException:
             self._drop_connection("a check failed")
             raise
-        if row is None:
-            await self._idle()
-            raise BackendUnavailable(f"row of group {self.group!r} vanished while being checked")
-        self._row_ready = True
-        token = row["taken_token"]
         if token is None:
             await self._idle()
-            holder = row["holder"]
-            expiry_left = row["expiry_left"]
-            live = holder is not None and expiry_left is not None and expiry_left > 0
-            record = LockRecord(holder=Identity(holder) if live else None,
-                                token=None if row["token"] is None else Token(row["token"]),
-                                version="" if row["token"] is None else str(row["token"]))
-            return record, expiry_left if live else None
+            record = self._seen or LockRecord(holder=None, token=None)
+            left = self._seen_until - self._clock()
+            return record, (left if record.holder is not None and left > 0 else None)
+        self._seen = None
         term = Term(identity=identity, token=Token(token), version=str(token), written_at=sent,
                     acting_from=self._clock())
         self._term = term  # the connection stays for the renewals
-        previous = row["holder"]
-        if previous is not None and previous != identity and row["expiry_left"] is not None \
-                and row["expiry_left"] > 0:
-            log.info("taking over from this pod's own earlier incarnation",
-                     extra=self._fields(identity=identity, previous_holder=previous))
         log.info("acquired the lock", extra=self._fields(identity=identity, token=token))
         return term, None
 
@@ -446,7 +446,7 @@ class PooledPostgresBackend:
                 f"postgres {what} of group {self.group!r} timed out after {budget:g}s") from exc
         except _DB_ERRORS as exc:
             if isinstance(exc, asyncpg.UndefinedTableError):
-                self._schema_ready = self._row_ready = False
+                self._schema_ready, self._seen = False, None
             raise BackendUnavailable(f"postgres {what} of group {self.group!r} failed: {exc!r}") from exc
 
 
