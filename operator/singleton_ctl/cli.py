@@ -1,8 +1,9 @@
 """``kubectl singleton`` (also installed as ``singletonctl``): see and steer singleton groups.
 
+    kubectl singleton [--kubeconfig FILE] [--context NAME] COMMAND ...   (also after COMMAND)
     kubectl singleton status [GROUP] [-n NS | -A] [-o table|json|yaml]
     kubectl singleton handover GROUP [-n NS] [--to POD] [--timeout S]
-    kubectl singleton release GROUP [-n NS] [--yes] [--timeout S]
+    kubectl singleton release GROUP [-n NS] [--yes] [--timeout S] [-o text|json|yaml]
     kubectl singleton history GROUP [-n NS] [-o table|json|yaml]
     kubectl singleton inject [-f FILE ...] [-n NS] [--sidecar-image IMAGE] [--sidecar-image-pull-policy P]
                              [--sidecar-image-pull-secret S ...]   (offline: no cluster)
@@ -48,8 +49,11 @@ def parser(prog: str = "kubectl singleton") -> argparse.ArgumentParser:
     cluster.add_argument("--context", default=argparse.SUPPRESS, help="the kubeconfig context to use")
     cluster.add_argument("-n", "--namespace", default=argparse.SUPPRESS,
                          help="namespace (default: the kubeconfig context's)")
-    top = argparse.ArgumentParser(prog=prog, parents=[cluster],
-                                  description="See and steer singleton groups (SingletonServices).")
+    top = argparse.ArgumentParser(
+        prog=prog, parents=[cluster], description="See and steer singleton groups (SingletonServices).",
+        epilog="Logs in with your kubeconfig as kubectl does: contexts, exec credential plugins, OIDC, "
+               "HTTPS_PROXY/NO_PROXY. --kubeconfig, --context and -n go before or after the command. Errors are "
+               "one line, exit status 1.")
     sub = top.add_subparsers(dest="command", required=True)
 
     def add(name: str, text: str, *, group: str) -> argparse.ArgumentParser:
