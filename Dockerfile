@@ -36,16 +36,19 @@ RUN /opt/singleton/bin/pip install --only-binary=:all: --no-deps --requirement r
 COPY pyproject.toml README.md ./
 COPY sidecar/ sidecar/
 COPY operator/ operator/
+# The application SDK, a distribution of its own (sdk/pyproject.toml): the sample poller the
+# image ships is one of its apps.
+COPY sdk/ sdk/
 # A regular (non-editable) install; then prove the set is complete, compile the bytecode
 # once (the runtime filesystem is read-only) and drop pip and setuptools from the venv.
 # All of it, forced (-f), as unchecked hashes: the timestamp-based bytecode pip wrote for the
 # dependencies records whole seconds of the sources' times, which a layer may round up
 # (buildah does), leaving it stale, so Python would compile at every start.
-RUN /opt/singleton/bin/pip install --no-deps --no-compile . \
+RUN /opt/singleton/bin/pip install --no-deps --no-compile ./sdk . \
  && /opt/singleton/bin/pip check \
  && /opt/singleton/bin/pip uninstall --yes pip setuptools \
  && /opt/singleton/bin/python -m compileall -f -q --invalidation-mode unchecked-hash /opt/singleton/lib \
- && /opt/singleton/bin/python -c "import singleton_sidecar, singleton_operator" \
+ && /opt/singleton/bin/python -c "import singleton_sidecar, singleton_operator, singleton_sdk" \
  && test -x /opt/singleton/bin/singleton-operator \
  && test -x /opt/singleton/bin/singleton-sidecar
 
