@@ -7,6 +7,7 @@ import enum
 import json
 import logging
 import re
+import time
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
@@ -17,6 +18,7 @@ import pytest
 
 from singleton_operator import kopf_logs
 from singleton_sidecar.logs import JsonFormatter, TextFormatter, event_fields, setup_logging
+from singleton_testbed.procs import free_port
 from tests.conftest import Cluster
 from tests.operators import OperatorProcess
 from tests.sidecars import FAST_TIMINGS, SidecarProcess, one_leader, wait_for
@@ -180,6 +182,27 @@ def test_a_real_sidecar_logs_leadership_as_one_json_line_with_typed_fields(pg_ds
     assert type(released["reason"]) is str and released["reason"], released
     starting = next(d for d in docs if d["msg"] == "starting")
     assert starting["lease_duration"] == 2.0 and starting["backend"] == "postgres", starting
+
+
+def test_a_sidecar_whose_store_is_down_says_so_once_not_per_retry(tmp_path: Path) -> None:
+    """The runbook's first look: a standby that cannot reach PostgreSQL logs it, once."""
+    group = "g-" + uuid.uuid4().hex[:10]
+    closed = f"postgresql://app@127.0.0.1:{free_port()}/app?connect_timeout=1"
+    sidecar = SidecarProcess("down", {"SINGLETON_GROUP": group, "SINGLETON_BACKEND": "postgres",
+                                      "SINGLETON_POSTGRES_DSN": closed, **FAST_TIMINGS},
+                             tmp_path / "down.log", log_format="json").start()
+    try:
+        def outage_lines() -> list[dict[str, Any]]:
+            return [d for d in json_lines(sidecar.log()) if d["msg"] == "lock store unavailable"]
+        wait_for(lambda: outage_lines() or None, 15, "the outage line")
+        time.sleep(4 * float(FAST_TIMINGS["SINGLETON_RETRY_PERIOD"]))  # several retries, all failing
+        lines = outage_lines()
+    finally:
+        sidecar.stop()
+    assert len(lines) == 1, lines
+    (line,) = lines
+    assert (line["level"], line["group"], type(line["identity"])) == ("warning", group, str), line
+    assert "postgres acquire" in line["error"], line
 
 
 def test_a_real_operator_logs_its_own_and_kopfs_lines_in_the_same_shape(

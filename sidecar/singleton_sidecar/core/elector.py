@@ -195,7 +195,10 @@ class Elector:
             try:
                 result = await self._acquire_unless_held()
             except BackendUnavailable as exc:
-                self._note_observed(None, f"lock store unavailable: {exc}")
+                reason = f"lock store unavailable: {exc}"
+                if reason != self._status.reason:  # once per outage (and per new error), not per retry
+                    log.warning("lock store unavailable", extra=self._fields(error=str(exc)))
+                self._note_observed(None, reason)
                 await self.clock.wait(self._drain_requested, self.timings.retry_period)
                 continue
             if isinstance(result, Term):
