@@ -15,6 +15,7 @@ counts a token as expired five minutes early), so every caller asks for the toke
 
 from __future__ import annotations
 
+import collections
 import datetime as dt
 import logging
 import os
@@ -42,7 +43,8 @@ class _LoaderErrors(logging.Handler):
 
     def __init__(self) -> None:
         super().__init__(logging.ERROR)
-        self.messages: list[str] = []
+        # Bounded: an operator whose plugin keeps failing on refresh runs for days.
+        self.messages: collections.deque[str] = collections.deque(maxlen=20)
 
     def emit(self, record: logging.LogRecord) -> None:
         if f"kubernetes{os.sep}config" in record.pathname:
@@ -129,7 +131,7 @@ def resolve(path: str | None = None, context: str | None = None) -> Resolved:
     files = path or os.environ.get("KUBECONFIG") or k8s_kube_config.KUBE_CONFIG_DEFAULT_LOCATION
     if not any(Path(p).expanduser().is_file() for p in files.split(os.pathsep) if p):
         raise KubeLoginError(f"no kubeconfig at {files} (give --kubeconfig or set KUBECONFIG)")
-    before = len(_loader_errors.messages)
+    _loader_errors.messages.clear()
     merged = k8s_kube_config.KubeConfigMerger(files)  # type: ignore[no-untyped-call]
     if merged.config is None:
         raise KubeLoginError(f"no kubeconfig at {files} (give --kubeconfig or set KUBECONFIG)")
@@ -143,7 +145,7 @@ def resolve(path: str | None = None, context: str | None = None) -> Resolved:
     user_name = loader.current_context["context"].get("user")
     users = {str(_plain(u)["name"]): _plain(u).get("user") or {} for u in _entries(merged.config, "users")}
     exec_plugin = _plain(users.get(str(user_name)) or {}).get("exec")
-    failed = _loader_errors.messages[before:]
+    failed = list(_loader_errors.messages)
     if exec_plugin is not None and resolved.bearer_token() is None and not configuration.cert_file:
         command = exec_plugin.get("command")
         raise KubeLoginError(f"context {resolved.context!r}: exec credential plugin {command!r} gave no "
