@@ -155,7 +155,7 @@ def test_status_follows_the_pods_within_a_second_with_an_event(
     controllers: Cluster, namespace: str, operators: Factory
 ) -> None:
     cluster = controllers
-    operators()
+    operator = operators()
     name = "st-" + uuid.uuid4().hex[:4]
     cluster.apply(service(name), namespace=namespace)
     pods = wait_for(lambda: (items := get_json(cluster, "pods", "-n", namespace, "-l",
@@ -178,6 +178,10 @@ def test_status_follows_the_pods_within_a_second_with_an_event(
     events = get_json(cluster, "events", "-n", namespace, "--field-selector", f"involvedObject.name={name}")
     messages = [e["message"] for e in events["items"] if e["reason"] == "LeaderChanged"]
     assert any(pods[1] in m and "token 12" in m for m in messages), messages
+    # Counted per group like the Events: the first leader, then the second.
+    samples = {(sample.name, tuple(sorted(sample.labels.items()))): sample.value
+               for family in text_string_to_metric_families(operator.get("/metrics")[1]) for sample in family.samples}
+    assert samples[("singleton_operator_leader_changes_total", (("group", name), ("namespace", namespace)))] == 2
 
 
 def test_deleting_the_service_removes_everything(controllers: Cluster, namespace: str, operators: Factory) -> None:

@@ -1,0 +1,51 @@
+"""The metrics' own bookkeeping: terms won and the lock seen held (sidecar), per-group series
+dropped with their group (operator). What they export over HTTP is tested across the real
+boundary in test_sidecar_postgres.py and test_operator.py."""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry
+
+from singleton_operator.metrics import OperatorMetrics
+from singleton_sidecar.core.lock import Identity, Term, Token
+from singleton_sidecar.core.status import ElectionStatus, Role
+from singleton_sidecar.metrics import SidecarMetrics
+
+ME, OTHER = Identity("me"), Identity("other")
+
+
+def status(role: Role, leader: Identity | None, token: int | None = None) -> ElectionStatus:
+    term = Term(identity=ME, token=Token(token), version=str(token)) if token is not None else None
+    return ElectionStatus(group="g", identity=ME, role=role, term=term, leader=leader, leader_token=None,
+                          leader_since=None, transitions=0, reason="test")
+
+
+def value(registry: CollectorRegistry, name: str) -> float | None:
+    return registry.get_sample_value(name, {"group": "g", "backend": "lease"})
+
+
+def test_a_term_counts_once_from_leader_through_draining_and_the_lock_follows_the_observed_holder() -> None:
+    metrics = SidecarMetrics("g", "lease")
+    seen = []
+    for step in (status(Role.STANDBY, None), status(Role.STANDBY, OTHER), status(Role.LEADER, ME, 1),
+                 status(Role.DRAINING, ME, 1), status(Role.STANDBY, None), status(Role.LEADER, ME, 2)):
+        metrics.on_status(step)
+        seen.append((value(metrics.registry, "singleton_terms_total"), value(metrics.registry, "singleton_lock_held")))
+    assert seen == [(0, 0), (0, 1), (1, 1), (1, 1), (1, 0), (2, 1)]
+
+
+def test_a_forgotten_group_loses_its_series() -> None:
+    metrics = OperatorMetrics()
+    for group in ("a", "b"):
+        metrics.reconcile_failed("feeds", group, "SecretNotFound")
+        metrics.leader_changes.labels("feeds", group).inc()
+    metrics.reconcile_failed("feeds", "a", "InvalidSpec")
+    metrics.forget("feeds", "a")
+    errors = {tuple(sample.labels.values()) for family in metrics.registry.collect() for sample in family.samples
+              if sample.name == "singleton_operator_reconcile_errors_total"}
+    assert errors == {("feeds", "b", "SecretNotFound")}
+    assert metrics.registry.get_sample_value("singleton_operator_leader_changes_total",
+                                             {"namespace": "feeds", "group": "a"}) is None
+    assert metrics.registry.get_sample_value("singleton_operator_leader_changes_total",
+                                             {"namespace": "feeds", "group": "b"}) == 1
+    metrics.forget("feeds", "never-seen")  # a group without series is fine
