@@ -375,7 +375,8 @@ def test_service_monitor_only_when_the_api_exists_or_forced(tmp_path: Path) -> N
 
 @needs_helm
 def test_sidecar_pod_monitor_and_alerts_only_when_the_api_exists_or_forced(tmp_path: Path) -> None:
-    from singleton_operator.spec import SIDECAR_PORT_NAME
+    from singleton_operator import resources
+    from singleton_operator.spec import SIDECAR_CONTAINER, SIDECAR_PORT_NAME, read_spec
     from singleton_sidecar import contract
 
     assert not by_kind(render(tmp_path), "PodMonitor") and not by_kind(render(tmp_path), "PrometheusRule")
@@ -396,6 +397,16 @@ def test_sidecar_pod_monitor_and_alerts_only_when_the_api_exists_or_forced(tmp_p
     assert monitor["spec"]["selector"] == {"matchExpressions": [{"key": contract.LABEL_GROUP, "operator": "Exists"}]}
     (endpoint,) = monitor["spec"]["podMetricsEndpoints"]
     assert endpoint == {"port": SIDECAR_PORT_NAME, "path": "/metrics", "interval": "30s", "scrapeTimeout": "10s"}
+    # The pod template the operator builds (and the webhook injects) matches it: the label, and
+    # the sidecar's port by that name is the one it serves /metrics on.
+    spec = read_spec({"metadata": {"name": "feed", "namespace": "feeds", "uid": "u-1", "generation": 1},
+                      "spec": {"template": {"spec": {"containers": [{"name": "app", "image": "app:1"}]}}}},
+                     default_sidecar_image="sidecar:1")
+    pod = resources.pod_template(spec)
+    assert contract.LABEL_GROUP in pod["metadata"]["labels"]
+    (sidecar,) = [c for c in pod["spec"]["initContainers"] if c["name"] == SIDECAR_CONTAINER]
+    (port,) = [p["containerPort"] for p in sidecar["ports"] if p["name"] == SIDECAR_PORT_NAME]
+    assert {"name": contract.ENV_LISTEN, "value": f"0.0.0.0:{port}"} in sidecar["env"]
     rule = one(objects, "PrometheusRule")
     assert rule["metadata"]["labels"]["release"] == "kube-prometheus"
     assert "SingletonStuckLock" in {r["alert"] for group in rule["spec"]["groups"] for r in group["rules"]}
