@@ -99,7 +99,7 @@ def test_the_long_poll_answers_on_each_change_and_waits_otherwise(pair: list[Sid
         status, same, took = get_json(standby, f"/leader?after={first['version']}&wait=1")
         assert status == 200
         if same["version"] == first["version"]:
-            assert 0.95 <= took < 1.5, (took, same)
+            assert 0.95 <= took < 1.5 and 0.95 <= same["waited"] <= took, (took, same)
             unchanged += 1
         first = same
     assert unchanged >= 3
@@ -208,6 +208,24 @@ async def test_the_body_is_cancelled_when_the_term_ends_and_the_sidecar_waits_fo
         assert "is ending" in lost.value.reason or "is over" in lost.value.reason, lost.value.reason
     if ending == "sigstop":
         leader.signal_sidecar_only(signal.SIGCONT)
+
+
+async def test_a_healthy_term_is_not_cut_short_when_renewals_come_at_half_the_deadline(
+        pg_dsn: str, tmp_path: Path) -> None:
+    """Renewals every 0.5 s, renew deadline 1 s: each long-poll answer arrives just as the
+    previous one's validFor would run out if it were counted from the request's start; it is
+    counted from the moment the sidecar answered (the request's start plus ``waited``)."""
+    timings = {"SINGLETON_LEASE_DURATION": "2", "SINGLETON_RENEW_DEADLINE": "1", "SINGLETON_RETRY_PERIOD": "0.5"}
+    sidecar = SidecarProcess("tight", {"SINGLETON_GROUP": "sdk-" + uuid.uuid4().hex[:8],
+                                       "SINGLETON_POSTGRES_DSN": pg_dsn, **timings}, tmp_path / "tight.log").start()
+    try:
+        await asyncio.to_thread(one_leader, [sidecar])
+        async with client_of(sidecar) as client:
+            async with client.leadership() as term:
+                await asyncio.sleep(5)
+            assert (await client.status()).token == term.token
+    finally:
+        sidecar.stop()
 
 
 async def test_a_body_that_finishes_first_exits_normally_and_the_sidecar_is_told(

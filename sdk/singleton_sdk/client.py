@@ -112,41 +112,34 @@ class LeaderClient:
         return term
 
     async def _wait_for_term(self, newer_than: int) -> tuple[Term, Leadership, float]:
-        """The term, the answer that showed it and the loop time at which it was asked."""
+        """The term, the answer that showed it and the loop time from which its ``validFor`` counts."""
         loop = asyncio.get_running_loop()
         seen: Leadership | None = None
-        plain = True
         while True:
             asked = loop.time()
             try:
-                answer = await self.status(after=None if plain else seen)
+                seen = await self.status(after=seen)
             except _UNREACHABLE as exc:
                 log.debug("sidecar %s not reachable: %r", self.leader_url, exc)
-                plain = True
+                seen = None
                 await asyncio.sleep(self.retry)
                 continue
-            term = answer.term()
+            term = seen.term()
             if term is not None and term.token > newer_than:
-                if plain:
-                    return term, answer, asked
-                # A long poll's answer may have been made long after it was asked: its validFor
-                # counts from an unknown moment. Ask again without waiting.
-                plain = True
-            else:
-                plain = False
-            seen = answer
+                return term, seen, asked + seen.waited
 
-    async def watch(self, term: Term, seen: Leadership, asked: float) -> str:
+    async def watch(self, term: Term, seen: Leadership, since: float) -> str:
         """Returns why ``term`` is over or ending, as soon as it is: the sidecar says so, cannot
         be reached, or gives no newer answer within the last answer's ``validFor`` (``seen``,
-        asked at loop time ``asked``)."""
+        counted from loop time ``since``: the request's start plus the time the sidecar held
+        it, no later than the moment the answer was made)."""
         loop = asyncio.get_running_loop()
         while (reason := seen.ends(term)) is None:
             try:
-                async with asyncio.timeout_at(asked + seen.valid_for):
-                    now = loop.time()
+                async with asyncio.timeout_at(since + seen.valid_for):
+                    asked = loop.time()
                     seen = await self.status(after=seen)
-                asked = now
+                since = asked + seen.waited
             except TimeoutError:
                 return f"term {term.token}: no word from the sidecar within its deadline"
             except (OSError, aiohttp.ClientError, SidecarError) as exc:
@@ -232,7 +225,7 @@ class Leading:
         client = self._client
         try:
             while True:
-                term, seen, asked = await client._wait_for_term(self._newer_than)
+                term, seen, since = await client._wait_for_term(self._newer_than)
                 if await client.register(term):
                     break
                 await asyncio.sleep(client.retry)  # the term ended between the answer and the registration
@@ -241,11 +234,11 @@ class Leading:
                 await client.close()
             raise
         self._term = term
-        self._watcher = asyncio.create_task(self._watch(term, seen, asked), name=f"singleton-term-{term.token}")
+        self._watcher = asyncio.create_task(self._watch(term, seen, since), name=f"singleton-term-{term.token}")
         return term
 
-    async def _watch(self, term: Term, seen: Leadership, asked: float) -> None:
-        reason = await self._client.watch(term, seen, asked)
+    async def _watch(self, term: Term, seen: Leadership, since: float) -> None:
+        reason = await self._client.watch(term, seen, since)
         # No await between here and the cancel: stopping this task in __aexit__ either comes
         # before both or after both.
         self._lost = reason

@@ -122,9 +122,9 @@ class LeaderClient:
         ending. Once the block has exited, the sidecar is told the app stopped. A block that
         exits normally after the loss raises ``LeadershipLost`` (the code after the block runs
         only if the body finished while the term held)."""
-        term, seen, asked = self._call(self._acquire(newer_than))
+        term, seen, since = self._call(self._acquire(newer_than))
         acting = SyncTerm(group=term.group, identity=term.identity, token=term.token, fence_key=term.fence_key)
-        watcher = self._submit(self._client.watch(term, seen, asked))
+        watcher = self._submit(self._client.watch(term, seen, since))
 
         def on_end(done: Future[str]) -> None:
             if done.cancelled():
@@ -144,9 +144,9 @@ class LeaderClient:
 
     async def _acquire(self, newer_than: int) -> tuple[Term, Leadership, float]:
         while True:
-            term, seen, asked = await self._client._wait_for_term(newer_than)
+            term, seen, since = await self._client._wait_for_term(newer_than)
             if await self._client.register(term):
-                return term, seen, asked
+                return term, seen, since
             await asyncio.sleep(self._client.retry)
 
     def run_while_leading(self, act: Callable[[SyncTerm], object]) -> NoReturn:

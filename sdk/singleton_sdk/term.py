@@ -44,6 +44,8 @@ class Leadership:
     """Opaque; passed back as ``after`` so that the next long poll answers on the next change."""
     valid_for: float
     """Seconds this replica may still act without another renewal (0 when it does not act)."""
+    waited: float
+    """Seconds the sidecar held the request before answering (a long poll), floored."""
 
     @classmethod
     def from_document(cls, doc: dict[str, Any]) -> Leadership:
@@ -51,7 +53,8 @@ class Leadership:
             return cls(group=doc["group"], identity=doc["identity"], role=doc["role"],
                        is_leader=bool(doc["isLeader"]), token=doc.get("token"), leader=doc.get("leader"),
                        fence_key=doc.get("fenceKey") or doc["group"], reason=doc.get("reason") or "",
-                       version=str(doc["version"]), valid_for=float(doc["validFor"]))
+                       version=str(doc["version"]), valid_for=float(doc["validFor"]),
+                       waited=float(doc["waited"]))
         except (KeyError, TypeError, ValueError) as exc:
             raise SidecarError(f"the sidecar's /leader answer lacks or garbles {exc}: "
                                "is the sidecar older than this SDK?") from exc

@@ -11,7 +11,9 @@ document's ``version`` is no longer ``after`` (a new role, term or leader, a ren
 the term's deadline, a sidecar restarted since), when this replica's term passes its deadline
 unrenewed (``isLeader`` turns false without an event), or after ``wait`` seconds (at most 60)
 with the unchanged document. ``validFor`` is how many seconds this replica may still act
-without another renewal, so a client that hears nothing for that long knows the term is over.
+without another renewal, so a client that hears nothing for that long knows the term is over;
+``waited`` is how long the answer was held (floored), so that the client can count
+``validFor`` from no earlier than its request's start plus ``waited``.
 
 Control app (loopback only): ``POST /drain`` and ``POST /step-down``; ``GET /leader``; in
 cooperative mode ``POST /acting?token=N`` and ``POST /stopped?token=N``, with which an app
@@ -188,11 +190,14 @@ async def leader(request: web.Request) -> web.Response:
     if isinstance(long_poll, web.Response):
         return long_poll
     feed = request.app[FEED]
+    loop = asyncio.get_running_loop()
+    started = loop.time()
     if long_poll is not None:
         await feed.wait_for_change(*long_poll)
+    waited = math.floor((loop.time() - started) * 1000) / 1000
     # No await between reading the version and the document: they belong together.
     return web.json_response({**leader_document(request.app[ELECTOR], request.app[FENCE_KEY]),
-                              "version": feed.version})
+                              "version": feed.version, "waited": waited})
 
 
 def _serve_leader(app: web.Application, elector: Elector) -> None:
