@@ -8,11 +8,13 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
 import threading
 import time
+import tomllib
 import urllib.parse
 import uuid
 from collections.abc import Iterator
@@ -438,6 +440,20 @@ def test_the_sdk_reaches_the_sidecar_the_operator_puts_beside_it(monkeypatch: py
     assert LeaderClient().leader_url == DEFAULT_LEADER_URL
     with pytest.raises(ValueError, match="wait must be above 0 and at most 60 seconds"):
         LeaderClient(wait=90)
+
+
+def test_the_sdk_distribution_needs_aiohttp_alone() -> None:
+    """Its own distribution: aiohttp is its one dependency, the drivers are extras, and
+    importing it (the twin included) loads nothing of the operator, the sidecar or a driver."""
+    project = tomllib.loads((Path(__file__).parents[1] / "sdk" / "pyproject.toml").read_text())["project"]
+    assert project["name"] == "kube-singleton-sdk"
+    assert [re.split(r"[<>=]", d)[0] for d in project["dependencies"]] == ["aiohttp"]
+    assert set(project["optional-dependencies"]) == {"asyncpg", "psycopg", "sqlalchemy"}
+    check = ("import sys, singleton_sdk, singleton_sdk.sync; "
+             "print(sorted({m.split('.')[0] for m in sys.modules} & {'kopf', 'kubernetes', 'singleton_sidecar', "
+             "'singleton_operator', 'asyncpg', 'psycopg', 'sqlalchemy'}))")
+    loaded = subprocess.run([sys.executable, "-c", check], capture_output=True, text=True, check=True)
+    assert loaded.stdout.strip() == "[]", loaded
 
 
 # --- fencing ------------------------------------------------------------------------------
