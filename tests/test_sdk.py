@@ -151,7 +151,7 @@ def test_the_long_poll_refuses_bad_parameters_by_name(pair: list[SidecarProcess]
 
 # --- leadership(): cancelled on loss, released only after --------------------------------
 
-async def _body_until_cancelled(standby: SidecarProcess, marks: dict[str, float], step: float) -> None:
+async def body_until_cancelled(standby: SidecarProcess, marks: dict[str, float], step: float) -> None:
     """Acts until cancelled; then goes on for ``step`` seconds (finishing its step), checking
     all the while that no other replica leads."""
     try:
@@ -182,7 +182,7 @@ async def test_the_body_is_cancelled_when_the_term_ends_and_the_sidecar_waits_fo
         async def app() -> Term:
             async with client.leadership() as term:
                 entered.set()
-                await _body_until_cancelled(standby, marks, step)
+                await body_until_cancelled(standby, marks, step)
             return term
 
         task = asyncio.create_task(app())

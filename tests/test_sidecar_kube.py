@@ -320,3 +320,35 @@ async def test_a_native_sidecar_takes_the_kubelets_sigterm_during_deletion_as_th
     await asyncio.to_thread(one_leader, [other], 5)
     assert time.monotonic() - started < 1.0
     assert await asyncio.to_thread(leader.wait_exit, 10) == 0
+
+
+async def test_a_handover_through_the_pod_cancels_the_sdk_body_before_the_lease_passes(
+        cluster: Cluster, pod_sidecars: Factory) -> None:
+    """``kubectl singleton handover``'s request on the leader's pod (the step-down annotation,
+    read through the API server): the SDK's ``leadership()`` block is cancelled, and the Lease
+    passes to the other pod only once the block has exited."""
+    from singleton_sdk import LeaderClient, LeadershipLost
+    from tests.test_sdk import STEP_SECONDS, body_until_cancelled
+
+    members = pod_sidecars("lease", 2)
+    leader = await asyncio.to_thread(one_leader, members)
+    standby = next(s for s in members if s is not leader)
+    marks: dict[str, float] = {}
+    async with LeaderClient(leader.url + "/leader", control_url=f"http://127.0.0.1:{leader.control_port}") as client:
+        entered = asyncio.Event()
+
+        async def app() -> None:
+            async with client.leadership():
+                entered.set()
+                await body_until_cancelled(standby, marks, STEP_SECONDS)
+
+        task = asyncio.create_task(app())
+        await asyncio.wait_for(entered.wait(), 5)
+        requested = time.monotonic()
+        await asyncio.to_thread(cluster.kubectl, "annotate", "pod", leader.pod, "-n", leader.namespace,
+                                f"{contract.ANNOTATION_STEP_DOWN}={uuid.uuid4().hex}", "--overwrite")
+        with pytest.raises(LeadershipLost, match="is ending"):
+            await asyncio.wait_for(task, 15)
+    assert marks["cancelled"] - requested < 2.0
+    await asyncio.to_thread(wait_for, standby.ready, 5, "the other pod to lead")
+    assert time.monotonic() - marks["exited"] < 3.0
