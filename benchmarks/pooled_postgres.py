@@ -54,6 +54,8 @@ import asyncpg
 from singleton_sdk.asyncpg import StaleToken, fence
 from singleton_sidecar.backends.postgres import PostgresBackend
 from singleton_sidecar.backends.postgres_pooled import PooledPostgresBackend
+from singleton_sidecar.backends.postgres_session import ensure_schema
+from singleton_sidecar.backends.postgres_sql import Statements
 from singleton_sidecar.core.elector import Elector
 from singleton_sidecar.core.lock import Identity
 from singleton_sidecar.core.status import ElectionStatus, Role
@@ -162,6 +164,9 @@ async def worker(config: dict[str, Any]) -> dict[str, Any]:
         candidate.elector.request_drain()
     await asyncio.wait(tasks, timeout=30)
     await asyncio.gather(*(candidate.backend.close() for candidate in candidates))
+    for candidate in candidates:  # still leading when the run ended: acting until its deadline at most
+        if candidate.acting and candidate.acting[-1][2] is None:
+            candidate.acting[-1][2] = min(time.monotonic(), candidate.deadline or float("inf"))
     return {
         "renewals": renewals,
         "acting": {f"{c.group} {c.identity}": c.acting for c in candidates},
@@ -204,6 +209,9 @@ async def pooled_run(args: argparse.Namespace, number: int, bouncer: PgBouncer, 
     setup = await asyncpg.connect(app_dsn)
     try:
         await create_tables(setup)
+        # The lease table exists, as it does once a database has had its first group: 3,000
+        # candidates finding it missing at once would all queue for the schema's lock.
+        await ensure_schema(setup, Statements.build("public", "singleton_leases"), "setup")
     finally:
         await setup.close()
     start = time.monotonic()
