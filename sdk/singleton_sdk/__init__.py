@@ -10,20 +10,39 @@
 ``$SINGLETON_LEADER_URL`` and ``$SINGLETON_CONTROL_URL``, which the operator sets.
 """
 
-from singleton_sdk.client import (
-    DEFAULT_CONTROL_URL,
-    DEFAULT_LEADER_URL,
-    ENV_CONTROL_URL,
-    ENV_LEADER_URL,
-    LeaderClient,
-    LeadershipLost,
-    Leading,
-    leadership,
-    run_while_leading,
-    uninterrupted,
-)
+from typing import TYPE_CHECKING, Any
+
 from singleton_sdk.fence import FENCE_DDL, StaleToken
 from singleton_sdk.term import Leadership, SidecarError, Term
+
+if TYPE_CHECKING:
+    from singleton_sdk.client import (
+        DEFAULT_CONTROL_URL,
+        DEFAULT_LEADER_URL,
+        ENV_CONTROL_URL,
+        ENV_LEADER_URL,
+        LeaderClient,
+        LeadershipLost,
+        Leading,
+        leadership,
+        run_while_leading,
+        uninterrupted,
+    )
+
+_CLIENT_NAMES = frozenset({"DEFAULT_CONTROL_URL", "DEFAULT_LEADER_URL", "ENV_CONTROL_URL", "ENV_LEADER_URL",
+                           "LeaderClient", "LeadershipLost", "Leading", "leadership", "run_while_leading",
+                           "uninterrupted"})
+
+
+def __getattr__(name: str) -> Any:
+    """The client's names, imported when first asked for: the client loads aiohttp, which a
+    process that only makes fenced writes (``singleton_sdk.asyncpg``) need not wait for."""
+    if name in _CLIENT_NAMES:
+        from singleton_sdk import client
+
+        return getattr(client, name)
+    raise AttributeError(f"module 'singleton_sdk' has no attribute {name!r}")
+
 
 __all__ = [
     "DEFAULT_CONTROL_URL",
