@@ -290,11 +290,15 @@ class Terms:
 def judge_terms(groups: Sequence[str], spans: dict[str, list[tuple[int, float, float]]], killed_at: float) -> Terms:
     terms = Terms()
     for group in groups:
-        ordered = sorted(spans.get(group, []), key=lambda span: span[1])
+        # A term whose deadline passed before it was published (its acquisition's answer came
+        # late) never acted: its gate's check fails at once. Such spans are empty.
+        ordered = sorted((span for span in spans.get(group, []) if span[2] > span[1]), key=lambda span: span[1])
         reach: tuple[int, float] | None = None  # (token, end) of the span that reaches furthest so far
         for token, began, ended in ordered:
             if reach is not None and began < reach[1] and token != reach[0]:
                 terms.overlaps += 1
+                print(f"acting overlap in {group}: token {token} began {reach[1] - began:.3f}s before token "
+                      f"{reach[0]} stopped; spans {ordered}", file=sys.stderr, flush=True)
             if reach is None or ended > reach[1]:
                 reach = (token, ended)
         if any(began <= killed_at < ended for _token, began, ended in ordered):
