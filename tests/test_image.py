@@ -242,12 +242,14 @@ def test_every_module_of_the_venv_has_bytecode_valid_whatever_the_file_times(bui
 def test_the_test_bed_is_not_in_the_image(built: Built, run: RunInImage) -> None:
     found = [str(path) for path in built.rootfs.rglob("*") if "testbed" in path.name]
     assert found == []
-    (dist_info,) = (built.rootfs / SITE).glob("singleton-*.dist-info")
+    (dist_info,) = (built.rootfs / SITE).glob("kube_singleton-*.dist-info")
     assert (dist_info / "top_level.txt").read_text().split() == [
         "singleton_ctl", "singleton_operator", "singleton_sidecar"]
     scripts = re.findall(r"^(\S+) = ", (dist_info / "entry_points.txt").read_text(), flags=re.MULTILINE)
     assert sorted(scripts) == ["kubectl-singleton", "singleton-operator", "singleton-sample-poller",
                                "singleton-sidecar", "singletonctl"]
+    (sdk_info,) = (built.rootfs / SITE).glob("kube_singleton_sdk-*.dist-info")  # the SDK, its own distribution
+    assert (sdk_info / "top_level.txt").read_text().split() == ["singleton_sdk"]
     result = run("python", "-c", "import importlib.util as u; print(u.find_spec('singleton_testbed'))")
     assert (result.returncode, result.stdout) == (0, "None\n"), result.stderr
 
