@@ -71,5 +71,5 @@ def test_the_launcher_without_the_package_says_what_to_install() -> None:
                             text=True, check=False)
     assert result.returncode == 1
     assert result.stderr.startswith("kubectl singleton: error: the kube-singleton Python package is missing (")
-    assert result.stderr.rstrip().endswith("install it with: python3 -m pip install kube-singleton")
+    assert result.stderr.rstrip().endswith("install it with: python3 -m pip install 'kube-singleton[cli]'")
     assert len(result.stderr.strip().splitlines()) == 1

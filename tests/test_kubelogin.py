@@ -277,3 +277,32 @@ def test_the_operator_logs_in_through_exec_and_renews_the_token(cluster: Cluster
         if op is not None:
             op.stop()
         cluster.kubectl("delete", "clusterrolebinding", binding, "--ignore-not-found", check=False)
+
+
+# The official client is the package's `cli` extra: the image leaves it out (126 MB installed).
+# Hiding it (None in sys.modules) is how a venv without the extra looks to the import system.
+_WITHOUT_THE_CLIENT = "import sys; sys.modules['kubernetes'] = None; sys.argv[0] = {argv0!r}; {code}"
+
+
+@pytest.mark.parametrize("argv0", ["kubectl-singleton", "singletonctl"])
+def test_the_plugin_without_the_cli_extra_says_how_to_install_it(argv0: str) -> None:
+    code = "from singleton_ctl.entry import main; sys.argv[1:] = ['status', '-A']; sys.exit(main())"
+    result = subprocess.run([str(BIN / "python"), "-c", _WITHOUT_THE_CLIENT.format(argv0=argv0, code=code)],
+                            capture_output=True, text=True, timeout=60, check=False)
+    prog = "singletonctl" if argv0 == "singletonctl" else "kubectl singleton"
+    assert (result.returncode, result.stdout) == (1, "")
+    assert result.stderr == (f"{prog}: error: needs the official kubernetes client: "
+                             "pip install 'kube-singleton[cli]'\n")
+
+
+def test_the_operator_with_a_kubeconfig_but_without_the_cli_extra_says_how_to_install_it(tmp_path: Path) -> None:
+    kubeconfig = tmp_path / "kubeconfig"
+    kubeconfig.write_text("apiVersion: v1\nkind: Config\n")
+    code = f"from singleton_operator.cli import main; sys.exit(main(['run', '--kubeconfig', {str(kubeconfig)!r}]))"
+    result = subprocess.run(
+        [str(BIN / "python"), "-c", _WITHOUT_THE_CLIENT.format(argv0="singleton-operator", code=code)],
+        capture_output=True, text=True, timeout=60, check=False)
+    assert result.returncode == 2, result.stderr
+    assert result.stderr.strip().splitlines()[-1] == (
+        "singleton-operator: error: kubeconfig: a kubeconfig outside a pod needs the official kubernetes client: "
+        "pip install 'kube-singleton[cli]'")

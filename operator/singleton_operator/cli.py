@@ -23,6 +23,7 @@ from typing import TYPE_CHECKING
 from singleton_operator import kopf_logs
 from singleton_sidecar.config import ConfigError, Listen, _listen
 from singleton_sidecar.early_stop import stop_on_sigterm_until_started
+from singleton_sidecar.kube import KubeConfigError
 from singleton_sidecar.logs import setup_logging
 
 if TYPE_CHECKING:
@@ -184,7 +185,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     kopf_logs.install()
     from singleton_operator.runtime import run_operator
 
-    return asyncio.run(run_operator(config))
+    try:
+        return asyncio.run(run_operator(config))
+    except KubeConfigError as exc:  # a kubeconfig that gives no credentials: one line, as for bad settings
+        print(f"{PROG}: error: kubeconfig: {exc}", file=sys.stderr)
+        return 2
 
 
 if __name__ == "__main__":

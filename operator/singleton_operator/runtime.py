@@ -36,7 +36,7 @@ from singleton_sidecar.core.elector import Elector
 from singleton_sidecar.core.lock import Identity
 from singleton_sidecar.core.status import ElectionStatus, Role
 from singleton_sidecar.core.timings import BACKEND_DEFAULTS
-from singleton_sidecar.kube import KubeClient, KubeConfig, KubeError, load_kube_config
+from singleton_sidecar.kube import KubeClient, KubeConfig, KubeConfigError, KubeError, load_kube_config
 
 log = logging.getLogger(__name__)
 
@@ -101,9 +101,18 @@ def kube_access(kubeconfig: str | None) -> tuple[KubeConfig, Callable[[], dt.dat
     renewed token every request of ours and kopf's asks for (docs/operator.md)."""
     if kubeconfig is None and not os.environ.get("KUBECONFIG") and os.environ.get("KUBERNETES_SERVICE_HOST"):
         return load_kube_config(None), lambda: None
-    from singleton_operator.kubelogin import resolve  # the official client: outside a pod only
+    try:
+        from singleton_operator.kubelogin import KubeLoginError, resolve  # the official client: outside a pod only
+    except ModuleNotFoundError as exc:
+        if (exc.name or "").partition(".")[0] != "kubernetes":
+            raise
+        raise KubeConfigError("a kubeconfig outside a pod needs the official kubernetes client: "
+                              "pip install 'kube-singleton[cli]'") from exc
 
-    resolved = resolve(kubeconfig)
+    try:
+        resolved = resolve(kubeconfig)
+    except KubeLoginError as exc:
+        raise KubeConfigError(str(exc)) from exc
     return resolved.kube_config(), resolved.expiration
 
 
