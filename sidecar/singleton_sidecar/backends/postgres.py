@@ -75,7 +75,14 @@ from typing import TYPE_CHECKING, TypeAlias
 
 import asyncpg
 
-from singleton_sidecar.backends.postgres_session import check_session, ensure_schema, session_settings
+from singleton_sidecar.backends.postgres_session import (
+    DB_ERRORS,
+    check_session,
+    close_connection,
+    ensure_schema,
+    lock_record,
+    session_settings,
+)
 from singleton_sidecar.backends.postgres_sql import NAMESPACE, Statements
 from singleton_sidecar.core.identity import is_predecessor
 from singleton_sidecar.core.lock import (
@@ -93,7 +100,6 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 _LOCK_RESERVE_MAX = 0.5  # seconds of an acquire's budget kept for the work after the lock wait
-_DB_ERRORS = (OSError, asyncpg.PostgresError, asyncpg.InterfaceError, asyncpg.InternalClientError)
 
 
 class PostgresBackend:
@@ -257,7 +263,7 @@ class PostgresBackend:
         if self._busy.locked():
             conn.terminate()
         else:
-            await _close(conn)
+            await close_connection(conn)
 
     # -- steps -----------------------------------------------------------------------
 
@@ -354,11 +360,11 @@ class PostgresBackend:
                 if not done:
                     log.warning("terminating the stalled holder's session failed",
                                 extra=self._fields(holder=row["holder"], token=row["token"]))
-        return _record(row)
+        return lock_record(row)
 
     async def _read(self, conn: Connection) -> LockRecord:
         row = await conn.fetchrow(self._sql.observe, self.group, NAMESPACE)
-        return LockRecord(holder=None, token=None) if row is None else _record(row)
+        return LockRecord(holder=None, token=None) if row is None else lock_record(row)
 
     # -- connection ------------------------------------------------------------------
 
@@ -393,7 +399,7 @@ class PostgresBackend:
         try:
             yield conn
         finally:
-            await _close(conn)
+            await close_connection(conn)
 
     async def _open(self, deadline: float) -> Connection:
         budget = max(0.001, min(self._connect_timeout, deadline - self._clock()))
@@ -444,7 +450,7 @@ class PostgresBackend:
         except TimeoutError as exc:
             raise BackendUnavailable(
                 f"postgres {what} of group {self.group!r} timed out after {budget:g}s") from exc
-        except _DB_ERRORS as exc:
+        except DB_ERRORS as exc:
             if isinstance(exc, asyncpg.UndefinedTableError):
                 self._schema_ready, self._lock_id = False, None
             raise BackendUnavailable(f"postgres {what} of group {self.group!r} failed: {exc!r}") from exc
@@ -458,25 +464,3 @@ def takeover_wait(*, unreleased: bool, expiry_left: float | None, stop_bound: fl
         return 0.0
     left = max(expiry_left or 0.0, 0.0)
     return left if stop_bound is None else min(left, max(stop_bound, 0.0))
-
-
-def _record(row: asyncpg.Record) -> LockRecord:
-    token = row["token"]
-    holder = row["holder"] if row["live"] else None
-    return LockRecord(
-        holder=None if holder is None else Identity(holder),
-        token=None if token is None else Token(token),
-        version="" if token is None else str(token),
-    )
-
-
-async def _close(conn: Connection) -> None:
-    """Close gracefully if that is quick, else abort; the server frees the session's locks."""
-    try:
-        await conn.close(timeout=1.0)
-    except (*_DB_ERRORS, TimeoutError) as exc:
-        log.debug("closing a PostgreSQL connection failed, aborted it", extra={"error": exc})
-        conn.terminate()
-    except asyncio.CancelledError:
-        conn.terminate()
-        raise

@@ -75,7 +75,13 @@ from typing import TYPE_CHECKING, TypeAlias
 
 import asyncpg
 
-from singleton_sidecar.backends.postgres_session import ensure_schema, pooler_evidence
+from singleton_sidecar.backends.postgres_session import (
+    DB_ERRORS,
+    close_connection,
+    ensure_schema,
+    lock_record,
+    pooler_evidence,
+)
 from singleton_sidecar.backends.postgres_sql import NAMESPACE, Statements
 from singleton_sidecar.core.lock import (
     BackendUnavailable,
@@ -91,7 +97,6 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
-_DB_ERRORS = (OSError, asyncpg.PostgresError, asyncpg.InterfaceError, asyncpg.InternalClientError)
 _EXPIRY_SLACK = 0.005  # seconds a standby sleeps past the holder's expiry before checking again
 _RETURN_RESERVE = 0.01  # seconds of an acquire's budget left when a standby's call returns
 
@@ -326,7 +331,7 @@ class PooledPostgresBackend:
                         row = await conn.fetchrow(self._sql.observe, self.group)
                     except asyncpg.UndefinedTableError:
                         row = None
-        return _record(row)
+        return lock_record(row)
 
     async def current_leader(self, *, timeout: float = 5.0) -> LockRecord:
         """Who leads the group now, with which token (an ``observe``)."""
@@ -340,7 +345,7 @@ class PooledPostgresBackend:
         if self._busy.locked():
             conn.terminate()
         else:
-            await _close(conn)
+            await close_connection(conn)
 
     # -- steps -----------------------------------------------------------------------
 
@@ -366,7 +371,7 @@ class PooledPostgresBackend:
                     if row is None:  # the group's first use: create its row and take it
                         await conn.execute(self._names.insert_group, self.group, self._names.lock_id_seq)
                         continue
-                    self._seen = _record(row)
+                    self._seen = lock_record(row)
                     self._seen_until = self._clock() + max(row["expiry_left"] or 0.0, 0.0)
                 break
         except BaseException:
@@ -409,7 +414,7 @@ class PooledPostgresBackend:
         if self._pooled_connection or self._conn is None:
             return
         conn, self._conn = self._conn, None
-        await _close(conn)
+        await close_connection(conn)
 
     @asynccontextmanager
     async def _short_lived(self, deadline: float) -> AsyncIterator[Connection]:
@@ -418,7 +423,7 @@ class PooledPostgresBackend:
         try:
             yield conn
         finally:
-            await _close(conn)
+            await close_connection(conn)
 
     async def _open(self, deadline: float) -> Connection:
         budget = max(0.001, min(self._connect_timeout, deadline - self._clock()))
@@ -444,31 +449,7 @@ class PooledPostgresBackend:
         except TimeoutError as exc:
             raise BackendUnavailable(
                 f"postgres {what} of group {self.group!r} timed out after {budget:g}s") from exc
-        except _DB_ERRORS as exc:
+        except DB_ERRORS as exc:
             if isinstance(exc, asyncpg.UndefinedTableError):
                 self._schema_ready, self._seen = False, None
             raise BackendUnavailable(f"postgres {what} of group {self.group!r} failed: {exc!r}") from exc
-
-
-def _record(row: asyncpg.Record | None) -> LockRecord:
-    if row is None:
-        return LockRecord(holder=None, token=None)
-    token = row["token"]
-    holder = row["holder"] if row["live"] else None
-    return LockRecord(
-        holder=None if holder is None else Identity(holder),
-        token=None if token is None else Token(token),
-        version="" if token is None else str(token),
-    )
-
-
-async def _close(conn: Connection) -> None:
-    """Close gracefully if that is quick, else abort."""
-    try:
-        await conn.close(timeout=1.0)
-    except (*_DB_ERRORS, TimeoutError) as exc:
-        log.debug("closing a PostgreSQL connection failed, aborted it", extra={"error": exc})
-        conn.terminate()
-    except asyncio.CancelledError:
-        conn.terminate()
-        raise

@@ -10,10 +10,13 @@ settings the backend depends on. Used by ``backends.postgres`` when it opens tha
 - ``ensure_schema``: the tables and sequences, created on first use (both modes, session and
   pooled: one explicit transaction under a transaction-level advisory lock, which a
   transaction pooler carries).
+- ``DB_ERRORS``, ``lock_record`` and ``close_connection``: what both modes' backends share
+  about their connections and the group's row.
 """
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import math
 import secrets
@@ -32,12 +35,15 @@ from singleton_sidecar.backends.postgres_sql import (
     Statements,
     same_tcp_connection,
 )
-from singleton_sidecar.core.lock import BackendMisconfigured, BackendUnavailable
+from singleton_sidecar.core.lock import BackendMisconfigured, BackendUnavailable, Identity, LockRecord, Token
 
 if TYPE_CHECKING:
     Connection: TypeAlias = asyncpg.Connection[asyncpg.Record]
 
 log = logging.getLogger(__name__)
+
+DB_ERRORS = (OSError, asyncpg.PostgresError, asyncpg.InterfaceError, asyncpg.InternalClientError)
+"""What a failure to reach or use the server raises (asyncpg's and the socket's)."""
 
 KEEPALIVE_MARGIN = 1.0
 KEEPALIVE_INTERVAL = 1
@@ -163,3 +169,28 @@ async def ensure_schema(conn: Connection, sql: Statements, group: str) -> None:
     if version is not None and version > SCHEMA_VERSION:
         raise BackendUnavailable(
             f"{sql.leases} has schema version {version}; this sidecar knows only {SCHEMA_VERSION}")
+
+
+def lock_record(row: asyncpg.Record | None) -> LockRecord:
+    """The group's row as a ``LockRecord`` (its holder only while ``live``; no row: free)."""
+    if row is None:
+        return LockRecord(holder=None, token=None)
+    token = row["token"]
+    holder = row["holder"] if row["live"] else None
+    return LockRecord(
+        holder=None if holder is None else Identity(holder),
+        token=None if token is None else Token(token),
+        version="" if token is None else str(token),
+    )
+
+
+async def close_connection(conn: Connection) -> None:
+    """Close gracefully if that is quick, else abort (the server then frees the session's locks)."""
+    try:
+        await conn.close(timeout=1.0)
+    except (*DB_ERRORS, TimeoutError) as exc:
+        log.debug("closing a PostgreSQL connection failed, aborted it", extra={"error": exc})
+        conn.terminate()
+    except asyncio.CancelledError:
+        conn.terminate()
+        raise
