@@ -68,20 +68,21 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import AsyncIterator, Callable
-from contextlib import asynccontextmanager
+from collections.abc import Callable
+from contextlib import AbstractAsyncContextManager
 from dataclasses import replace
 from typing import TYPE_CHECKING, TypeAlias
 
 import asyncpg
 
 from singleton_sidecar.backends.postgres_session import (
-    DB_ERRORS,
     check_session,
     close_connection,
     ensure_schema,
+    guarded,
     lock_record,
     session_settings,
+    short_lived,
 )
 from singleton_sidecar.backends.postgres_sql import NAMESPACE, Statements
 from singleton_sidecar.core.identity import is_predecessor
@@ -392,14 +393,9 @@ class PostgresBackend:
         log.debug("connected to PostgreSQL", extra=self._fields(backend_pid=conn.get_server_pid()))
         return conn
 
-    @asynccontextmanager
-    async def _short_lived(self, deadline: float) -> AsyncIterator[Connection]:
+    def _short_lived(self, deadline: float) -> AbstractAsyncContextManager[Connection]:
         """A connection of its own for one look, closed after it."""
-        conn = await self._open(deadline)
-        try:
-            yield conn
-        finally:
-            await close_connection(conn)
+        return short_lived(lambda: self._open(deadline))
 
     async def _open(self, deadline: float) -> Connection:
         budget = max(0.001, min(self._connect_timeout, deadline - self._clock()))
@@ -441,19 +437,12 @@ class PostgresBackend:
         self._lost(conn, reason)
         conn.terminate()
 
-    @asynccontextmanager
-    async def _guard(self, what: str, budget: float) -> AsyncIterator[None]:
+    def _guard(self, what: str, budget: float) -> AbstractAsyncContextManager[None]:
         """Bound a call by ``budget`` seconds; failures to reach the server become BackendUnavailable."""
-        try:
-            async with asyncio.timeout(budget):
-                yield
-        except TimeoutError as exc:
-            raise BackendUnavailable(
-                f"postgres {what} of group {self.group!r} timed out after {budget:g}s") from exc
-        except DB_ERRORS as exc:
-            if isinstance(exc, asyncpg.UndefinedTableError):
-                self._schema_ready, self._lock_id = False, None
-            raise BackendUnavailable(f"postgres {what} of group {self.group!r} failed: {exc!r}") from exc
+        return guarded(what, self.group, budget, schema_gone=self._schema_gone)
+
+    def _schema_gone(self) -> None:
+        self._schema_ready, self._lock_id = False, None
 
 
 def takeover_wait(*, unreleased: bool, expiry_left: float | None, stop_bound: float | None) -> float:

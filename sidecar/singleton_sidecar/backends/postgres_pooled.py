@@ -68,23 +68,23 @@ import asyncio
 import logging
 import math
 import time
-from collections.abc import AsyncIterator, Callable
-from contextlib import asynccontextmanager
+from collections.abc import Callable
+from contextlib import AbstractAsyncContextManager
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, TypeAlias
 
 import asyncpg
 
 from singleton_sidecar.backends.postgres_session import (
-    DB_ERRORS,
     close_connection,
     ensure_schema,
+    guarded,
     lock_record,
     pooler_evidence,
+    short_lived,
 )
 from singleton_sidecar.backends.postgres_sql import NAMESPACE, Statements
 from singleton_sidecar.core.lock import (
-    BackendUnavailable,
     Identity,
     LockRecord,
     LossCallback,
@@ -416,14 +416,9 @@ class PooledPostgresBackend:
         conn, self._conn = self._conn, None
         await close_connection(conn)
 
-    @asynccontextmanager
-    async def _short_lived(self, deadline: float) -> AsyncIterator[Connection]:
+    def _short_lived(self, deadline: float) -> AbstractAsyncContextManager[Connection]:
         """A connection of its own for one look, closed after it."""
-        conn = await self._open(deadline)
-        try:
-            yield conn
-        finally:
-            await close_connection(conn)
+        return short_lived(lambda: self._open(deadline))
 
     async def _open(self, deadline: float) -> Connection:
         budget = max(0.001, min(self._connect_timeout, deadline - self._clock()))
@@ -440,16 +435,9 @@ class PooledPostgresBackend:
             log.debug("closed the kept connection", extra=self._fields(reason=reason))
             conn.terminate()
 
-    @asynccontextmanager
-    async def _guard(self, what: str, budget: float) -> AsyncIterator[None]:
+    def _guard(self, what: str, budget: float) -> AbstractAsyncContextManager[None]:
         """Bound a call by ``budget`` seconds; failures to reach the server become BackendUnavailable."""
-        try:
-            async with asyncio.timeout(budget):
-                yield
-        except TimeoutError as exc:
-            raise BackendUnavailable(
-                f"postgres {what} of group {self.group!r} timed out after {budget:g}s") from exc
-        except DB_ERRORS as exc:
-            if isinstance(exc, asyncpg.UndefinedTableError):
-                self._schema_ready, self._seen = False, None
-            raise BackendUnavailable(f"postgres {what} of group {self.group!r} failed: {exc!r}") from exc
+        return guarded(what, self.group, budget, schema_gone=self._schema_gone)
+
+    def _schema_gone(self) -> None:
+        self._schema_ready, self._seen = False, None

@@ -20,8 +20,8 @@ import asyncio
 import logging
 import math
 import secrets
-from collections.abc import Callable
-from contextlib import AbstractAsyncContextManager
+from collections.abc import AsyncIterator, Awaitable, Callable
+from contextlib import AbstractAsyncContextManager, asynccontextmanager
 from typing import TYPE_CHECKING, NoReturn, TypeAlias
 
 import asyncpg
@@ -194,3 +194,28 @@ async def close_connection(conn: Connection) -> None:
     except asyncio.CancelledError:
         conn.terminate()
         raise
+
+
+@asynccontextmanager
+async def guarded(what: str, group: str, budget: float, *, schema_gone: Callable[[], None]) -> AsyncIterator[None]:
+    """Bound a call by ``budget`` seconds; failures to reach the server become
+    ``BackendUnavailable``; ``schema_gone`` is called when the table is missing (dropped)."""
+    try:
+        async with asyncio.timeout(budget):
+            yield
+    except TimeoutError as exc:
+        raise BackendUnavailable(f"postgres {what} of group {group!r} timed out after {budget:g}s") from exc
+    except DB_ERRORS as exc:
+        if isinstance(exc, asyncpg.UndefinedTableError):
+            schema_gone()
+        raise BackendUnavailable(f"postgres {what} of group {group!r} failed: {exc!r}") from exc
+
+
+@asynccontextmanager
+async def short_lived(open_connection: Callable[[], Awaitable[Connection]]) -> AsyncIterator[Connection]:
+    """A connection of its own for one look, closed after it."""
+    conn = await open_connection()
+    try:
+        yield conn
+    finally:
+        await close_connection(conn)
