@@ -152,3 +152,23 @@ async def test_a_restarted_sole_candidate_takes_both_locks_at_once_beside_a_wait
     result = await standby_attempt
     assert not isinstance(result, Term) and result.holder == prefix + "44444444"
     assert result.token == term.token  # PostgreSQL's view of the holder: the term's token
+
+
+async def test_a_lost_half_keeps_the_other_held_until_the_term_is_released(stores: Stores) -> None:
+    """The Lease half is lost (here: taken by another after a forced release) while the
+    PostgreSQL half renews. The renewal reports the loss, but the PostgreSQL lock stays held
+    until the elector releases the term, after stopping the app: released at once, it would let
+    the candidate holding the Lease act beside this app."""
+    leader = stores.both()
+    term = await leader.acquire(Identity("pod-a"), timeout=5)
+    assert isinstance(term, Term)
+    other_lease = stores.lease()
+    lease_part = leader._parts[term.token][1]
+    await leader.lease.release(lease_part, timeout=5)  # a forced release of the Lease half
+    taken = await other_lease.acquire(Identity("pod-b"), timeout=5)
+    assert isinstance(taken, Term)
+    assert await leader.renew(term, timeout=5) is None
+    standby_pg = stores.postgres()
+    assert not isinstance(await standby_pg.acquire(Identity("pod-b"), timeout=1.0), Term)  # still held
+    await leader.release(term, timeout=5)  # the elector's release, once the app has stopped
+    assert isinstance(await standby_pg.acquire(Identity("pod-b"), timeout=5), Term)

@@ -105,7 +105,9 @@ class BothBackend:
             if isinstance(result, BaseException) and not isinstance(result, BackendUnavailable):
                 raise result
         if new_pg is None or new_lease is None:
-            await self.release(term, timeout=timeout)
+            # The other half stays held until the elector releases the term, which it does
+            # only once the app has stopped: released here, it would let a candidate that
+            # holds the lost half take over while this app still acts.
             return None
         if isinstance(new_pg, BackendUnavailable):
             raise new_pg
