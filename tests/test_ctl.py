@@ -189,6 +189,27 @@ async def test_release_of_a_postgres_group_ends_the_holders_session(  # noqa: PL
 
 
 @pytest.mark.usefixtures("singleton_crd")
+def test_release_of_a_pooled_group_says_the_row_frees_at_its_expiry(  # noqa: PLR0917
+        cluster: Cluster, namespace: str, group: str, pg_dsn: str, pod_sidecars: Factory,  # noqa: F811
+        operator: OperatorProcess) -> None:
+    """A pooled term is a row held by no session: the operator says so instead of reporting a
+    release it did not carry out, and the leader keeps its term."""
+    cluster.kubectl("create", "secret", "generic", "pg", "-n", namespace, f"--from-literal=dsn={pg_dsn}")
+    body = {"apiVersion": "singleton.dev/v1alpha1", "kind": "SingletonService", "metadata": {"name": group},
+            "spec": {"backend": "postgres", "postgres": {"secretRef": {"name": "pg"}, "mode": "pooled"},
+                     "template": {"spec": {"containers": [{"name": "app", "image": "x"}]}}}}
+    cluster.apply(json.dumps(body), namespace=namespace)
+    members = pod_sidecars("postgres", 2, extra={**SLOW, "SINGLETON_POSTGRES_MODE": "pooled"})
+    leader = one_leader(members)
+    token = leader.leader_doc()["token"]
+    result = ctl(cluster, "release", group, "-n", namespace, "--yes")
+    assert result.returncode == 0, result.stderr + operator.log()
+    assert result.stdout.startswith(f"PostgreSQL holder {leader.pod}/"), result.stdout
+    assert "(pooled mode: no session to end) keeps its row until it expires, in " in result.stdout
+    assert leader.ready() and leader.leader_doc()["token"] == token
+
+
+@pytest.mark.usefixtures("singleton_crd")
 def test_the_charts_operator_role_is_enough_to_release(  # noqa: PLR0917
         cluster: Cluster, namespace: str, group: str, pg_dsn: str, pod_sidecars: Factory,  # noqa: F811
         tmp_path: Path) -> None:

@@ -128,12 +128,23 @@ async def release_postgres(client: KubeClient, body: dict[str, Any]) -> str:
         raise ReleaseFailed(f"{where} has no key {ref.get('key', 'dsn')!r}") from None
     dsn = base64.b64decode(encoded).decode(errors="replace").strip()
     try:
-        conn = await asyncpg.connect(dsn, timeout=POSTGRES_TIMEOUT)
+        # No statement cache: a pooled group's DSN may name a transaction pooler (PgBouncer).
+        conn = await asyncpg.connect(dsn, timeout=POSTGRES_TIMEOUT, statement_cache_size=0)
     except (OSError, asyncpg.PostgresError, asyncpg.InterfaceError, TimeoutError) as exc:
-        raise ReleaseFailed(f"cannot connect with the DSN in {where}: {type(exc).__name__}") from None
+        reason = " ".join(str(exc).split()) or type(exc).__name__  # asyncpg's messages name no password
+        raise ReleaseFailed(f"cannot connect with the DSN in {where}: {reason}") from None
     try:
-        row = await conn.fetchrow(f"SELECT holder, holder_pid FROM {LEASES_SQL.leases} WHERE group_name = $1",
-                                  contract.lock_key(metadata["name"], namespace), timeout=POSTGRES_TIMEOUT)
+        row = await conn.fetchrow(
+            f"SELECT holder, holder_pid, extract(epoch FROM expires_at - now())::float8 AS expires_in"
+            f" FROM {LEASES_SQL.leases} WHERE group_name = $1",
+            contract.lock_key(metadata["name"], namespace), timeout=POSTGRES_TIMEOUT)
+        if row is not None and row["holder"] is not None and row["holder_pid"] is None \
+                and (row["expires_in"] or 0) > 0:
+            # The pooled mode's term is a row with an expiry, held by no session: nothing to end.
+            # Expiring it now would let a standby act while a live holder still acts until its
+            # next renewal; it frees by itself within the lease, as a crashed holder's does.
+            return (f"PostgreSQL holder {row['holder']} (pooled mode: no session to end) keeps its row until it "
+                    f"expires, in {row['expires_in']:.1f}s; a standby takes over then")
         if row is None or row["holder_pid"] is None:
             return "no PostgreSQL holder"
         ended = await conn.fetchval(LEASES_SQL.terminate, row["holder_pid"], timeout=POSTGRES_TIMEOUT)
