@@ -147,7 +147,7 @@ async def test_a_restarted_sole_candidate_takes_both_locks_at_once_beside_a_wait
     term = await restarted.acquire(Identity(prefix + "44444444"), timeout=3)
     took = time.monotonic() - started
     assert isinstance(term, Term), term
-    assert took < 0.5, f"took {took:.2f}s"
+    assert took < 1.2, f"took {took:.2f}s"  # not the 2 s lease
     assert term.token > old.token and term.acting_from <= time.monotonic() + 0.001
     result = await standby_attempt
     assert not isinstance(result, Term) and result.holder == prefix + "44444444"

@@ -505,6 +505,6 @@ async def test_a_restarted_sole_candidate_takes_over_from_its_own_predecessor_at
     restarted = make_backend(lease_duration=3.0, predecessor_prefix=prefix)
     started = time.monotonic()
     term = await acquired(restarted, prefix + "44444444")
-    assert time.monotonic() - started < 0.5
+    assert time.monotonic() - started < 1.5  # not the 3 s lease
     assert term.token > old.token and term.acting_from <= time.monotonic()
     assert (await other_pod.observe(timeout=5)).holder == prefix + "44444444"

@@ -121,7 +121,7 @@ async def test_acquire_renew_release_through_a_transaction_pooler(make_backend: 
     await holder.release(renewed, timeout=1)
     started = time.monotonic()
     second = await acquired(standby, "b")
-    assert time.monotonic() - started < 0.3, "a released row is taken at the next check"
+    assert time.monotonic() - started < 0.6, "a released row is taken at the next check"
     assert second.token > term.token and second.acting_from <= time.monotonic()
     assert (await row(pg_admin_dsn, holder.group))["transitions"] == 2
 
@@ -133,7 +133,9 @@ async def test_a_standby_takes_over_only_after_the_expiry_by_the_database_clock(
     result = await standby.acquire(Identity("b"), timeout=LEASE + 1)
     waited = time.monotonic() - taken_at
     assert isinstance(result, Term) and result.token > term.token
-    assert LEASE <= waited < LEASE + 0.3, waited  # it woke at the expiry, not a retry period later
+    # Not before the expiry (counted by the database from the take, which began before taken_at),
+    # and at it, not a retry period later.
+    assert LEASE - 0.2 <= waited < LEASE + 0.5, waited
     assert result.acting_from <= time.monotonic(), "after the expiry the old app's own deadline has stopped it"
     assert await holder.renew(term, timeout=1) is None  # stale: the row is b's now
 
