@@ -38,7 +38,7 @@ def test_the_manifest_has_what_krew_validates() -> None:
         assert platform["uri"].startswith("https://")
         assert re.fullmatch(r"[a-f0-9]{64}", platform["sha256"])
         assert platform["bin"] == "kubectl-singleton"
-        assert all(op["from"] and op["to"] for op in platform.get("files") or [{"from": "x", "to": "x"}])
+        assert platform["files"] and all(op["from"] and op["to"] for op in platform["files"])
         selector = platform["selector"]
         keys = list(selector.get("matchLabels") or {}) + [e["key"] for e in selector.get("matchExpressions") or []]
         assert keys and set(keys) <= {"os", "arch"}

@@ -123,7 +123,7 @@ def leader_document(elector: Elector, fence_key: str) -> dict[str, Any]:
         "transitions": status.transitions,
         "reason": status.reason,
         "backend": elector.backend.name,
-        "validFor": round(elector.remaining(), 3),
+        "validFor": math.floor(elector.remaining() * 1000) / 1000,  # never more than is left
     }
 
 

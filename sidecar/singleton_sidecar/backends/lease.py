@@ -275,9 +275,7 @@ class LeaseBackend:
 
     def _takeable(self, seen: Observed, identity: Identity, now: float) -> bool:
         if is_predecessor(seen.holder, identity, self._predecessor_prefix):
-            log.info("taking over from this pod's own earlier incarnation",
-                     extra=self._fields(identity=identity, previous_holder=seen.holder))
-            return True
+            return True  # logged by _take: this is asked on every wake-up, with both twice a takeover
         return seen.holder is None or seen.holder == identity or now >= self._expires_at(seen)
 
     def _next_token(self, seen: Observed) -> Token:
@@ -297,6 +295,9 @@ class LeaseBackend:
         """Begin a term on the observed Lease (or create it); a lost race returns the record."""
         if seen.lease is None or not self._pods_read:
             await self._read_pod_tokens(deadline)
+        if is_predecessor(seen.holder, identity, self._predecessor_prefix):
+            log.info("taking over from this pod's own earlier incarnation",
+                     extra=self._fields(identity=identity, previous_holder=seen.holder))
         token, stamp = self._next_token(seen), micro_time(self._wall_clock())
         lease: Lease = copy.deepcopy(seen.lease) if seen.lease is not None else {
             "apiVersion": "coordination.k8s.io/v1", "kind": "Lease",
