@@ -259,7 +259,10 @@ class BackendResult:
         self.paths = {k: v for k, v in paths.items() if not v.empty}
 
     def lost_at_graceful_deletion(self) -> int:
-        entry = self.paths.get("drain (pod deleted)")
+        """Items lost when a leader's pod was deleted gracefully with time enough to finish
+        (``delete-pod``). Not ``drain-timeout``, which shares the path: its slow app is killed at
+        a drain timeout shorter than its work on purpose, and may lose the item it was on."""
+        entry = self.stats.get("delete-pod")
         return entry.lost if entry is not None else 0
 
 

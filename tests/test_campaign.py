@@ -450,3 +450,30 @@ def test_the_campaign_fails_when_apps_cannot_check_their_deadline(borrowed: Borr
     assert stats.count == 2 and stats.acting >= 1, result.render()
     assert stats.unfenced_ledger > 0, result.render()
     assert not result.verdict_ok and "VERDICT: FAIL" in result.verdict()
+
+
+def test_only_a_deletion_with_time_to_finish_may_not_lose_its_item() -> None:
+    """``delete-pod`` and ``drain-timeout`` share the path "drain (pod deleted)"; only the
+    first must not lose the item in flight: the second kills its slow app at a drain timeout
+    shorter than its work, on purpose."""
+    from datetime import UTC, datetime, timedelta
+
+    from benchmarks.campaign_bed import Variant
+    from benchmarks.campaign_faults import FaultRecord
+    from benchmarks.campaign_report import BackendResult, Segment
+
+    from singleton_testbed.ledger import judge
+
+    t = datetime(2026, 1, 1, tzinfo=UTC)
+    # Token 5 starts item 1 and never finishes it; token 7 takes over at 800 ms.
+    ledger = [{"id": 1, "identity": "id-5", "token": 5, "item": 1, "phase": "start", "at": t},
+              {"id": 2, "identity": "id-7", "token": 7, "item": 2, "phase": "start",
+               "at": t + timedelta(milliseconds=800)}]
+    for kind, lost in (("delete-pod", 1), ("drain-timeout", 0)):
+        fault = FaultRecord("lease", kind, 0, "pod", 5, t.timestamp() + 0.2, path="drain (pod deleted)",
+                            recovered=t.timestamp() + 0.3, new_token=7)
+        report = judge(ledger)  # type: ignore[arg-type]
+        result = BackendResult("lease", [Segment(0, "g", Variant("file", True), faults=[fault], report=report)])
+        result.attribute()
+        assert result.paths["drain (pod deleted)"].lost == 1
+        assert result.lost_at_graceful_deletion() == lost, kind
