@@ -260,7 +260,8 @@ def test_a_release_the_operator_cannot_carry_out_is_reported(cluster: Cluster, n
     assert result.returncode == 1
     assert result.stderr.strip() == (
         f"kubectl singleton: error: the operator could not release the lock of group {namespace}/{group}: "
-        f"cannot connect with the DSN in Secret {namespace}/pg: ConnectionRefusedError"), result.stderr
+        f"cannot connect with the DSN in Secret {namespace}/pg: [Errno 111] Connect call failed ('127.0.0.1', 1)"
+    ), result.stderr
     events = get_json(cluster, "events", "-n", namespace, "--field-selector", f"involvedObject.name={group}")
     failed = [e for e in events["items"] if e["reason"] == "LockReleaseFailed"]
     assert len(failed) == 1 and failed[0]["type"] == "Warning", failed
