@@ -3,6 +3,8 @@ refresh the status whenever a pod or the Deployment of the group changes.
 
 Status refreshes are coalesced per group (many pod events in a burst cost one refresh),
 and run within ``REFRESH_DELAY`` of the event, well inside the 1 s the status promises.
+Every ``PERIODIC_REFRESH`` a pass over all groups, from one listing per kind, catches what
+an event missed: at rest the operator's requests do not grow with the number of groups.
 """
 
 from __future__ import annotations
@@ -16,13 +18,13 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from singleton_operator.inject import is_injected
+from singleton_operator.listing import GroupKey, GroupReads, Listing, LiveReads, scopes
 from singleton_operator.metrics import OperatorMetrics
 from singleton_operator.reconcile import (
     ReconcileProblem,
     check_adoptable,
     check_not_a_group,
     cr_path,
-    observe,
     read_workload,
     reconcile,
     release,
@@ -37,17 +39,16 @@ from singleton_operator.resources import (
 )
 from singleton_operator.spec import GroupSpec, SpecError, WorkloadSpecError, read_spec
 from singleton_operator.status import find_leader
-from singleton_sidecar import contract
 from singleton_sidecar.kube import KubeClient, KubeError, KubeNotFound
 
 log = logging.getLogger(__name__)
 
 REFRESH_DELAY = 0.05
+REFRESH_PARALLEL = 16
+"""Groups refreshed at once: a burst (hundreds of groups created together) is not served one
+group after another, nor with so many requests in flight that each waits on the others."""
 PERIODIC_REFRESH = 30.0
 CALL_TIMEOUT = 10.0
-
-GroupKey = tuple[str, str]
-
 
 AdoptionState = tuple[str | None, str | None, str]
 """What an adopted workload's template carries for its group: the group label, the settings'
@@ -84,6 +85,7 @@ class Groups:
     _readopted: dict[GroupKey, float] = field(default_factory=dict)
     _dirty: set[GroupKey] = field(default_factory=set)
     _wake: asyncio.Event = field(default_factory=asyncio.Event)
+    _refreshing: asyncio.Lock = field(default_factory=asyncio.Lock)
 
     def spec_of(self, body: dict[str, Any], workload: dict[str, Any] | None = None) -> GroupSpec:
         """The group's spec; ``workload`` is the adopted workload (``read_workload``), if any,
@@ -177,35 +179,57 @@ class Groups:
         self._wake.set()
 
     async def run_refresher(self) -> None:
+        """Refresh the groups marked since the last round, up to ``REFRESH_PARALLEL`` at once."""
         while True:
             await self._wake.wait()
             await asyncio.sleep(REFRESH_DELAY)
             self._wake.clear()
-            dirty, self._dirty = self._dirty, set()
-            for key in dirty:
-                try:
-                    await self.refresh(*key)
-                except KubeError as exc:
-                    log.warning("status refresh failed; retrying",
-                                extra={"namespace": key[0], "group": key[1], "error": exc})
-                    self._dirty.add(key)
-                    self._wake.set()
-                    await asyncio.sleep(1.0)
+            async with self._refreshing:
+                dirty, self._dirty = self._dirty, set()
+                gate = asyncio.Semaphore(REFRESH_PARALLEL)
+                failed = await asyncio.gather(*(self._refresh_marked(key, gate) for key in dirty))
+            if any(failed):
+                await asyncio.sleep(1.0)
+
+    async def _refresh_marked(self, key: GroupKey, gate: asyncio.Semaphore) -> bool:
+        """Refresh one group; a failed one is marked again. Returns whether it failed."""
+        async with gate:
+            try:
+                await self.refresh(*key)
+                return False
+            except KubeError as exc:
+                log.warning("status refresh failed; retrying",
+                            extra={"namespace": key[0], "group": key[1], "error": exc})
+                self.mark(*key)
+                return True
 
     async def run_periodic(self, namespaces: tuple[str, ...], interval: float = PERIODIC_REFRESH) -> None:
-        """Refresh every group now and then, as a safety net for missed events."""
+        """Refresh every group now and then, as a safety net for missed events, from one
+        listing per kind and scope (see listing.py), never one request per group."""
         while True:
             await asyncio.sleep(interval)
-            paths = [f"/apis/{contract.API_GROUP}/{contract.API_VERSION}/namespaces/{ns}/{contract.PLURAL}"
-                     for ns in namespaces] or [f"/apis/{contract.API_GROUP}/{contract.API_VERSION}/{contract.PLURAL}"]
-            for path in paths:
+            for scope in scopes(namespaces):
                 try:
-                    listing = await self.client.request("GET", path, timeout=CALL_TIMEOUT)
+                    await self.refresh_scope(scope)
                 except KubeError as exc:
-                    log.warning("periodic refresh: listing failed", extra={"path": path, "error": exc})
+                    log.warning("periodic refresh: listing failed", extra={"namespace": scope, "error": exc})
+
+    async def refresh_scope(self, namespace: str | None) -> None:
+        """Every group of ``namespace`` (None: of the cluster) from one listing. Not beside the
+        event-driven refresher: a listing older than a refresh it raced would write an older
+        status back. A group marked since the listing is left to that refresher."""
+        async with self._refreshing:
+            listing = await Listing.read(self.client, namespace)
+            for body in listing.bodies:
+                key = (body["metadata"]["namespace"], body["metadata"]["name"])
+                if key in self._dirty:
                     continue
-                for item in listing.get("items") or []:
-                    self.mark(item["metadata"]["namespace"], item["metadata"]["name"])
+                try:
+                    await self._refresh(body, listing)
+                except KubeError as exc:
+                    log.warning("periodic refresh failed; retrying",
+                                extra={"namespace": key[0], "group": key[1], "error": exc})
+                    self.mark(*key)
 
     async def refresh(self, namespace: str, name: str) -> None:
         try:
@@ -213,10 +237,14 @@ class Groups:
         except KubeNotFound:
             self.forget(namespace, name)
             return
+        await self._refresh(body, LiveReads(self.client))
+
+    async def _refresh(self, body: dict[str, Any], reads: GroupReads) -> None:
+        namespace, name = body["metadata"]["namespace"], body["metadata"]["name"]
         if body["metadata"].get("deletionTimestamp"):
             return
         try:
-            workload = await read_workload(self.client, body)
+            workload = await reads.workload(body)
             spec = self.spec_of(body, workload)
         except (SpecError, ReconcileProblem) as exc:
             # Admission refuses such specs; one an older CRD let through is reported as Stalled,
@@ -237,8 +265,7 @@ class Groups:
             # has not applied it yet. Applied again, so new pods keep getting the sidecar.
             with contextlib.suppress(SpecError, ReconcileProblem):  # kept in self.problems: the status says it
                 await self.reconcile(body)
-        observed = await observe(self.client, spec, self.problems.get((namespace, name)),
-                                 self.applied.get((namespace, name)))
+        observed = await reads.observed(spec, self.problems.get(key), self.applied.get(key))
         leader_changes = self.metrics.leader_changes.labels(namespace, name)  # exported from 0 on
         if await write_status(self.client, spec, body.get("status") or {}, observed):
             self.metrics.status_updates.inc()

@@ -16,7 +16,7 @@ from typing import Any
 import asyncpg
 
 from singleton_operator import resources
-from singleton_operator.spec import GroupSpec, workload_ref
+from singleton_operator.spec import GroupSpec, WorkloadRef, workload_ref
 from singleton_operator.status import Observed, compute_status, spec_error_status, status_changed
 from singleton_sidecar import contract
 from singleton_sidecar.kube import KubeClient, KubeError, KubeForbidden, KubeNotFound, event_body
@@ -194,8 +194,12 @@ async def observe(client: KubeClient, spec: GroupSpec, problem: ReconcileProblem
                        timeout=CALL_TIMEOUT),
         _get_or_none(client, workload_path(spec)),
     )
-    return Observed(pods=pods.get("items") or [], deployment=deployment,
-                    problem=problem.message if problem else None,
+    return observed_from(pods.get("items") or [], deployment, problem, applied_generation)
+
+
+def observed_from(pods: list[dict[str, Any]], workload: dict[str, Any] | None, problem: ReconcileProblem | None,
+                  applied_generation: int | None) -> Observed:
+    return Observed(pods=pods, deployment=workload, problem=problem.message if problem else None,
                     problem_reason=problem.reason if problem else "ReconcileFailed",
                     applied_generation=applied_generation)
 
@@ -217,10 +221,14 @@ async def read_workload(client: KubeClient, body: dict[str, Any]) -> dict[str, A
         return await client.request("GET", object_path("apps/v1", ref.kind, namespace, ref.name),
                                     timeout=CALL_TIMEOUT)
     except KubeNotFound:
-        raise ReconcileProblem("WorkloadNotFound", f"spec.workloadRef: {ref.describe(namespace)} does not exist "
-                               "(the group adopts it once it does)") from None
+        raise workload_missing(ref, namespace) from None
     except KubeForbidden as exc:
         raise ReconcileProblem("RBACDenied", f"the operator may not read {ref.describe(namespace)}: {exc}") from None
+
+
+def workload_missing(ref: WorkloadRef, namespace: str) -> ReconcileProblem:
+    return ReconcileProblem("WorkloadNotFound", f"spec.workloadRef: {ref.describe(namespace)} does not exist "
+                            "(the group adopts it once it does)")
 
 
 async def release(client: KubeClient, body: dict[str, Any]) -> None:

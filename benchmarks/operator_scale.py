@@ -1,0 +1,334 @@
+"""The operator's own work with many SingletonServices (issue 15's "operator at scale").
+
+    .venv/bin/python -m benchmarks.operator_scale --groups 500 [--runs 1] [--rest-seconds 60]
+
+Starts the test bed's etcd + kube-apiserver (no controllers, no node) and one real operator
+process (``singleton-operator run --kubeconfig``). Each group gets two pods made by this script
+before its SingletonService exists, as a ReplicaSet, a kubelet and the sidecars would have left
+them: Ready, one saying ``leader`` (token 1), one ``standby``. So the operator's work is all that
+is measured, and the pods "run" from the start. Then:
+- create -> status with a leader: all SingletonServices created at once (``--parallel`` requests
+  in flight); per group, the create's answer -> the watch showing ``status.leader``;
+- at rest (``--rest-seconds`` after every group has settled): the operator's API requests per
+  second (the API server's audit log, by user agent: ours and kopf's), its CPU and RSS;
+- noticing a leader change on one group while the others idle (``--changes`` times, each on
+  another group): the pods' annotations patched as the sidecars would -> ``status.leader``
+  naming the new pod.
+Prints medians and p99 (nearest rank) and every figure as JSON with ``--json``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import json
+import os
+import random
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.request
+from collections.abc import AsyncIterator, Iterator
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+from benchmarks.failover import cpu_seconds, percentile, rss_mb
+from singleton_sidecar import contract
+from singleton_sidecar.kube import KubeClient, KubeError, load_kube_config
+from singleton_testbed.binaries import add_to_path, find_all
+from singleton_testbed.controlplane import ControlPlane, wait_established
+from singleton_testbed.procs import free_port
+
+ROOT = Path(__file__).resolve().parent.parent
+NAMESPACE = "bench"
+CR_PATH = f"/apis/{contract.API_GROUP}/{contract.API_VERSION}/namespaces/{NAMESPACE}/{contract.PLURAL}"
+PODS_PATH = f"/api/v1/namespaces/{NAMESPACE}/pods"
+OPERATOR_AGENTS = ("singleton-operator", "kopf")
+CALL_TIMEOUT = 60.0
+
+
+@dataclass
+class RunResult:
+    groups: int
+    create_to_leader: list[float] = field(default_factory=list)
+    """Per group: the create's answer -> ``status.leader`` seen (seconds)."""
+    all_settled: float = 0.0
+    """The first create -> the last group's leader in its status (seconds)."""
+    requests_per_second: float = 0.0
+    requests_by_kind: dict[str, int] = field(default_factory=dict)
+    cpu_percent: float = 0.0
+    rss_mb: float = 0.0
+    notice_change: list[float] = field(default_factory=list)
+    """Per change: the annotations patched -> ``status.leader`` naming the new pod (seconds)."""
+
+
+def group_name(index: int) -> str:
+    return f"g{index:04d}"
+
+
+def cr_body(name: str) -> dict[str, Any]:
+    return {"apiVersion": f"{contract.API_GROUP}/{contract.API_VERSION}", "kind": contract.KIND,
+            "metadata": {"name": name, "namespace": NAMESPACE},
+            "spec": {"replicas": 2, "backend": "lease", "template": {"spec": {"containers": [
+                {"name": "app", "image": "example.invalid/app:1", "command": ["sleep", "infinity"]}]}}}}
+
+
+def pod_annotations(name: str, role: str, token: int | None) -> dict[str, str | None]:
+    return {contract.ANNOTATION_ROLE: role, contract.ANNOTATION_TOKEN: None if token is None else str(token),
+            contract.ANNOTATION_IDENTITY: f"{name}/bench", contract.ANNOTATION_GROUP: name.rsplit("-", 1)[0]}
+
+
+async def make_pod(client: KubeClient, group: str, suffix: str, role: str, token: int | None) -> None:
+    """A pod as the group's ReplicaSet, the kubelet and its sidecar would have left it."""
+    name = f"{group}-{suffix}"
+    body = {"apiVersion": "v1", "kind": "Pod",
+            "metadata": {"name": name, "labels": {contract.LABEL_GROUP: group},
+                         "annotations": {k: v for k, v in pod_annotations(name, role, token).items() if v}},
+            "spec": {"initContainers": [{"name": "singleton-sidecar", "image": "example.invalid/sidecar:1",
+                                         "restartPolicy": "Always"}],
+                     "containers": [{"name": "app", "image": "example.invalid/app:1"}]}}
+    await client.request("POST", PODS_PATH, body=body, timeout=CALL_TIMEOUT)
+    ready = {"status": {"phase": "Running", "conditions": [{"type": "Ready", "status": "True"}]}}
+    await client.request("PATCH", f"{PODS_PATH}/{name}/status", body=ready,
+                         content_type="application/merge-patch+json", timeout=CALL_TIMEOUT)
+
+
+async def bounded(parallel: int, jobs: list[Any]) -> list[Any]:
+    gate = asyncio.Semaphore(parallel)
+
+    async def one(job: Any) -> Any:
+        async with gate:
+            return await job
+
+    return await asyncio.gather(*(one(job) for job in jobs))
+
+
+class LeaderWatch:
+    """One watch on every SingletonService: when each first shows the leader we wait for."""
+
+    def __init__(self, client: KubeClient) -> None:
+        self.client = client
+        self.leaders: dict[str, str | None] = {}
+        self.waiting: dict[str, tuple[str, asyncio.Future[float]]] = {}
+
+    def expect(self, name: str, pod: str) -> asyncio.Future[float]:
+        future: asyncio.Future[float] = asyncio.get_running_loop().create_future()
+        if self.leaders.get(name) == pod:
+            future.set_result(time.monotonic())
+        else:
+            self.waiting[name] = (pod, future)
+        return future
+
+    async def run(self) -> None:
+        version = (await self.client.request("GET", CR_PATH, params={"limit": "1"},
+                                             timeout=CALL_TIMEOUT))["metadata"]["resourceVersion"]
+        while True:
+            try:
+                async with contextlib.aclosing(self.client.watch(
+                        CR_PATH, params={"resourceVersion": version, "allowWatchBookmarks": "true"},
+                        timeout=120)) as events:
+                    async for kind, obj in events:
+                        version = obj["metadata"]["resourceVersion"]
+                        if kind in ("ADDED", "MODIFIED"):
+                            self._seen(obj)
+            except KubeError as exc:
+                print(f"  (watch: {exc}; watching again)", file=sys.stderr)
+                await asyncio.sleep(0.2)
+
+    def _seen(self, obj: dict[str, Any]) -> None:
+        name = obj["metadata"]["name"]
+        leader = (obj.get("status") or {}).get("leader")
+        self.leaders[name] = leader
+        wanted = self.waiting.get(name)
+        if wanted is not None and wanted[0] == leader:
+            del self.waiting[name]
+            if not wanted[1].done():
+                wanted[1].set_result(time.monotonic())
+
+
+class Operator:
+    """The operator as a process, as ``tests/operators.py`` runs it."""
+
+    def __init__(self, kubeconfig: Path, workdir: Path) -> None:
+        self.port = free_port()
+        self.log = workdir / "operator.log"
+        argv = [sys.executable, "-m", "singleton_operator.cli", "run", "--kubeconfig", str(kubeconfig),
+                "--lease-namespace", NAMESPACE, "--health-listen", f"127.0.0.1:{self.port}",
+                "--identity", "bench-operator", "--log-format", "json"]
+        with self.log.open("ab") as out:
+            self.popen = subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                                          start_new_session=True)
+
+    def leading(self) -> bool:
+        try:
+            with urllib.request.urlopen(f"http://127.0.0.1:{self.port}/readyz", timeout=1) as resp:
+                return bool(resp.status == 200 and resp.read().decode().strip() == "leader")
+        except OSError:
+            return False
+
+    def stop(self) -> None:
+        if self.popen.poll() is None:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(self.popen.pid, signal.SIGTERM)
+            try:
+                self.popen.wait(30)
+            except subprocess.TimeoutExpired:
+                os.killpg(self.popen.pid, signal.SIGKILL)
+                self.popen.wait(5)
+
+
+def audit_requests(path: Path, offset: int) -> dict[str, int]:
+    """The operator's requests after ``offset`` in the audit log, by verb and resource."""
+    kinds: dict[str, set[str]] = {}
+    with path.open("rb") as audit:
+        audit.seek(offset)
+        for line in audit.read().splitlines():
+            entry = json.loads(line)
+            if not entry.get("userAgent", "").startswith(OPERATOR_AGENTS):
+                continue
+            ref = entry.get("objectRef", {})
+            watch = "watch " if (entry.get("requestURI") or "").find("watch=") >= 0 else ""
+            sub = f"/{ref['subresource']}" if "subresource" in ref else ""
+            kind = f"{watch}{entry['verb']} {ref.get('resource')}{sub}"
+            kinds.setdefault(kind, set()).add(entry["auditID"])
+    return {k: len(v) for k, v in sorted(kinds.items())}
+
+
+@contextlib.contextmanager
+def control_plane() -> Iterator[ControlPlane]:
+    binaries = find_all()
+    add_to_path(binaries)
+    plane = ControlPlane(binaries)
+    try:
+        plane.start()
+        plane.kubectl("create", "namespace", NAMESPACE)
+        plane.kubectl("create", "serviceaccount", "default", "-n", NAMESPACE)
+        plane.kubectl("apply", "-f", str(ROOT / "crds"))
+        wait_established(plane.kubectl, f"crd/{contract.PLURAL}.{contract.API_GROUP}")
+        yield plane
+    finally:
+        plane.stop()
+
+
+@contextlib.asynccontextmanager
+async def watching(client: KubeClient) -> AsyncIterator[LeaderWatch]:
+    watch = LeaderWatch(client)
+    task = asyncio.create_task(watch.run())
+    try:
+        yield watch
+    finally:
+        task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await task
+
+
+async def run_once(plane: ControlPlane, *, groups: int, parallel: int, rest_seconds: float, changes: int,
+                   workdir: Path) -> RunResult:
+    result = RunResult(groups=groups)
+    names = [group_name(i) for i in range(groups)]
+    async with KubeClient(load_kube_config(str(plane.info.kubeconfig)), user_agent="bench") as client:
+        await bounded(parallel, [make_pod(client, n, s, role, token) for n in names
+                                 for s, role, token in (("a", contract.ROLE_LEADER, 1),
+                                                        ("b", contract.ROLE_STANDBY, None))])
+        operator = Operator(plane.info.kubeconfig, workdir)
+        try:
+            deadline = time.monotonic() + 60
+            while not operator.leading():
+                if time.monotonic() > deadline or operator.popen.poll() is not None:
+                    raise RuntimeError(f"the operator did not lead within 60 s; see {operator.log}")
+                await asyncio.sleep(0.1)
+            async with watching(client) as watch:
+                await asyncio.sleep(1)  # the watch is open
+                created: dict[str, float] = {}
+                first = time.monotonic()
+
+                async def create(name: str) -> None:
+                    await client.request("POST", CR_PATH, body=cr_body(name), timeout=CALL_TIMEOUT)
+                    created[name] = time.monotonic()
+
+                futures = {n: watch.expect(n, f"{n}-a") for n in names}
+                await bounded(parallel, [create(n) for n in names])
+                seen = await asyncio.wait_for(asyncio.gather(*futures.values()), timeout=600)
+                result.create_to_leader = [at - created[n] for n, at in zip(names, seen, strict=True)]
+                result.all_settled = max(seen) - first
+                print(f"  {groups} groups: every status names its leader {result.all_settled:.1f} s after the "
+                      "first create", flush=True)
+
+                await asyncio.sleep(10)  # kopf's own follow-up patches settle
+                audit = plane.workdir / "audit.log"
+                offset = audit.stat().st_size
+                cpu_before = cpu_seconds(operator.popen.pid)
+                await asyncio.sleep(rest_seconds)
+                result.cpu_percent = 100 * (cpu_seconds(operator.popen.pid) - cpu_before) / rest_seconds
+                result.requests_by_kind = audit_requests(audit, offset)
+                result.requests_per_second = sum(result.requests_by_kind.values()) / rest_seconds
+                result.rss_mb = rss_mb(operator.popen.pid)
+
+                for name in random.sample(names, min(changes, len(names))):
+                    new = f"{name}-b"
+                    arrived = watch.expect(name, new)
+                    patched = time.monotonic()
+                    await asyncio.gather(
+                        client.request("PATCH", f"{PODS_PATH}/{name}-a",
+                                       body={"metadata": {"annotations": pod_annotations(
+                                           f"{name}-a", contract.ROLE_STANDBY, None)}},
+                                       content_type="application/merge-patch+json", timeout=CALL_TIMEOUT),
+                        client.request("PATCH", f"{PODS_PATH}/{new}",
+                                       body={"metadata": {"annotations": pod_annotations(
+                                           new, contract.ROLE_LEADER, 2)}},
+                                       content_type="application/merge-patch+json", timeout=CALL_TIMEOUT))
+                    result.notice_change.append(await asyncio.wait_for(arrived, timeout=120) - patched)
+                    await asyncio.sleep(0.5)
+        finally:
+            operator.stop()
+    return result
+
+
+def line(name: str, values: list[float]) -> str:
+    return (f"{name:<44} n={len(values):<4} median={statistics.median(values):8.3f} s  "
+            f"p99={percentile(values, 0.99):8.3f} s  max={max(values):8.3f} s")
+
+
+def report(results: list[RunResult]) -> None:
+    groups = results[0].groups
+    print(f"\nOperator with {groups} SingletonServices ({len(results)} run(s)):")
+    print(line("create -> status with a leader", [v for r in results for v in r.create_to_leader]))
+    print(line("first create -> last group settled", [r.all_settled for r in results]))
+    print(line("leader change on one group -> status", [v for r in results for v in r.notice_change]))
+    for r in results:
+        print(f"  at rest: {r.requests_per_second:.3f} API requests/s, CPU {r.cpu_percent:.2f} %, "
+              f"RSS {r.rss_mb:.1f} MB; requests: " + ", ".join(f"{k}: {v}" for k, v in r.requests_by_kind.items()))
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--groups", type=int, default=500, help="SingletonServices (default 500)")
+    parser.add_argument("--runs", type=int, default=1, help="runs, each on a fresh control plane (default 1)")
+    parser.add_argument("--parallel", type=int, default=50, help="create requests in flight (default 50)")
+    parser.add_argument("--rest-seconds", type=float, default=60.0, help="the at-rest window (default 60)")
+    parser.add_argument("--changes", type=int, default=20, help="leader changes to time (default 20)")
+    parser.add_argument("--json", type=Path, default=None, metavar="FILE", help="also write every figure here")
+    args = parser.parse_args(argv)
+    if args.groups < 1 or args.runs < 1 or args.parallel < 1 or args.rest_seconds <= 0 or args.changes < 1:
+        parser.error("--groups, --runs, --parallel and --changes must be at least 1, --rest-seconds above 0")
+    results = []
+    for run in range(args.runs):
+        workdir = Path(tempfile.mkdtemp(prefix="operator-scale-"))
+        print(f"run {run + 1}/{args.runs} (work folder {workdir})", flush=True)
+        with control_plane() as plane:
+            results.append(asyncio.run(run_once(plane, groups=args.groups, parallel=args.parallel,
+                                                rest_seconds=args.rest_seconds, changes=args.changes,
+                                                workdir=workdir)))
+    report(results)
+    if args.json:
+        args.json.write_text(json.dumps([asdict(r) for r in results], indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

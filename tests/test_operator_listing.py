@@ -1,0 +1,132 @@
+"""The operator's periodic pass over every group (``Groups.refresh_scope``) against the real API
+server: its requests do not grow with the number of groups, it writes what a per-group refresh
+would, and it leaves a group marked by an event to the event-driven refresher."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import AsyncIterator, Mapping
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from singleton_operator.groups import Groups
+from singleton_operator.metrics import OperatorMetrics
+from singleton_sidecar import contract
+from singleton_sidecar.kube import KubeClient, load_kube_config
+from tests.conftest import Cluster
+from tests.kubehelpers import get_json
+from tests.test_operator import play_ready, play_sidecar, service
+
+pytestmark = pytest.mark.usefixtures("singleton_crd")
+
+
+class CountingClient(KubeClient):
+    """A real client that also notes each request it makes (method, path)."""
+
+    def __init__(self, kubeconfig: Path) -> None:
+        super().__init__(load_kube_config(str(kubeconfig)), user_agent="singleton-operator-test")
+        self.calls: list[tuple[str, str]] = []
+
+    async def request(self, method: str, path: str, *, body: Any = None, params: Mapping[str, str] | None = None,
+                      content_type: str = "application/json", timeout: float) -> dict[str, Any]:
+        self.calls.append((method, path))
+        return await super().request(method, path, body=body, params=params, content_type=content_type,
+                                     timeout=timeout)
+
+
+@pytest.fixture
+async def groups(cluster: Cluster) -> AsyncIterator[Groups]:
+    client = CountingClient(cluster.kubeconfig)
+    try:
+        yield Groups(client=client, sidecar_image="example.invalid/sidecar:1", metrics=OperatorMetrics())
+    finally:
+        await client.close()
+
+
+def calls(groups: Groups) -> list[tuple[str, str]]:
+    assert isinstance(groups.client, CountingClient)
+    return groups.client.calls
+
+
+def make_pod(cluster: Cluster, namespace: str, name: str, role: str, token: int | None) -> None:
+    """A Ready pod ``<group>-<x>`` as its ReplicaSet, kubelet and sidecar would leave it (no
+    operator runs here: the groups' Deployments are never made)."""
+    group = name.rsplit("-", 1)[0]
+    cluster.kubectl("apply", "-n", namespace, "-f", "-", input_text=json.dumps({
+        "apiVersion": "v1", "kind": "Pod", "metadata": {"name": name, "labels": {contract.LABEL_GROUP: group}},
+        "spec": {"initContainers": [{"name": "singleton-sidecar", "image": "example.invalid/sidecar:1",
+                                     "restartPolicy": "Always"}],
+                 "containers": [{"name": "app", "image": "example.invalid/app:1"}]}}))
+    play_ready(cluster, namespace, name)
+    play_sidecar(cluster, namespace, name, role, token)
+
+
+def leader_of(cluster: Cluster, namespace: str, name: str) -> Any:
+    return (get_json(cluster, "singletonservice", name, "-n", namespace).get("status") or {}).get("leader")
+
+
+async def test_a_pass_lists_each_kind_once_whatever_the_number_of_groups(
+        cluster: Cluster, namespace: str, groups: Groups) -> None:
+    names = [f"many-{i}" for i in range(6)]
+    for i, name in enumerate(names):
+        cluster.apply(service(name), namespace=namespace)
+        make_pod(cluster, namespace, f"{name}-a", "leader", 10 + i)
+        make_pod(cluster, namespace, f"{name}-b", "standby", None)
+
+    await groups.refresh_scope(namespace)
+    assert [leader_of(cluster, namespace, n) for n in names] == [f"{n}-a" for n in names]
+    reads = [c for c in calls(groups) if c[0] == "GET"]
+    assert reads == [("GET", f"/apis/singleton.dev/v1alpha1/namespaces/{namespace}/singletonservices"),
+                     ("GET", f"/api/v1/namespaces/{namespace}/pods"),
+                     ("GET", f"/apis/apps/v1/namespaces/{namespace}/deployments")]
+    assert sorted(p for m, p in calls(groups) if m == "PATCH") == sorted(
+        f"/apis/singleton.dev/v1alpha1/namespaces/{namespace}/singletonservices/{n}/status" for n in names)
+
+    # At rest nothing changed: three listings, no write.
+    calls(groups).clear()
+    await groups.refresh_scope(namespace)
+    assert [m for m, _ in calls(groups)] == ["GET", "GET", "GET"]
+
+    # A leader change the pass finds: written, for that group only.
+    play_sidecar(cluster, namespace, "many-2-a", "standby", None)
+    play_sidecar(cluster, namespace, "many-2-b", "leader", 99)
+    calls(groups).clear()
+    await groups.refresh_scope(namespace)
+    assert leader_of(cluster, namespace, "many-2") == "many-2-b"
+    assert [p for m, p in calls(groups) if m == "PATCH"] == [
+        f"/apis/singleton.dev/v1alpha1/namespaces/{namespace}/singletonservices/many-2/status"]
+
+
+async def test_a_group_marked_by_an_event_is_left_to_the_refresher(
+        cluster: Cluster, namespace: str, groups: Groups) -> None:
+    for name in ("quiet", "marked"):
+        cluster.apply(service(name), namespace=namespace)
+        make_pod(cluster, namespace, f"{name}-a", "leader", 5)
+    # An event marked the group after (say) the listing: the pass must not write what it listed.
+    groups.mark(namespace, "marked")
+    await groups.refresh_scope(namespace)
+    assert leader_of(cluster, namespace, "quiet") == "quiet-a"
+    assert leader_of(cluster, namespace, "marked") is None
+    await groups.refresh(namespace, "marked")
+    assert leader_of(cluster, namespace, "marked") == "marked-a"
+
+
+async def test_an_adopted_groups_workload_comes_from_one_listing_of_its_kind(
+        cluster: Cluster, namespace: str, groups: Groups) -> None:
+    for name in ("adopts-a", "adopts-b"):
+        cluster.apply(json.dumps({"apiVersion": "singleton.dev/v1alpha1", "kind": "SingletonService",
+                                  "metadata": {"name": name},
+                                  "spec": {"workloadRef": {"kind": "Deployment", "name": f"{name}-app"}}}),
+                      namespace=namespace)
+    await groups.refresh_scope(namespace)
+    # Neither workload exists: said on each group, as the per-group refresh says it.
+    for name in ("adopts-a", "adopts-b"):
+        status = get_json(cluster, "singletonservice", name, "-n", namespace)["status"]
+        stalled = next(c for c in status["conditions"] if c["type"] == "Stalled")
+        assert (stalled["status"], stalled["reason"]) == ("True", "WorkloadNotFound"), status
+        assert f"Deployment {namespace}/{name}-app does not exist" in stalled["message"]
+    reads = [p for m, p in calls(groups) if m == "GET"]
+    assert reads.count(f"/apis/apps/v1/namespaces/{namespace}/deployments") == 2  # ours (labelled), theirs
+    assert len(reads) == 4
