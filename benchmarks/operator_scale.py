@@ -8,7 +8,9 @@ before its SingletonService exists, as a ReplicaSet, a kubelet and the sidecars 
 them: Ready, one saying ``leader`` (token 1), one ``standby``. So the operator's work is all that
 is measured, and the pods "run" from the start. Then:
 - create -> status with a leader: all SingletonServices created at once (``--parallel`` requests
-  in flight); per group, the create's answer -> the watch showing ``status.leader``;
+  in flight); per group, the create's answer -> the watch showing ``status.leader``; the
+  operator's requests in that burst; then ``--one-more`` groups created one at a time beside
+  the others (what a user creating a group sees from an operator that carries hundreds);
 - at rest (``--rest-seconds`` after every group has settled): the operator's API requests per
   second (the API server's audit log, by user agent: ours and kopf's), its CPU and RSS;
 - noticing a leader change on one group while the others idle (``--changes`` times, each on
@@ -59,6 +61,10 @@ class RunResult:
     """Per group: the create's answer -> ``status.leader`` seen (seconds)."""
     all_settled: float = 0.0
     """The first create -> the last group's leader in its status (seconds)."""
+    burst_requests: dict[str, int] = field(default_factory=dict)
+    """The operator's requests from the first create until every group settled, by kind."""
+    create_one_more: list[float] = field(default_factory=list)
+    """Once all groups settled, groups created one at a time: create -> ``status.leader``."""
     requests_per_second: float = 0.0
     requests_by_kind: dict[str, int] = field(default_factory=dict)
     cpu_percent: float = 0.0
@@ -228,7 +234,7 @@ async def watching(client: KubeClient) -> AsyncIterator[LeaderWatch]:
 
 
 async def run_once(plane: ControlPlane, *, groups: int, parallel: int, rest_seconds: float, changes: int,
-                   workdir: Path) -> RunResult:
+                   one_more: int, workdir: Path) -> RunResult:
     result = RunResult(groups=groups)
     names = [group_name(i) for i in range(groups)]
     async with KubeClient(load_kube_config(str(plane.info.kubeconfig)), user_agent="bench") as client:
@@ -245,6 +251,8 @@ async def run_once(plane: ControlPlane, *, groups: int, parallel: int, rest_seco
             async with watching(client) as watch:
                 await asyncio.sleep(1)  # the watch is open
                 created: dict[str, float] = {}
+                audit = plane.workdir / "audit.log"
+                offset = audit.stat().st_size
                 first = time.monotonic()
 
                 async def create(name: str) -> None:
@@ -256,11 +264,19 @@ async def run_once(plane: ControlPlane, *, groups: int, parallel: int, rest_seco
                 seen = await asyncio.wait_for(asyncio.gather(*futures.values()), timeout=600)
                 result.create_to_leader = [at - created[n] for n, at in zip(names, seen, strict=True)]
                 result.all_settled = max(seen) - first
+                result.burst_requests = audit_requests(audit, offset)
                 print(f"  {groups} groups: every status names its leader {result.all_settled:.1f} s after the "
-                      "first create", flush=True)
+                      f"first create; {sum(result.burst_requests.values())} operator requests", flush=True)
 
                 await asyncio.sleep(10)  # kopf's own follow-up patches settle
-                audit = plane.workdir / "audit.log"
+                for i in range(one_more):
+                    name = f"more-{i:03d}"
+                    await bounded(2, [make_pod(client, name, s, role, token) for s, role, token in (
+                        ("a", contract.ROLE_LEADER, 1), ("b", contract.ROLE_STANDBY, None))])
+                    arrived = watch.expect(name, f"{name}-a")
+                    await create(name)
+                    result.create_one_more.append(await asyncio.wait_for(arrived, timeout=120) - created[name])
+                    await asyncio.sleep(0.5)
                 offset = audit.stat().st_size
                 cpu_before = cpu_seconds(operator.popen.pid)
                 await asyncio.sleep(rest_seconds)
@@ -299,8 +315,11 @@ def report(results: list[RunResult]) -> None:
     print(f"\nOperator with {groups} SingletonServices ({len(results)} run(s)):")
     print(line("create -> status with a leader", [v for r in results for v in r.create_to_leader]))
     print(line("first create -> last group settled", [r.all_settled for r in results]))
+    print(line("then one more group: create -> leader", [v for r in results for v in r.create_one_more]))
     print(line("leader change on one group -> status", [v for r in results for v in r.notice_change]))
     for r in results:
+        print(f"  burst: {sum(r.burst_requests.values()) / r.groups:.1f} operator requests per group: "
+              + ", ".join(f"{k}: {v}" for k, v in r.burst_requests.items()))
         print(f"  at rest: {r.requests_per_second:.3f} API requests/s, CPU {r.cpu_percent:.2f} %, "
               f"RSS {r.rss_mb:.1f} MB; requests: " + ", ".join(f"{k}: {v}" for k, v in r.requests_by_kind.items()))
 
@@ -312,10 +331,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--parallel", type=int, default=50, help="create requests in flight (default 50)")
     parser.add_argument("--rest-seconds", type=float, default=60.0, help="the at-rest window (default 60)")
     parser.add_argument("--changes", type=int, default=20, help="leader changes to time (default 20)")
+    parser.add_argument("--one-more", type=int, default=20,
+                        help="groups then created one at a time beside the others (default 20)")
     parser.add_argument("--json", type=Path, default=None, metavar="FILE", help="also write every figure here")
     args = parser.parse_args(argv)
-    if args.groups < 1 or args.runs < 1 or args.parallel < 1 or args.rest_seconds <= 0 or args.changes < 1:
-        parser.error("--groups, --runs, --parallel and --changes must be at least 1, --rest-seconds above 0")
+    if min(args.groups, args.runs, args.parallel, args.changes, args.one_more) < 1 or args.rest_seconds <= 0:
+        parser.error("--groups, --runs, --parallel, --changes and --one-more must be at least 1, "
+                     "--rest-seconds above 0")
     results = []
     for run in range(args.runs):
         workdir = Path(tempfile.mkdtemp(prefix="operator-scale-"))
@@ -323,6 +345,7 @@ def main(argv: list[str] | None = None) -> int:
         with control_plane() as plane:
             results.append(asyncio.run(run_once(plane, groups=args.groups, parallel=args.parallel,
                                                 rest_seconds=args.rest_seconds, changes=args.changes,
+                                                one_more=args.one_more,
                                                 workdir=workdir)))
     report(results)
     if args.json:

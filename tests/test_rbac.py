@@ -164,6 +164,7 @@ OPERATOR_NEEDS = [
     pytest.param("singletonservices.singleton.dev", ("get", "list", "watch", "patch", "update"), id="crs"),
     pytest.param("singletonservices.singleton.dev/status", ("get", "patch", "update"), id="cr-status"),
     pytest.param("deployments.apps", ALL, id="deployments"),
+    pytest.param("statefulsets.apps", ("get", "list", "patch"), id="statefulsets"),
     pytest.param("serviceaccounts", ALL, id="serviceaccounts"),
     pytest.param("services", ALL, id="services"),
     pytest.param("roles.rbac.authorization.k8s.io", ALL, id="roles"),

@@ -21,6 +21,7 @@ from singleton_operator.inject import is_injected
 from singleton_operator.listing import GroupKey, GroupReads, Listing, LiveReads, scopes
 from singleton_operator.metrics import OperatorMetrics
 from singleton_operator.reconcile import (
+    AccessReviews,
     ReconcileProblem,
     check_adoptable,
     check_not_a_group,
@@ -87,6 +88,9 @@ class Groups:
     _wake: asyncio.Event = field(default_factory=asyncio.Event)
     _refreshing: asyncio.Lock = field(default_factory=asyncio.Lock)
 
+    def __post_init__(self) -> None:
+        self.access = AccessReviews(self.client)
+
     def spec_of(self, body: dict[str, Any], workload: dict[str, Any] | None = None) -> GroupSpec:
         """The group's spec; ``workload`` is the adopted workload (``read_workload``), if any,
         read without what an earlier injection added to it."""
@@ -112,7 +116,7 @@ class Groups:
                 raise ReconcileProblem("InvalidWorkload", str(exc)) from None
             if workload is not None:
                 await self._check_adoption(spec, workload)
-            await reconcile(self.client, spec)
+            await reconcile(self.client, spec, self.access)
         except SpecError as exc:
             self.problems[key] = ReconcileProblem("InvalidSpec", str(exc))
             self.metrics.reconcile_failed(*key, "InvalidSpec")

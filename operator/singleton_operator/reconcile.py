@@ -11,6 +11,9 @@ import asyncio
 import base64
 import logging
 import re
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
 from typing import Any
 
 import asyncpg
@@ -120,21 +123,43 @@ async def check_postgres(client: KubeClient, spec: GroupSpec) -> None:
     await conn.close()
 
 
-async def check_access(client: KubeClient, spec: GroupSpec, objects: list[dict[str, Any]]) -> None:
+ACCESS_REVIEW_TTL = 60.0
+"""How long an ``allowed`` answer of a SelfSubjectAccessReview is taken as still true."""
+
+
+@dataclass
+class AccessReviews:
+    """SelfSubjectAccessReview answers, an ``allowed`` kept for ``ACCESS_REVIEW_TTL``: every
+    group of a namespace asks the same ten questions, which made them nearly half of the
+    operator's requests when hundreds of groups were created together. A refusal is never
+    kept (a grant is seen at the next retry); a permission revoked within the TTL is still
+    met by the apply's own refusal (RBACDenied), at worst after part of the objects."""
+
+    client: KubeClient
+    clock: Callable[[], float] = time.monotonic
+    _allowed_until: dict[tuple[str, str, str, str], float] = field(default_factory=dict)
+
+    async def allowed(self, namespace: str, group: str, resource: str, verb: str) -> bool:
+        key = (namespace, group, resource, verb)
+        if self._allowed_until.get(key, 0.0) > self.clock():
+            return True
+        review = {"apiVersion": "authorization.k8s.io/v1", "kind": "SelfSubjectAccessReview",
+                  "spec": {"resourceAttributes": {"namespace": namespace, "group": group,
+                                                  "resource": resource, "verb": verb}}}
+        answer = await self.client.request("POST", "/apis/authorization.k8s.io/v1/selfsubjectaccessreviews",
+                                           body=review, timeout=CALL_TIMEOUT)
+        allowed = bool((answer.get("status") or {}).get("allowed"))
+        if allowed:
+            self._allowed_until[key] = self.clock() + ACCESS_REVIEW_TTL
+        return allowed
+
+
+async def check_access(access: AccessReviews, spec: GroupSpec, objects: list[dict[str, Any]]) -> None:
     """Ask the API server (SelfSubjectAccessReview) whether we may create and patch every
     object we are about to apply, so a missing permission creates nothing at all."""
     wanted = sorted({(o["apiVersion"].rpartition("/")[0], _PATHS[(o["apiVersion"], o["kind"])].rsplit("/", 1)[1],
                       verb) for o in objects for verb in (("patch",) if _is_adopted(spec, o) else ("create", "patch"))})
-
-    async def allowed(group: str, resource: str, verb: str) -> bool:
-        review = {"apiVersion": "authorization.k8s.io/v1", "kind": "SelfSubjectAccessReview",
-                  "spec": {"resourceAttributes": {"namespace": spec.namespace, "group": group,
-                                                  "resource": resource, "verb": verb}}}
-        answer = await client.request("POST", "/apis/authorization.k8s.io/v1/selfsubjectaccessreviews",
-                                      body=review, timeout=CALL_TIMEOUT)
-        return bool((answer.get("status") or {}).get("allowed"))
-
-    results = await asyncio.gather(*(allowed(*item) for item in wanted))
+    results = await asyncio.gather(*(access.allowed(spec.namespace, *item) for item in wanted))
     missing = [f"{verb} {resource}{'.' + group if group else ''}"
                for (group, resource, verb), ok in zip(wanted, results, strict=True) if not ok]
     if missing:
@@ -161,14 +186,14 @@ def desired_objects(spec: GroupSpec) -> list[dict[str, Any]]:
     return objects
 
 
-async def reconcile(client: KubeClient, spec: GroupSpec) -> None:
+async def reconcile(client: KubeClient, spec: GroupSpec, access: AccessReviews | None = None) -> None:
     """Make the owned objects match ``spec``. Inputs are checked first and nothing is
     applied while one is wrong: a new group gets no pods stuck on a missing Secret, and a
     running one keeps its pods (they hold their DSN) until the problem is fixed."""
     if spec.uses_postgres:
         await check_postgres(client, spec)
     objects = desired_objects(spec)
-    await check_access(client, spec, objects)
+    await check_access(access or AccessReviews(client), spec, objects)
     current = "the workload"
     try:
         for obj in objects:

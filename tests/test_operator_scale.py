@@ -1,6 +1,8 @@
-"""The operator's periodic pass over every group (``Groups.refresh_scope``) against the real API
-server: its requests do not grow with the number of groups, it writes what a per-group refresh
-would, and it leaves a group marked by an event to the event-driven refresher."""
+"""What keeps the operator's requests few with hundreds of groups, against the real API server.
+
+The periodic pass over every group (``Groups.refresh_scope``): its requests do not grow with the
+number of groups, it writes what a per-group refresh would, and it leaves a group marked by an
+event to the event-driven refresher. Access reviews: an ``allowed`` is asked once per TTL."""
 
 from __future__ import annotations
 
@@ -13,6 +15,7 @@ import pytest
 
 from singleton_operator.groups import Groups
 from singleton_operator.metrics import OperatorMetrics
+from singleton_operator.reconcile import ACCESS_REVIEW_TTL, AccessReviews
 from singleton_sidecar import contract
 from singleton_sidecar.kube import KubeClient, load_kube_config
 from tests.conftest import Cluster
@@ -130,3 +133,42 @@ async def test_an_adopted_groups_workload_comes_from_one_listing_of_its_kind(
     reads = [p for m, p in calls(groups) if m == "GET"]
     assert reads.count(f"/apis/apps/v1/namespaces/{namespace}/deployments") == 2  # ours (labelled), theirs
     assert len(reads) == 4
+
+
+REVIEWS = "/apis/authorization.k8s.io/v1/selfsubjectaccessreviews"
+
+
+async def test_an_allowed_access_review_is_asked_once_per_ttl(cluster: Cluster, namespace: str) -> None:
+    now = [1000.0]
+    client = CountingClient(cluster.kubeconfig)
+    try:
+        access = AccessReviews(client, clock=lambda: now[0])
+        assert await access.allowed(namespace, "apps", "deployments", "create")
+        assert await access.allowed(namespace, "apps", "deployments", "create")
+        assert await access.allowed(namespace, "apps", "deployments", "patch")  # another question: asked
+        assert client.calls == [("POST", REVIEWS), ("POST", REVIEWS)]
+        now[0] += ACCESS_REVIEW_TTL + 0.1
+        assert await access.allowed(namespace, "apps", "deployments", "create")
+        assert client.calls == [("POST", REVIEWS)] * 3
+    finally:
+        await client.close()
+
+
+class Refusing:
+    """An API server that refuses every access review (a real one needs a refused account)."""
+
+    def __init__(self) -> None:
+        self.asked = 0
+
+    async def request(self, method: str, path: str, **_: Any) -> dict[str, Any]:
+        assert (method, path) == ("POST", REVIEWS)
+        self.asked += 1
+        return {"status": {"allowed": False}}
+
+
+async def test_a_refused_access_review_is_asked_again_at_once() -> None:
+    client = Refusing()
+    access = AccessReviews(client, clock=lambda: 0.0)  # type: ignore[arg-type]
+    assert not await access.allowed("ns", "", "services", "create")
+    assert not await access.allowed("ns", "", "services", "create")
+    assert client.asked == 2
