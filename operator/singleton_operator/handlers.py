@@ -16,7 +16,7 @@ from singleton_operator.release_request import RELEASE_REQUEST, pending_request
 from singleton_operator.resources import LABEL_MANAGED_BY, MANAGED_BY
 from singleton_operator.spec import SpecError
 from singleton_sidecar import contract
-from singleton_sidecar.kube import KubeConfig
+from singleton_sidecar.kube import KubeConfig, KubeError
 
 RETRY_DELAY = 5
 OWNED = {LABEL_MANAGED_BY: MANAGED_BY}
@@ -67,6 +67,10 @@ def registry(kube_config: KubeConfig,
         except ReconcileProblem as exc:
             # The user may fix it at any time (create the Secret, grant RBAC): try again.
             raise kopf.TemporaryError(f"{exc.reason}: {exc.message}", delay=RETRY_DELAY) from exc
+        except KubeError as exc:
+            # The API server busy or away (timeouts, 429, 5xx, a conflict): soon again, not
+            # after kopf's default minute for an unexpected error.
+            raise kopf.TemporaryError(f"{type(exc).__name__}: {exc}", delay=RETRY_DELAY) from exc
 
     @kopf.on.delete(*resource, registry=reg, optional=True)
     async def deleted(namespace: str | None, name: str, memo: Any, **_: Any) -> None:
