@@ -35,6 +35,8 @@ class SidecarProcess:
     control_port: int = field(default_factory=free_port)
     log_format: str = "text"
     popen: subprocess.Popen[bytes] | None = None
+    started_at: float = 0.0
+    """``time.monotonic()`` when the process was started."""
 
     def start(self) -> SidecarProcess:
         env = {**os.environ, **self.env, "SINGLETON_LISTEN": f"127.0.0.1:{self.port}",
@@ -46,6 +48,7 @@ class SidecarProcess:
         if self.command:
             argv += ["--", *self.command]
         with open(self.log_path, "ab") as out:
+            self.started_at = time.monotonic()
             # Its own process group, so SIGSTOP/SIGKILL reach the gated child too, as in a pod.
             self.popen = subprocess.Popen(argv, env=env, stdout=out, stderr=subprocess.STDOUT,
                                           stdin=subprocess.DEVNULL, start_new_session=True)

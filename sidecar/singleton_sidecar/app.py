@@ -16,6 +16,7 @@ import signal
 import socket
 import time
 from collections.abc import Awaitable, Callable
+from typing import TYPE_CHECKING
 
 import aiohttp
 from aiohttp import web
@@ -27,9 +28,15 @@ from singleton_sidecar.core.identity import make_identity, pod_prefix
 from singleton_sidecar.core.lock import BackendMisconfigured, LockBackend
 from singleton_sidecar.gate import CooperativeGate, ExecGate, FileGate, Gate, become_subreaper
 from singleton_sidecar.http import control_app, probe_app
-from singleton_sidecar.kube import KubeClient, load_kube_config
 from singleton_sidecar.metrics import SidecarMetrics
-from singleton_sidecar.podstatus import PodReporter
+
+if TYPE_CHECKING:
+    # Imported where used, and only when the configuration needs them (the sidecar's memory,
+    # docs/benchmarks: "Sidecar footprint"): the Kubernetes client and the pod reporter when
+    # the sidecar uses the API, each backend (asyncpg for PostgreSQL) when it is the one chosen.
+    from singleton_sidecar.backends.lease import LeaseBackend
+    from singleton_sidecar.kube import KubeClient
+    from singleton_sidecar.podstatus import PodReporter
 
 log = logging.getLogger(__name__)
 
@@ -42,10 +49,8 @@ gate.sh's polling) before the elector gives up on releasing and lets the lock ex
 
 
 def build_backend(config: SidecarConfig, kube: KubeClient | None) -> LockBackend:
-    """The one place that chooses the backend."""
-    from singleton_sidecar.backends.lease import LeaseBackend
-    from singleton_sidecar.backends.postgres import PostgresBackend
-
+    """The one place that chooses the backend. Each backend's module is imported only when
+    that backend is built: a lease sidecar never loads asyncpg."""
     timings = config.timings
     # Set only for the group's sole candidate in its pod, whose identity the sidecar made.
     predecessor_prefix = (pod_prefix(config.pod_name, config.pod_uid)
@@ -62,6 +67,8 @@ def build_backend(config: SidecarConfig, kube: KubeClient | None) -> LockBackend
                                          lease_duration=timings.lease_duration,
                                          renew_deadline=timings.renew_deadline,
                                          predecessor_prefix=predecessor_prefix)
+        from singleton_sidecar.backends.postgres import PostgresBackend
+
         # The exec gate's keeper kills the app's group as soon as the sidecar dies, and at once
         # when the sidecar hears its lock is gone: a takeover after this holder's session ended
         # waits that long, not the whole lease.
@@ -71,6 +78,8 @@ def build_backend(config: SidecarConfig, kube: KubeClient | None) -> LockBackend
                                predecessor_prefix=predecessor_prefix)
 
     def lease() -> LeaseBackend:
+        from singleton_sidecar.backends.lease import LeaseBackend
+
         assert kube is not None and config.namespace is not None
         return LeaseBackend(client=kube, namespace=config.namespace, name=config.group,
                             lease_duration=timings.lease_duration, predecessor_prefix=predecessor_prefix)
@@ -183,13 +192,19 @@ class Sidecar:
         config = self.config
         log.info("starting", extra={"identity": self.identity, **describe(config)})
         needs_kube = config.backend in ("lease", "both") or config.in_kubernetes
-        kube = KubeClient(load_kube_config(config.kubeconfig)) if needs_kube else None
+        kube: KubeClient | None = None
+        if needs_kube:
+            from singleton_sidecar.kube import KubeClient, load_kube_config
+
+            kube = KubeClient(load_kube_config(config.kubeconfig))
         backend = build_backend(config, kube)
         metrics = SidecarMetrics(config.group, backend.name)
         elector: Elector
         gate = self._make_gate(lambda reason: elector.request_step_down(reason))  # noqa: PLW0108 - bound below
         reporter: PodReporter | None = None
         if config.in_kubernetes and kube is not None:
+            from singleton_sidecar.podstatus import PodReporter
+
             assert config.namespace is not None and config.pod_name is not None
             reporter = PodReporter(kube, namespace=config.namespace, pod_name=config.pod_name,
                                    readiness_gate=config.readiness_gate,

@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import ctypes
 import logging
 import math
 import os
@@ -51,6 +50,8 @@ GATE_EXITED = "exited"
 def become_subreaper() -> None:
     """Descendants orphaned under this process are reparented to it, not to init, so the
     exec gate can find and stop what a keeper killed on its own left behind."""
+    import ctypes  # only the exec gate needs it
+
     libc = ctypes.CDLL(None, use_errno=True)
     libc.prctl(_PR_SET_CHILD_SUBREAPER, 1)
 

@@ -34,7 +34,6 @@ from types import TracebackType
 from typing import Any
 
 import aiohttp
-import yaml
 
 SERVICE_ACCOUNT_DIR = Path("/var/run/secrets/kubernetes.io/serviceaccount")
 WATCH_GRACE = 5.0
@@ -174,6 +173,8 @@ def _merge(paths: list[Path]) -> tuple[dict[str, dict[str, dict[str, Any]]], str
     """Clusters, users and contexts by name (the first definition wins, as in kubectl), and the current context."""
     named: dict[str, dict[str, dict[str, Any]]] = {"clusters": {}, "users": {}, "contexts": {}}
     current: str | None = None
+    import yaml  # here: in a pod (in-cluster configuration) no YAML is read, and PyYAML is not loaded
+
     for path in paths:
         if not path.is_file() and len(paths) > 1:
             continue
