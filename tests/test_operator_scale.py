@@ -7,7 +7,7 @@ event to the event-driven refresher. Access reviews: an ``allowed`` is asked onc
 from __future__ import annotations
 
 import json
-from collections.abc import AsyncIterator, Mapping
+from collections.abc import AsyncIterator, Callable, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -17,7 +17,7 @@ from singleton_operator.groups import Groups
 from singleton_operator.metrics import OperatorMetrics
 from singleton_operator.reconcile import ACCESS_REVIEW_TTL, AccessReviews
 from singleton_sidecar import contract
-from singleton_sidecar.kube import KubeClient, load_kube_config
+from singleton_sidecar.kube import KubeClient, KubeUnavailable, load_kube_config
 from tests.conftest import Cluster
 from tests.kubehelpers import get_json
 from tests.test_operator import play_ready, play_sidecar, service
@@ -26,15 +26,19 @@ pytestmark = pytest.mark.usefixtures("singleton_crd")
 
 
 class CountingClient(KubeClient):
-    """A real client that also notes each request it makes (method, path)."""
+    """A real client that also notes each request it makes (method, path), and runs
+    ``before(method, path)`` first if set (to act in the middle of a pass)."""
 
     def __init__(self, kubeconfig: Path) -> None:
         super().__init__(load_kube_config(str(kubeconfig)), user_agent="singleton-operator-test")
         self.calls: list[tuple[str, str]] = []
+        self.before: Callable[[str, str], None] | None = None
 
     async def request(self, method: str, path: str, *, body: Any = None, params: Mapping[str, str] | None = None,
                       content_type: str = "application/json", timeout: float) -> dict[str, Any]:
         self.calls.append((method, path))
+        if self.before is not None:
+            self.before(method, path)
         return await super().request(method, path, body=body, params=params, content_type=content_type,
                                      timeout=timeout)
 
@@ -87,10 +91,13 @@ async def test_a_pass_lists_each_kind_once_whatever_the_number_of_groups(
     assert sorted(p for m, p in calls(groups) if m == "PATCH") == sorted(
         f"/apis/singleton.dev/v1alpha1/namespaces/{namespace}/singletonservices/{n}/status" for n in names)
 
-    # At rest nothing changed: three listings, no write.
+    # At rest nothing changed: three listings, no write; and a live refresh of a group finds
+    # nothing to write either (the pass wrote what it would).
     calls(groups).clear()
     await groups.refresh_scope(namespace)
     assert [m for m, _ in calls(groups)] == ["GET", "GET", "GET"]
+    await groups.refresh(namespace, "many-3")
+    assert [m for m, _ in calls(groups)] == ["GET"] * 6
 
     # A leader change the pass finds: written, for that group only.
     play_sidecar(cluster, namespace, "many-2-a", "standby", None)
@@ -172,3 +179,51 @@ async def test_a_refused_access_review_is_asked_again_at_once() -> None:
     assert not await access.allowed("ns", "", "services", "create")
     assert not await access.allowed("ns", "", "services", "create")
     assert client.asked == 2
+
+
+async def test_a_group_deleted_during_a_pass_is_not_written(cluster: Cluster, namespace: str, groups: Groups) -> None:
+    for name in ("stays", "goes"):
+        cluster.apply(service(name), namespace=namespace)
+        make_pod(cluster, namespace, f"{name}-a", "leader", 5)
+
+    def delete_while_listing(method: str, path: str) -> None:
+        if path.endswith("/pods"):  # after the SingletonServices were listed
+            groups.forget(namespace, "goes")  # what kopf's delete handler does
+
+    assert isinstance(groups.client, CountingClient)
+    groups.client.before = delete_while_listing
+    await groups.refresh_scope(namespace)
+    assert leader_of(cluster, namespace, "stays") == "stays-a"
+    assert leader_of(cluster, namespace, "goes") is None
+    assert not [p for m, p in calls(groups) if m == "PATCH" and "/goes" in p]
+
+
+async def test_a_failed_listing_hands_the_known_groups_to_the_refresher(
+        cluster: Cluster, namespace: str, groups: Groups) -> None:
+    groups.applied[(namespace, "known")] = 1
+    groups.applied[("elsewhere", "other")] = 1
+
+    def refuse_pods(method: str, path: str) -> None:
+        if path.endswith("/pods"):
+            raise KubeUnavailable(0, "Timeout", "no answer")
+
+    cluster.apply(service("known"), namespace=namespace)
+    assert isinstance(groups.client, CountingClient)
+    groups.client.before = refuse_pods
+    with pytest.raises(KubeUnavailable):
+        await groups.refresh_scope(namespace)
+    assert groups.marked() == {(namespace, "known")}  # what the refresher refreshes next
+
+
+async def test_the_pass_leaves_a_re_adoption_to_the_live_refresh(
+        cluster: Cluster, namespace: str, groups: Groups) -> None:
+    """A workload whose group label is not what the group last applied: the listing may be old
+    (the group deleted since, its workload given back), so the pass applies nothing."""
+    cluster.kubectl("create", "deployment", "plain-app", "--image=example.invalid/app:1", "-n", namespace)
+    cluster.apply(json.dumps({"apiVersion": "singleton.dev/v1alpha1", "kind": "SingletonService",
+                              "metadata": {"name": "adopts"},
+                              "spec": {"workloadRef": {"kind": "Deployment", "name": "plain-app"}}}),
+                  namespace=namespace)
+    await groups.refresh_scope(namespace)
+    assert [m for m, _ in calls(groups)] == ["GET"] * 4  # the lists; no apply, no status
+    assert (namespace, "adopts") in groups.marked()  # the live refresh decides

@@ -92,6 +92,8 @@ class Groups:
     _dirty: set[GroupKey] = field(default_factory=set)
     _wake: asyncio.Event = field(default_factory=asyncio.Event)
     _refreshing: asyncio.Lock = field(default_factory=asyncio.Lock)
+    _forgotten: set[GroupKey] = field(default_factory=set)
+    """Groups deleted since the periodic pass began (its listing may still show them)."""
 
     def __post_init__(self) -> None:
         self.access = AccessReviews(self.client)
@@ -185,7 +187,12 @@ class Groups:
         self._readopted.pop((namespace, name), None)
         self.applied.pop((namespace, name), None)
         self._dirty.discard((namespace, name))
+        self._forgotten.add((namespace, name))
         self.metrics.forget(namespace, name)
+
+    def marked(self) -> frozenset[GroupKey]:
+        """The groups the refresher refreshes next."""
+        return frozenset(self._dirty)
 
     def mark(self, namespace: str, name: str) -> None:
         """Refresh this group's status soon."""
@@ -214,8 +221,11 @@ class Groups:
             except KubeError as exc:
                 log.warning("status refresh failed; retrying",
                             extra={"namespace": key[0], "group": key[1], "error": exc})
-                self.mark(*key)
-                return True
+            except Exception:  # a bug must not end the refresher for the rest of the term
+                log.exception("status refresh failed unexpectedly; retrying",
+                              extra={"namespace": key[0], "group": key[1]})
+            self.mark(*key)
+            return True
 
     async def run_periodic(self, namespaces: tuple[str, ...], interval: float = PERIODIC_REFRESH) -> None:
         """Refresh every group now and then, as a safety net for missed events, from one
@@ -233,16 +243,29 @@ class Groups:
         event-driven refresher: a listing older than a refresh it raced would write an older
         status back. A group marked since the listing is left to that refresher."""
         async with self._refreshing:
-            listing = await Listing.read(self.client, namespace)
+            self._forgotten.clear()
+            try:
+                listing = await Listing.read(self.client, namespace)
+            except KubeError:
+                # The safety net must not lapse while listing fails: the groups this operator
+                # knows are refreshed one by one instead.
+                for key in list(self.applied):
+                    if namespace is None or key[0] == namespace:
+                        self.mark(*key)
+                raise
             for body in listing.bodies:
                 key = (body["metadata"]["namespace"], body["metadata"]["name"])
-                if key in self._dirty:
+                if key in self._dirty or key in self._forgotten:
                     continue
                 try:
-                    await self._refresh(body, listing)
+                    await self._refresh(body, listing, live=False)
                 except KubeError as exc:
                     log.warning("periodic refresh failed; retrying",
                                 extra={"namespace": key[0], "group": key[1], "error": exc})
+                    self.mark(*key)
+                except Exception:  # a bug must not end the safety net for the rest of the term
+                    log.exception("periodic refresh failed unexpectedly; retrying",
+                                  extra={"namespace": key[0], "group": key[1]})
                     self.mark(*key)
 
     async def refresh(self, namespace: str, name: str) -> None:
@@ -251,9 +274,12 @@ class Groups:
         except KubeNotFound:
             self.forget(namespace, name)
             return
-        await self._refresh(body, LiveReads(self.client))
+        await self._refresh(body, LiveReads(self.client), live=True)
 
-    async def _refresh(self, body: dict[str, Any], reads: GroupReads) -> None:
+    async def _refresh(self, body: dict[str, Any], reads: GroupReads, *, live: bool) -> None:
+        """Write the group's status from ``reads``. ``live``: the body was read just now; a
+        listing's may be seconds old (the group since edited or deleted), so that path never
+        reconciles: it leaves the group to the live refresher."""
         namespace, name = body["metadata"]["namespace"], body["metadata"]["name"]
         if body["metadata"].get("deletionTimestamp"):
             return
@@ -269,6 +295,9 @@ class Groups:
                 self.metrics.status_updates.inc()
             return
         key = (namespace, name)
+        if not live and workload is not None and adoption_state(workload) != self.adopted.get(key):
+            self.mark(*key)
+            return
         if (workload is not None and adoption_state(workload) != self.adopted.get(key)
                 and time.monotonic() - self._readopted.get(key, -PERIODIC_REFRESH) >= PERIODIC_REFRESH):
             # At most once per PERIODIC_REFRESH: a reconcile marks the group for a refresh, so

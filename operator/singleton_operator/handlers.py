@@ -58,7 +58,7 @@ def registry(kube_config: KubeConfig,
     # Any change of the essence (spec, labels, annotations; never status): the owned objects
     # carry the group's labels and the annotations it names.
     @kopf.on.update(*resource, registry=reg)
-    async def reconcile(body: kopf.Body, memo: Any, **_: Any) -> None:
+    async def reconcile(body: kopf.Body, memo: Any, retry: int, **_: Any) -> None:
         groups: Groups = memo["groups"]
         try:
             await groups.reconcile(dict(body))
@@ -69,8 +69,9 @@ def registry(kube_config: KubeConfig,
             raise kopf.TemporaryError(f"{exc.reason}: {exc.message}", delay=RETRY_DELAY) from exc
         except KubeError as exc:
             # The API server busy or away (timeouts, 429, 5xx, a conflict): soon again, not
-            # after kopf's default minute for an unexpected error.
-            raise kopf.TemporaryError(f"{type(exc).__name__}: {exc}", delay=RETRY_DELAY) from exc
+            # after kopf's default minute for an unexpected error; backing off to that minute.
+            delay = min(RETRY_DELAY * 2 ** min(retry, 4), 60)
+            raise kopf.TemporaryError(f"{type(exc).__name__}: {exc}", delay=delay) from exc
 
     @kopf.on.delete(*resource, registry=reg, optional=True)
     async def deleted(namespace: str | None, name: str, memo: Any, **_: Any) -> None:

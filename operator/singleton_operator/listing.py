@@ -16,6 +16,7 @@ from typing import Any, Protocol
 from singleton_operator.reconcile import (
     CALL_TIMEOUT,
     ReconcileProblem,
+    get_or_none,
     object_path,
     observe,
     observed_from,
@@ -26,7 +27,7 @@ from singleton_operator.resources import LABEL_MANAGED_BY, MANAGED_BY
 from singleton_operator.spec import GroupSpec, workload_ref
 from singleton_operator.status import Observed
 from singleton_sidecar import contract
-from singleton_sidecar.kube import KubeClient, KubeForbidden
+from singleton_sidecar.kube import KubeClient, KubeError, KubeForbidden
 
 GroupKey = tuple[str, str]
 
@@ -74,6 +75,8 @@ class Listing:
     """The Deployments the operator made, by (namespace, name)."""
     _workloads: dict[tuple[str, str], dict[str, dict[str, Any]]] = field(default_factory=dict)
     """Adopted workloads' kinds listed so far: (namespace, kind) -> name -> object."""
+    _failed: dict[tuple[str, str], KubeError] = field(default_factory=dict)
+    """(namespace, kind) whose listing failed in this pass."""
 
     @classmethod
     async def read(cls, client: KubeClient, namespace: str | None) -> Listing:
@@ -95,11 +98,25 @@ class Listing:
         return cls(client, bodies, pods, owned)
 
     async def _adopted(self, namespace: str, kind: str, name: str) -> dict[str, Any] | None:
-        """One listing per namespace and kind, made when a group first needs it."""
-        if (namespace, kind) not in self._workloads:
-            listing = await self.client.request("GET", object_path("apps/v1", kind, namespace), timeout=CALL_TIMEOUT)
-            self._workloads[(namespace, kind)] = {o["metadata"]["name"]: o for o in listing.get("items") or []}
-        return self._workloads[(namespace, kind)].get(name)
+        """One listing per namespace and kind, made when a group first needs it. Where the
+        operator may read but not list that kind (RBAC made by hand), the one object is read."""
+        key = (namespace, kind)
+        if key not in self._workloads and key not in self._failed:
+            try:
+                listing = await self.client.request("GET", object_path("apps/v1", kind, namespace),
+                                                    timeout=CALL_TIMEOUT)
+                self._workloads[key] = {o["metadata"]["name"]: o for o in listing.get("items") or []}
+            except KubeForbidden as exc:
+                self._failed[key] = exc
+            except KubeError as exc:
+                self._failed[key] = exc  # not asked again by every group of the namespace
+                raise
+        failed = self._failed.get(key)
+        if isinstance(failed, KubeForbidden):
+            return await get_or_none(self.client, object_path("apps/v1", kind, namespace, name))
+        if failed is not None:
+            raise failed
+        return self._workloads[key].get(name)
 
     async def workload(self, body: dict[str, Any]) -> dict[str, Any] | None:
         ref = workload_ref(body)
@@ -109,8 +126,8 @@ class Listing:
         try:
             found = await self._adopted(namespace, ref.kind, ref.name)
         except KubeForbidden as exc:
-            raise ReconcileProblem("RBACDenied", f"the operator may not list the {ref.kind}s of namespace "
-                                   f"{namespace}: {exc}") from None
+            raise ReconcileProblem("RBACDenied",
+                                   f"the operator may not read {ref.describe(namespace)}: {exc}") from None
         if found is None:
             raise workload_missing(ref, namespace)
         return found

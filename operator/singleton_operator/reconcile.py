@@ -217,7 +217,7 @@ async def observe(client: KubeClient, spec: GroupSpec, problem: ReconcileProblem
     pods, deployment = await asyncio.gather(
         client.request("GET", f"/api/v1/namespaces/{spec.namespace}/pods", params={"labelSelector": selector},
                        timeout=CALL_TIMEOUT),
-        _get_or_none(client, workload_path(spec)),
+        get_or_none(client, workload_path(spec)),
     )
     return observed_from(pods.get("items") or [], deployment, problem, applied_generation)
 
@@ -266,7 +266,7 @@ async def release(client: KubeClient, body: dict[str, Any]) -> None:
         return
     namespace, name = body["metadata"]["namespace"], body["metadata"]["name"]
     # Read first: an apply to a workload that is gone would try to create one.
-    workload = await _get_or_none(client, object_path("apps/v1", ref.kind, namespace, ref.name))
+    workload = await get_or_none(client, object_path("apps/v1", ref.kind, namespace, ref.name))
     if workload is not None and resources.adopted_by(workload) in (name, None):
         await apply(client, resources.release_adoption(namespace, ref))
 
@@ -292,13 +292,13 @@ async def check_adoptable(client: KubeClient, spec: GroupSpec, workload: dict[st
     other = resources.adopted_by(workload)
     if other is None or other == spec.name:
         return
-    if await _get_or_none(client, cr_path(spec.namespace, other)) is not None:
+    if await get_or_none(client, cr_path(spec.namespace, other)) is not None:
         raise ReconcileProblem("WorkloadAdoptedByAnother", f"spec.workloadRef: {where} is adopted by SingletonService "
                                f"{other} already (its pod template's label {contract.LABEL_GROUP}={other}); a "
                                "workload belongs to one group")
 
 
-async def _get_or_none(client: KubeClient, path: str) -> dict[str, Any] | None:
+async def get_or_none(client: KubeClient, path: str) -> dict[str, Any] | None:
     try:
         return await client.request("GET", path, timeout=CALL_TIMEOUT)
     except KubeNotFound:

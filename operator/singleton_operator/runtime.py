@@ -277,7 +277,15 @@ async def _run_kopf_while_leading(config: OperatorConfig, client: KubeClient, me
         # kopf installs its own SIGTERM handler; ours must decide the order of shutdown.
         for signum in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(signum, stopping.set)
-        ended = await _first(lost, stopping, _done_event(kopf_task))
+        helpers_ended = [_done_event(task) for task in helpers]
+        ended = await _first(lost, stopping, _done_event(kopf_task), *helpers_ended)
+        if ended in helpers_ended:
+            # The status refreshers catch every error; one that ended is a bug: the replica
+            # exits (and the standby takes over) rather than lead with stale statuses.
+            task = helpers[helpers_ended.index(ended)]
+            log.error("a status task ended", extra={"task": task.get_name(),
+                                                    "error": task.exception() if not task.cancelled() else "cancelled"})
+            return 1
         if ended is lost:
             log.error("lost the operator lease: stopping kopf at once and exiting")
             return EXIT_LOST_LEADERSHIP
