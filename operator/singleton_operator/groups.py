@@ -249,7 +249,7 @@ class Groups:
             except KubeError:
                 # The safety net must not lapse while listing fails: the groups this operator
                 # knows are refreshed one by one instead.
-                for key in list(self.applied):
+                for key in {*self.applied, *self.problems}:
                     if namespace is None or key[0] == namespace:
                         self.mark(*key)
                 raise
