@@ -18,7 +18,6 @@ import time
 from collections.abc import Awaitable, Callable
 from typing import TYPE_CHECKING
 
-import aiohttp
 from aiohttp import web
 
 from singleton_sidecar import contract
@@ -165,13 +164,17 @@ class Sidecar:
         """POST the drain hook; True on a 2xx answer (the app has drained). A refused
         connection (the app closed its listener on SIGTERM) or an error answer does not end
         the drain: the gate and the main container are still waited for."""
+        from singleton_sidecar.httpclient import HttpClient, split_url  # only sidecars with a drain hook
+
+        base, target = split_url(drain_url)
         try:
-            async with aiohttp.ClientSession() as session, session.post(drain_url) as response:
-                if response.status < 300:
-                    return True
-                log.warning("drain hook answered an error; waiting for the app to stop",
-                            extra={"url": drain_url, "status": response.status})
-        except (aiohttp.ClientError, OSError) as exc:
+            async with HttpClient(base, user_agent="singleton-sidecar") as client:
+                response, _ = await client.request("POST", target)
+            if response.status < 300:
+                return True
+            log.warning("drain hook answered an error; waiting for the app to stop",
+                        extra={"url": drain_url, "status": response.status})
+        except OSError as exc:  # refused, reset, TLS, a malformed answer (HttpTransportError)
             log.warning("drain hook failed; waiting for the app to stop", extra={"url": drain_url, "error": exc})
         return False
 

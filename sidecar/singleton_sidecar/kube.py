@@ -1,8 +1,9 @@
-"""A small typed asyncio client for the Kubernetes API, on aiohttp.
+"""A small typed asyncio client for the Kubernetes API, on ``singleton_sidecar.httpclient`` (h11).
 
 Called by the lease backend and the sidecar's own-pod updater. Ours rather than
-kubernetes_asyncio because the sidecar must start campaigning within 1.5 s and stay under
-60 MB: that library imports about a thousand model modules. Objects are plain JSON dicts.
+kubernetes_asyncio because the sidecar must start campaigning within 0.5 s and stay within
+30 MB: that library imports about a thousand model modules (and aiohttp). Objects are plain JSON
+dicts.
 
 - ``load_kube_config`` reads the in-cluster service account (when ``KUBERNETES_SERVICE_HOST``
   and ``KUBERNETES_SERVICE_PORT`` are set and neither a path nor ``KUBECONFIG`` is given) or
@@ -10,7 +11,7 @@ kubernetes_asyncio because the sidecar must start campaigning within 1.5 s and s
   request: projected tokens rotate), client certificates and CA bundles are supported;
   anything else (exec plugins, auth providers, impersonation, proxies) is refused with
   ``KubeConfigError`` rather than half-honoured.
-- ``KubeClient`` holds one aiohttp session. Every call takes a timeout. HTTP errors become
+- ``KubeClient`` reuses its connections. Every call takes a timeout. HTTP errors become
   ``KubeError`` subclasses by status; transport errors, timeouts, 429 and 5xx become
   ``KubeUnavailable``, chained to the original error.
 """
@@ -32,8 +33,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from types import TracebackType
 from typing import Any
+from urllib.parse import urlencode
 
-import aiohttp
+from singleton_sidecar.httpclient import HttpClient
 
 SERVICE_ACCOUNT_DIR = Path("/var/run/secrets/kubernetes.io/serviceaccount")
 WATCH_GRACE = 5.0
@@ -88,7 +90,7 @@ class KubeUnavailable(KubeError):
 _BY_STATUS: dict[int, type[KubeError]] = {
     403: KubeForbidden, 404: KubeNotFound, 409: KubeConflict, 410: KubeGone, 422: KubeInvalid, 429: KubeUnavailable,
 }
-_TRANSPORT_ERRORS = (aiohttp.ClientError, TimeoutError, OSError)
+_TRANSPORT_ERRORS = (TimeoutError, OSError)  # HttpTransportError is an OSError
 
 
 @dataclass(frozen=True)
@@ -126,10 +128,10 @@ class KubeConfig:
             return Path(self.token_file).read_text().strip() or None
         return None
 
-    def ssl_context(self) -> ssl.SSLContext | bool:
-        """The TLS settings for aiohttp: a context for https, ``False`` for plain http."""
+    def ssl_context(self) -> ssl.SSLContext | None:
+        """The TLS settings: a context for https, None for plain http."""
         if not self.server.startswith("https://"):
-            return False
+            return None
         if self.insecure:
             context = ssl.create_default_context()
             context.check_hostname = False
@@ -269,13 +271,13 @@ def _unlink(path: str) -> None:
 
 
 class KubeClient:
-    """An API client with one aiohttp session; use ``async with`` or call ``close()``."""
+    """An API client over reused connections; use ``async with`` or call ``close()``."""
 
     def __init__(self, config: KubeConfig, *, user_agent: str = "singleton-sidecar") -> None:
         self.config = config
         self.user_agent = user_agent
         self._ssl = config.ssl_context()
-        self._session: aiohttp.ClientSession | None = None
+        self._client: HttpClient | None = None
 
     async def __aenter__(self) -> KubeClient:
         return self
@@ -285,9 +287,9 @@ class KubeClient:
         await self.close()
 
     async def close(self) -> None:
-        session, self._session = self._session, None
-        if session is not None:
-            await session.close()
+        client, self._client = self._client, None
+        if client is not None:
+            await client.close()
 
     async def request(self, method: str, path: str, *, body: Any = None, params: Mapping[str, str] | None = None,
                       content_type: str = "application/json", timeout: float) -> dict[str, Any]:
@@ -296,13 +298,11 @@ class KubeClient:
         try:
             async with asyncio.timeout(timeout):
                 headers = self._headers(content_type if data is not None else None)
-                async with self._http().request(method, self.config.server + path, params=params, data=data,
-                                                headers=headers, proxy=self.config.proxy) as resp:
-                    payload = await resp.read()
+                resp, payload = await self._http().request(method, _target(path, params), headers=headers, body=data)
         except _TRANSPORT_ERRORS as exc:
             raise _transport_error(method, path, timeout, exc) from exc
         if resp.status >= 400:
-            raise _status_error(resp.status, resp.reason or "", payload)
+            raise _status_error(resp.status, resp.reason, payload)
         return _json_object(payload, resp.status)
 
     async def watch(self, path: str, *, params: Mapping[str, str] | None = None,
@@ -313,14 +313,15 @@ class KubeClient:
         (``KubeGone`` for 410: list again); transport trouble raises ``KubeUnavailable``.
         """
         query = {**(params or {}), "watch": "1", "timeoutSeconds": str(max(1, round(timeout)))}
-        limit = aiohttp.ClientTimeout(total=max(1, round(timeout)) + WATCH_GRACE)
+        # A deadline, not asyncio.timeout: a timeout's scope must not span this generator's yields.
+        deadline = asyncio.get_running_loop().time() + max(1, round(timeout)) + WATCH_GRACE
         try:
-            async with self._http().get(self.config.server + path, params=query, headers=self._headers(None),
-                                        timeout=limit, proxy=self.config.proxy) as resp:
+            async with self._http().open("GET", _target(path, query), headers=self._headers(None),
+                                         deadline=deadline) as resp:
                 if resp.status >= 400:
-                    raise _status_error(resp.status, resp.reason or "", await resp.read())
+                    raise _status_error(resp.status, resp.reason, await resp.read())
                 buffer = bytearray()
-                async for chunk in resp.content.iter_any():
+                async for chunk in resp.chunks():
                     buffer += chunk
                     while (end := buffer.find(b"\n")) >= 0:
                         line = bytes(buffer[:end])
@@ -332,20 +333,24 @@ class KubeClient:
         except _TRANSPORT_ERRORS as exc:
             raise _transport_error("WATCH", path, timeout, exc) from exc
 
-    def _http(self) -> aiohttp.ClientSession:
-        if self._session is None:
-            self._session = aiohttp.ClientSession(connector=aiohttp.TCPConnector(ssl=self._ssl),
-                                                  timeout=aiohttp.ClientTimeout(total=None))
-        return self._session
+    def _http(self) -> HttpClient:
+        if self._client is None:
+            self._client = HttpClient(self.config.server, ssl_context=self._ssl, proxy=self.config.proxy,
+                                      user_agent=self.user_agent)
+        return self._client
 
     def _headers(self, content_type: str | None) -> dict[str, str]:
-        headers = {"Accept": "application/json", "User-Agent": self.user_agent}
+        headers = {"Accept": "application/json"}  # User-Agent: the HttpClient's
         if content_type is not None:
             headers["Content-Type"] = content_type
         token = self.config.bearer_token()
         if token:
             headers["Authorization"] = f"Bearer {token}"
         return headers
+
+
+def _target(path: str, params: Mapping[str, str] | None) -> str:
+    return f"{path}?{urlencode(params)}" if params else path
 
 
 def _transport_error(method: str, path: str, timeout: float, exc: BaseException) -> KubeUnavailable:
