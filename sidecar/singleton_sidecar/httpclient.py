@@ -100,6 +100,8 @@ class _Connection:
             try:
                 event = self.protocol.next_event()
             except h11.RemoteProtocolError as exc:
+                if self.reader.at_eof():
+                    raise HttpTransportError("the server closed the connection before its answer was complete") from exc
                 raise HttpTransportError(f"malformed answer: {exc}") from exc
             if event is h11.NEED_DATA:
                 self.protocol.receive_data(await self.reader.read(READ_SIZE))  # b"": the server closed
@@ -133,7 +135,7 @@ class HttpResponse:
                 self.complete = True
                 return
             elif isinstance(event, h11.ConnectionClosed):
-                raise HttpTransportError("the server closed the connection mid-answer")
+                raise HttpTransportError("the server closed the connection before its answer was complete")
 
     async def read(self, limit: int = MAX_BODY) -> bytes:
         body = bytearray()
@@ -154,9 +156,9 @@ class HttpClient:
     def __init__(self, base_url: str, *, ssl_context: ssl.SSLContext | None = None, proxy: str | None = None,
                  user_agent: str = "singleton") -> None:
         self.origin = Origin.parse(base_url)
-        self.proxy = Origin.parse(proxy) if proxy else None
-        if self.proxy is not None and self.proxy.scheme != "http":
+        if proxy and urlsplit(proxy).scheme != "http":
             raise ValueError(f"only http:// proxies are supported, got {proxy!r}")
+        self.proxy = Origin.parse(proxy) if proxy else None
         if self.origin.scheme == "https" and ssl_context is None:
             ssl_context = ssl.create_default_context()
         self._ssl = ssl_context if self.origin.scheme == "https" else None
@@ -298,5 +300,5 @@ class HttpClient:
             if isinstance(event, h11.Response):
                 return HttpResponse(connection, event, deadline)
             if isinstance(event, h11.ConnectionClosed):
-                raise HttpTransportError("the server closed the connection without answering")
+                raise HttpTransportError("the server closed the connection before its answer was complete")
             # h11.InformationalResponse (100 Continue and the like): the real answer follows.
