@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import json
 from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
 
@@ -83,8 +84,6 @@ async def test_answers_reuse_one_connection_and_carry_method_headers_and_body() 
 
 
 def web_json(body: bytes) -> dict[str, object]:
-    import json
-
     doc = json.loads(body)
     assert isinstance(doc, dict)
     return doc
