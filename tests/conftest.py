@@ -18,6 +18,7 @@ import re
 import secrets
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import AsyncIterator, Generator, Iterator
 from dataclasses import dataclass, field
@@ -29,6 +30,7 @@ import pytest
 from singleton_testbed.binaries import add_to_path, find_all
 from singleton_testbed.controlplane import ControlPlane, wait_established
 from singleton_testbed.postgres import PostgresInfo, PostgresServer
+from tests.connectproxy import ConnectProxy
 
 if TYPE_CHECKING:
     from singleton_testbed.node import Node
@@ -330,3 +332,16 @@ def test_apps_image(real_node: RealNode, project_image: str) -> str:
     archive, reference = build_test_apps_image()
     real_node.import_image(archive)
     return reference
+
+
+@pytest.fixture
+def proxy() -> Iterator[ConnectProxy]:
+    """An HTTP CONNECT proxy on loopback (tests of clients behind HTTPS_PROXY)."""
+    server = ConnectProxy()
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    try:
+        yield server
+    finally:
+        server.shutdown()
+        server.server_close()

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import dataclasses
 import json
 import os
 import stat
@@ -33,6 +34,7 @@ from singleton_sidecar.kube import (
     load_kube_config,
 )
 from tests.conftest import Cluster
+from tests.connectproxy import ConnectProxy
 
 pytestmark = [pytest.mark.k8s, pytest.mark.timeout(60)]
 
@@ -207,6 +209,20 @@ async def test_lists_namespaces(admin: KubeClient, namespace: str) -> None:
     one = await admin.request("GET", "/api/v1/namespaces", params={"fieldSelector": f"metadata.name={namespace}"},
                               timeout=5)
     assert [ns["metadata"]["name"] for ns in one["items"]] == [namespace]
+
+
+async def test_reaches_the_api_server_through_a_connect_proxy(cluster: Cluster, proxy: ConnectProxy) -> None:
+    """The operator outside a pod behind HTTPS_PROXY (singleton_operator.kubelogin): TLS to the
+    API server inside the proxy's tunnel, and the tunnel kept for the next request."""
+    config = dataclasses.replace(admin_config(cluster), proxy=proxy.url)
+    async with KubeClient(config) as client:
+        assert await whoami(client) == await whoami(client)
+    assert proxy.targets == [config.server.removeprefix("https://")]  # one tunnel for both requests
+
+
+def test_only_http_proxies_are_accepted(cluster: Cluster) -> None:
+    with pytest.raises(ValueError, match=r"only http:// proxies are supported, got 'https://p:3128'"):
+        KubeClient(dataclasses.replace(admin_config(cluster), proxy="https://p:3128"))
 
 
 async def test_errors_map_to_exceptions(admin: KubeClient, namespace: str) -> None:

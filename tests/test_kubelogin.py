@@ -8,13 +8,8 @@ from __future__ import annotations
 import datetime as dt
 import json
 import os
-import select
-import socket
-import socketserver
 import subprocess
-import threading
 import uuid
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -22,6 +17,7 @@ import pytest
 import yaml
 
 from tests.conftest import Cluster
+from tests.connectproxy import ConnectProxy
 from tests.kubehelpers import get_json, grant
 from tests.operators import OperatorProcess
 from tests.sidecars import wait_for
@@ -125,60 +121,6 @@ def test_context_selects_the_cluster_user_and_namespace(cluster: Cluster, namesp
     assert unknown.returncode == 1
     assert unknown.stderr.strip() == (f"kubectl singleton: error: kubeconfig: --context: no context 'nope' in "
                                       f"{kubeconfig}")
-
-
-class ConnectProxy(socketserver.ThreadingTCPServer):
-    """An HTTP CONNECT proxy that records the targets it tunnelled to."""
-
-    daemon_threads = True
-    allow_reuse_address = True
-
-    def __init__(self) -> None:
-        self.targets: list[str] = []
-        super().__init__(("127.0.0.1", 0), _Tunnel)
-
-    @property
-    def url(self) -> str:
-        return f"http://127.0.0.1:{self.server_address[1]}"
-
-
-class _Tunnel(socketserver.StreamRequestHandler):
-    server: ConnectProxy
-
-    def handle(self) -> None:
-        method, target, _ = self.rfile.readline().decode().split(" ", 2)
-        while self.rfile.readline() not in (b"\r\n", b"\n", b""):
-            pass
-        if method != "CONNECT":
-            self.wfile.write(b"HTTP/1.1 405 Method Not Allowed\r\n\r\n")
-            return
-        self.server.targets.append(target)
-        host, _, port = target.rpartition(":")
-        with socket.create_connection((host.strip("[]"), int(port)), timeout=10) as upstream:
-            self.wfile.write(b"HTTP/1.1 200 Connection established\r\n\r\n")
-            self.wfile.flush()
-            ends = [self.connection, upstream]
-            while True:
-                readable, _, _ = select.select(ends, [], [], 30)
-                if not readable:
-                    return
-                for end in readable:
-                    data = end.recv(65536)
-                    if not data:
-                        return
-                    (upstream if end is self.connection else self.connection).sendall(data)
-
-
-@pytest.fixture
-def proxy() -> Iterator[ConnectProxy]:
-    server = ConnectProxy()
-    thread = threading.Thread(target=server.serve_forever, daemon=True)
-    thread.start()
-    try:
-        yield server
-    finally:
-        server.shutdown()
-        server.server_close()
 
 
 def test_https_proxy_and_no_proxy_are_honoured(cluster: Cluster, namespace: str, crd_group: str,
@@ -306,3 +248,16 @@ def test_the_operator_with_a_kubeconfig_but_without_the_cli_extra_says_how_to_in
     assert result.stderr.strip().splitlines()[-1] == (
         "singleton-operator: error: kubeconfig: a kubeconfig outside a pod needs the official kubernetes client: "
         "pip install 'kube-singleton[cli]'")
+
+
+def test_the_operator_refuses_an_https_proxy_in_one_line(cluster: Cluster) -> None:
+    """Its own client reaches the API server only through an http:// proxy's CONNECT tunnel."""
+    env = {**os.environ, "KUBECONFIG": str(cluster.kubeconfig), "HTTPS_PROXY": "https://proxy.corp:3128",
+           "NO_PROXY": "", "no_proxy": ""}
+    env.pop("KUBERNETES_SERVICE_HOST", None)
+    result = subprocess.run([str(BIN / "singleton-operator"), "run"], capture_output=True, text=True, env=env,
+                            timeout=60, check=False)
+    assert result.returncode == 2, result.stderr
+    assert result.stderr.strip().splitlines()[-1] == (
+        "singleton-operator: error: kubeconfig: proxy 'https://proxy.corp:3128': only http:// proxies are supported "
+        "(the connection to the API server is TLS inside the proxy's tunnel)")

@@ -89,10 +89,14 @@ class Resolved:
         conf = self.configuration
         if not conf.proxy or k8s_rest.should_bypass_proxies(conf.host, conf.no_proxy or ""):
             return None
+        if not str(conf.proxy).startswith("http://"):
+            # The operator's own client tunnels its TLS through an http:// proxy's CONNECT only.
+            raise KubeLoginError(f"proxy {conf.proxy!r}: only http:// proxies are supported "
+                                 "(the connection to the API server is TLS inside the proxy's tunnel)")
         return str(conf.proxy)
 
     def kube_config(self) -> KubeConfig:
-        """The same credentials for the sidecar's aiohttp client (used by the operator)."""
+        """The same credentials for the sidecar's small client (used by the operator)."""
         conf = self.configuration
         ca_data = Path(conf.ssl_ca_cert).read_bytes() if conf.ssl_ca_cert else None
         return KubeConfig(server=str(conf.host).rstrip("/"), ca_data=ca_data, client_cert_file=conf.cert_file or None,

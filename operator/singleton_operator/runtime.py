@@ -111,9 +111,9 @@ def kube_access(kubeconfig: str | None) -> tuple[KubeConfig, Callable[[], dt.dat
 
     try:
         resolved = resolve(kubeconfig)
+        return resolved.kube_config(), resolved.expiration
     except KubeLoginError as exc:
         raise KubeConfigError(str(exc)) from exc
-    return resolved.kube_config(), resolved.expiration
 
 
 async def run_operator(config: OperatorConfig) -> int:

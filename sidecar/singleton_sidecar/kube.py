@@ -277,7 +277,7 @@ class KubeClient:
         self.config = config
         self.user_agent = user_agent
         self._ssl = config.ssl_context()
-        self._client: HttpClient | None = None
+        self._client: HttpClient | None = self._new_client()  # now: a bad server or proxy URL fails here
 
     async def __aenter__(self) -> KubeClient:
         return self
@@ -335,9 +335,12 @@ class KubeClient:
 
     def _http(self) -> HttpClient:
         if self._client is None:
-            self._client = HttpClient(self.config.server, ssl_context=self._ssl, proxy=self.config.proxy,
-                                      user_agent=self.user_agent)
+            self._client = self._new_client()
         return self._client
+
+    def _new_client(self) -> HttpClient:
+        return HttpClient(self.config.server, ssl_context=self._ssl, proxy=self.config.proxy,
+                          user_agent=self.user_agent)
 
     def _headers(self, content_type: str | None) -> dict[str, str]:
         headers = {"Accept": "application/json"}  # User-Agent: the HttpClient's
