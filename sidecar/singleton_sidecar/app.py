@@ -18,15 +18,13 @@ import time
 from collections.abc import Awaitable, Callable
 from typing import TYPE_CHECKING
 
-from aiohttp import web
-
 from singleton_sidecar import contract
 from singleton_sidecar.config import SidecarConfig, describe
 from singleton_sidecar.core.elector import Elector
 from singleton_sidecar.core.identity import make_identity, pod_prefix
 from singleton_sidecar.core.lock import BackendMisconfigured, LockBackend
 from singleton_sidecar.gate import CooperativeGate, ExecGate, FileGate, Gate, become_subreaper
-from singleton_sidecar.http import control_app, probe_app
+from singleton_sidecar.http import control_server, probe_server
 from singleton_sidecar.metrics import SidecarMetrics
 
 if TYPE_CHECKING:
@@ -230,14 +228,12 @@ class Sidecar:
         loop = asyncio.get_running_loop()
         loop.add_signal_handler(signal.SIGTERM, self._on_sigterm, elector, reporter)
         loop.add_signal_handler(signal.SIGINT, elector.request_drain)
-        probe = web.AppRunner(probe_app(elector, metrics, fence_key=config.lock_key), access_log=None)
+        probe = probe_server(elector, metrics, fence_key=config.lock_key)
         acks = gate if isinstance(gate, CooperativeGate) else None
-        control = web.AppRunner(control_app(elector, fence_key=config.lock_key, acks=acks), access_log=None)
+        control = control_server(elector, fence_key=config.lock_key, acks=acks)
         try:
-            await probe.setup()
-            await control.setup()
-            await web.TCPSite(probe, config.listen.host, config.listen.port).start()
-            await web.TCPSite(control, config.control_listen.host, config.control_listen.port).start()
+            await probe.start(config.listen.host, config.listen.port)
+            await control.start(config.control_listen.host, config.control_listen.port)
             log.info("serving probes and control",
                      extra={"listen": str(config.listen), "control_listen": str(config.control_listen)})
             try:
@@ -251,8 +247,8 @@ class Sidecar:
             for task in list(self._sigterm_tasks):
                 task.cancel()
             await asyncio.gather(*self._sigterm_tasks, return_exceptions=True)
-            await control.cleanup()
-            await probe.cleanup()
+            await control.close()
+            await probe.close()
             await backend.close()
             if kube is not None:
                 await kube.close()

@@ -1,4 +1,4 @@
-"""The sidecar's HTTP endpoints.
+"""The sidecar's HTTP endpoints, served by ``singleton_sidecar.httpserver``.
 
 Probe app (pod network): ``GET /readyz`` (200 only for a leader that is not draining),
 ``GET /livez`` (200 while the election loop makes progress, whatever the role),
@@ -29,17 +29,11 @@ import re
 import secrets
 from typing import Any
 
-from aiohttp import web
-
 from singleton_sidecar.core.elector import Elector
 from singleton_sidecar.core.status import ElectionStatus, Role
 from singleton_sidecar.gate import CooperativeGate
+from singleton_sidecar.httpserver import Handler, HttpServer, Request, Response, json_response, text_response
 from singleton_sidecar.metrics import SidecarMetrics
-
-ELECTOR: web.AppKey[Elector] = web.AppKey("elector", Elector)
-METRICS: web.AppKey[SidecarMetrics] = web.AppKey("metrics", SidecarMetrics)
-FENCE_KEY: web.AppKey[str] = web.AppKey("fence_key", str)
-APP_ACKS: web.AppKey[CooperativeGate] = web.AppKey("app_acks", CooperativeGate)
 
 MAX_WAIT = 60.0
 """The longest long poll, in seconds: short enough that a client's request never outlives a
@@ -97,9 +91,6 @@ class LeaderFeed:
                     return  # the deadline passed unrenewed: the document says isLeader false now
 
 
-FEED: web.AppKey[LeaderFeed] = web.AppKey("feed", LeaderFeed)
-
-
 def _rfc3339(epoch: float | None) -> str | None:
     if epoch is None:
         return None
@@ -134,33 +125,105 @@ def liveness_limit(elector: Elector) -> float:
     return 2 * timings.lease_duration + timings.retry_period
 
 
-async def readyz(request: web.Request) -> web.Response:
-    elector = request.app[ELECTOR]
-    if elector.is_ready_leader():
-        return web.Response(text="leader\n")
-    return web.Response(status=503, text=f"{elector.status.role.value}\n")
+class _Endpoints:
+    """The handlers of both apps, over one elector."""
+
+    def __init__(self, elector: Elector, *, fence_key: str, feed: LeaderFeed,
+                 metrics: SidecarMetrics | None = None, acks: CooperativeGate | None = None) -> None:
+        self.elector = elector
+        self.fence_key = fence_key
+        self.feed = feed
+        self._metrics = metrics
+        self._acks = acks
+
+    def __repr__(self) -> str:
+        return f"<_Endpoints group={self.elector.status.group}>"
+
+    def _document(self) -> dict[str, Any]:
+        return leader_document(self.elector, self.fence_key)
+
+    async def readyz(self, _request: Request) -> Response:
+        if self.elector.is_ready_leader():
+            return text_response("leader\n")
+        return text_response(f"{self.elector.status.role.value}\n", 503)
+
+    async def candidate(self, _request: Request) -> Response:
+        """200 while this replica leads or stands by with a live loop: pod readiness that does
+        not depend on leading, so rolling updates progress (the leader Service selects by label)."""
+        elector = self.elector
+        role = elector.status.role
+        stalled = elector.clock.monotonic() - elector.last_progress
+        if role not in (Role.LEADER, Role.STANDBY) or stalled > liveness_limit(elector):
+            return text_response(f"{role.value}\n", 503)
+        return text_response(f"{role.value}\n")
+
+    async def livez(self, _request: Request) -> Response:
+        elector = self.elector
+        stalled = elector.clock.monotonic() - elector.last_progress
+        if stalled > liveness_limit(elector):
+            return text_response(f"election loop stalled for {stalled:.1f}s\n", 503)
+        return text_response("ok\n")
+
+    async def leader(self, request: Request) -> Response:
+        long_poll = _long_poll(request)
+        if isinstance(long_poll, Response):
+            return long_poll
+        loop = asyncio.get_running_loop()
+        started = loop.time()
+        if long_poll is not None:
+            await self.feed.wait_for_change(*long_poll)
+        waited = math.floor((loop.time() - started) * 1000) / 1000
+        # No await between reading the version and the document: they belong together.
+        return json_response({**self._document(), "version": self.feed.version, "waited": waited})
+
+    async def metrics(self, _request: Request) -> Response:
+        assert self._metrics is not None
+        return Response(body=self._metrics.render(), content_type="text/plain; version=0.0.4; charset=utf-8")
+
+    async def drain(self, request: Request) -> Response:
+        """Start draining; with ``?wait=true`` answer only once the lock is released."""
+        elector = self.elector
+        wait = request.query.get("wait", "false").lower()
+        if wait not in ("true", "false"):
+            return _bad_request("query parameter wait must be true or false")
+        elector.request_drain()
+        if wait == "true":
+            limit = elector.drain_timeout + elector.timings.lease_duration
+            try:
+                async with asyncio.timeout(limit):
+                    await elector.wait_released()
+            except TimeoutError:
+                return json_response({"error": f"not released within {limit:g}s", **self._document()}, status=504)
+        return json_response(self._document(), status=200 if wait == "true" else 202)
+
+    async def step_down(self, request: Request) -> Response:
+        reason = request.query.get("reason", "requested through the control endpoint")[:200]
+        self.elector.request_step_down(reason)
+        return json_response(self._document(), status=202)
+
+    async def acting(self, request: Request) -> Response:
+        """The app says it acts for a term: the term's end then waits for its ``/stopped``."""
+        assert self._acks is not None
+        token = _token(request)
+        if isinstance(token, Response):
+            return token
+        if not self._acks.register(token):
+            return json_response({"error": f"token {token} is not this replica's acting term", **self._document()},
+                                 status=409)
+        return json_response({"acting": token})
+
+    async def stopped(self, request: Request) -> Response:
+        """The app stopped acting for a term it registered: the term may be released."""
+        assert self._acks is not None
+        token = _token(request)
+        if isinstance(token, Response):
+            return token
+        if not self._acks.acknowledge(token):
+            return json_response({"error": f"token {token} was not registered with POST /acting"}, status=409)
+        return json_response({"stopped": token})
 
 
-async def candidate(request: web.Request) -> web.Response:
-    """200 while this replica leads or stands by with a live loop: pod readiness that does
-    not depend on leading, so rolling updates progress (the leader Service selects by label)."""
-    elector = request.app[ELECTOR]
-    role = elector.status.role
-    stalled = elector.clock.monotonic() - elector.last_progress
-    if role not in (Role.LEADER, Role.STANDBY) or stalled > liveness_limit(elector):
-        return web.Response(status=503, text=f"{role.value}\n")
-    return web.Response(text=f"{role.value}\n")
-
-
-async def livez(request: web.Request) -> web.Response:
-    elector = request.app[ELECTOR]
-    stalled = elector.clock.monotonic() - elector.last_progress
-    if stalled > liveness_limit(elector):
-        return web.Response(status=503, text=f"election loop stalled for {stalled:.1f}s\n")
-    return web.Response(text="ok\n")
-
-
-def _long_poll(request: web.Request) -> tuple[str, float] | web.Response | None:
+def _long_poll(request: Request) -> tuple[str, float] | Response | None:
     """``(after, wait)`` for a long poll, None for a plain read, or a 400 answer naming the problem."""
     after, wait = request.query.get("after"), request.query.get("wait")
     if after is None and wait is None:
@@ -181,118 +244,34 @@ def _long_poll(request: web.Request) -> tuple[str, float] | web.Response | None:
     return after, seconds
 
 
-def _bad_request(message: str) -> web.Response:
-    return web.json_response({"error": message}, status=400)
+def _bad_request(message: str) -> Response:
+    return json_response({"error": message}, status=400)
 
 
-async def leader(request: web.Request) -> web.Response:
-    long_poll = _long_poll(request)
-    if isinstance(long_poll, web.Response):
-        return long_poll
-    feed = request.app[FEED]
-    loop = asyncio.get_running_loop()
-    started = loop.time()
-    if long_poll is not None:
-        await feed.wait_for_change(*long_poll)
-    waited = math.floor((loop.time() - started) * 1000) / 1000
-    # No await between reading the version and the document: they belong together.
-    return web.json_response({**leader_document(request.app[ELECTOR], request.app[FENCE_KEY]),
-                              "version": feed.version, "waited": waited})
-
-
-def _serve_leader(app: web.Application, elector: Elector) -> None:
-    feed = LeaderFeed(elector)
-    app[FEED] = feed
-
-    async def answer_long_polls(_app: web.Application) -> None:
-        feed.close()
-
-    # on_shutdown runs before the server waits for its requests to finish: no long poll holds up an exit.
-    app.on_shutdown.append(answer_long_polls)
-    app.router.add_get("/leader", leader)
-
-
-async def metrics(request: web.Request) -> web.Response:
-    body = request.app[METRICS].render()
-    return web.Response(body=body, headers={"Content-Type": "text/plain; version=0.0.4; charset=utf-8"})
-
-
-def probe_app(elector: Elector, sidecar_metrics: SidecarMetrics, *, fence_key: str) -> web.Application:
-    app = web.Application()
-    app[ELECTOR] = elector
-    app[FENCE_KEY] = fence_key
-    app[METRICS] = sidecar_metrics
-    app.router.add_get("/readyz", readyz)
-    app.router.add_get("/livez", livez)
-    app.router.add_get("/candidate", candidate)
-    _serve_leader(app, elector)
-    app.router.add_get("/metrics", metrics)
-    return app
-
-
-async def drain(request: web.Request) -> web.Response:
-    """Start draining; with ``?wait=true`` answer only once the lock is released."""
-    elector = request.app[ELECTOR]
-    wait = request.query.get("wait", "false").lower()
-    if wait not in ("true", "false"):
-        return web.json_response({"error": "query parameter wait must be true or false"}, status=400)
-    elector.request_drain()
-    if wait == "true":
-        limit = elector.drain_timeout + elector.timings.lease_duration
-        try:
-            async with asyncio.timeout(limit):
-                await elector.wait_released()
-        except TimeoutError:
-            return web.json_response({"error": f"not released within {limit:g}s",
-                                      **leader_document(elector, request.app[FENCE_KEY])}, status=504)
-    return web.json_response(leader_document(elector, request.app[FENCE_KEY]), status=200 if wait == "true" else 202)
-
-
-async def step_down(request: web.Request) -> web.Response:
-    elector = request.app[ELECTOR]
-    reason = request.query.get("reason", "requested through the control endpoint")[:200]
-    elector.request_step_down(reason)
-    return web.json_response(leader_document(elector, request.app[FENCE_KEY]), status=202)
-
-
-def _token(request: web.Request) -> int | web.Response:
+def _token(request: Request) -> int | Response:
     raw = request.query.get("token", "")
     if not raw.isdigit():
-        return web.json_response({"error": f"query parameter token must be a positive integer, got {raw!r}"},
-                                 status=400)
+        return _bad_request(f"query parameter token must be a positive integer, got {raw!r}")
     return int(raw)
 
 
-async def acting(request: web.Request) -> web.Response:
-    """The app says it acts for a term: the term's end then waits for its ``/stopped``."""
-    token = _token(request)
-    if isinstance(token, web.Response):
-        return token
-    if not request.app[APP_ACKS].register(token):
-        return web.json_response({"error": f"token {token} is not this replica's acting term",
-                                  **leader_document(request.app[ELECTOR], request.app[FENCE_KEY])}, status=409)
-    return web.json_response({"acting": token})
+def _server(routes: dict[tuple[str, str], Handler], endpoints: _Endpoints) -> HttpServer:
+    routes[("GET", "/leader")] = endpoints.leader
+    # close() calls on_shutdown before it waits for the requests being answered: no long poll holds up an exit.
+    return HttpServer(routes, on_shutdown=[endpoints.feed.close])
 
 
-async def stopped(request: web.Request) -> web.Response:
-    """The app stopped acting for a term it registered: the term may be released."""
-    token = _token(request)
-    if isinstance(token, web.Response):
-        return token
-    if not request.app[APP_ACKS].acknowledge(token):
-        return web.json_response({"error": f"token {token} was not registered with POST /acting"}, status=409)
-    return web.json_response({"stopped": token})
+def probe_server(elector: Elector, sidecar_metrics: SidecarMetrics, *, fence_key: str) -> HttpServer:
+    endpoints = _Endpoints(elector, fence_key=fence_key, feed=LeaderFeed(elector), metrics=sidecar_metrics)
+    return _server({("GET", "/readyz"): endpoints.readyz, ("GET", "/livez"): endpoints.livez,
+                    ("GET", "/candidate"): endpoints.candidate, ("GET", "/metrics"): endpoints.metrics}, endpoints)
 
 
-def control_app(elector: Elector, *, fence_key: str, acks: CooperativeGate | None = None) -> web.Application:
-    app = web.Application()
-    app[ELECTOR] = elector
-    app[FENCE_KEY] = fence_key
-    app.router.add_post("/drain", drain)
-    app.router.add_post("/step-down", step_down)
-    _serve_leader(app, elector)
+def control_server(elector: Elector, *, fence_key: str, acks: CooperativeGate | None = None) -> HttpServer:
+    endpoints = _Endpoints(elector, fence_key=fence_key, feed=LeaderFeed(elector), acks=acks)
+    routes: dict[tuple[str, str], Handler] = {("POST", "/drain"): endpoints.drain,
+                                               ("POST", "/step-down"): endpoints.step_down}
     if acks is not None:
-        app[APP_ACKS] = acks
-        app.router.add_post("/acting", acting)
-        app.router.add_post("/stopped", stopped)
-    return app
+        routes[("POST", "/acting")] = endpoints.acting
+        routes[("POST", "/stopped")] = endpoints.stopped
+    return _server(routes, endpoints)

@@ -91,4 +91,3 @@ def setup_logging(fmt: Literal["json", "text"], level: int = logging.INFO) -> No
     root = logging.getLogger()
     root.handlers[:] = [handler]
     root.setLevel(level)
-    logging.getLogger("aiohttp.access").setLevel(logging.WARNING)
