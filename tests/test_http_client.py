@@ -14,6 +14,7 @@ from contextlib import asynccontextmanager
 import pytest
 from aiohttp import web
 
+from singleton_sidecar import httpclient
 from singleton_sidecar.app import Sidecar
 from singleton_sidecar.httpclient import HttpClient, HttpTransportError, split_url
 
@@ -98,6 +99,20 @@ async def test_a_connection_the_server_closed_while_idle_is_replaced() -> None:
         await asyncio.sleep(0.6)  # the server closes the idle connection
         response, second = await client.request("GET", "/")
     assert response.status == 200 and first != second
+
+
+async def test_idle_connections_past_their_time_are_closed_when_the_next_request_goes(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    async def port(request: web.Request) -> web.Response:
+        return web.Response(text=str(peer_port(request)))
+
+    async with aiohttp_server(port) as url, HttpClient(url) as client:
+        answers = await asyncio.gather(*(client.request("GET", "/") for _ in range(3)))  # three connections
+        assert len({body for _, body in answers}) == 3 and len(client._idle) == 3
+        monkeypatch.setattr(httpclient, "IDLE_TIMEOUT", 0.0)
+        _, fresh = await client.request("GET", "/")
+        assert fresh not in {body for _, body in answers}
+        assert len(client._idle) == 1  # the three old ones were closed, not kept under the new one
 
 
 async def test_a_base_url_path_prefixes_every_target() -> None:

@@ -18,7 +18,6 @@ import os
 import sys
 import urllib.error
 import urllib.request
-from importlib import resources
 
 from singleton_sidecar import contract
 from singleton_sidecar.config import ConfigError, add_run_arguments, load_config
@@ -66,6 +65,8 @@ def main(argv: list[str] | None = None) -> int:  # noqa: PLR0911 - one exit per 
     stop_on_sigterm_until_started(PROG)
     args = _parser().parse_args(argv)
     if args.action == "gate-script":
+        from importlib import resources  # here: only this command reads it
+
         sys.stdout.write(resources.files("singleton_sidecar").joinpath("gate.sh").read_text())
         return 0
     if args.action == "drain":

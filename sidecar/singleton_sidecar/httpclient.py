@@ -229,12 +229,16 @@ class HttpClient:
         return True
 
     async def _connection(self) -> _Connection:
-        while self._idle:
-            connection = self._idle.pop()
-            if connection.reusable():
-                self._busy.add(connection)
-                return connection
+        # Every idle connection is checked, not only the one taken: one left over from a burst
+        # of concurrent requests would otherwise stay open under the ones in use.
+        expired = [connection for connection in self._idle if not connection.reusable()]
+        for connection in expired:
+            self._idle.remove(connection)
             connection.close()
+        if self._idle:
+            connection = self._idle.pop()  # the most recent: the least likely to be closed by now
+            self._busy.add(connection)
+            return connection
         connection = await self._connect()
         self._busy.add(connection)
         return connection
