@@ -113,10 +113,19 @@ def admin_call(api: AdminApi, method: str, path: str, body: dict[str, Any] | Non
     raise CampaignError(f"{method} {path}: the API server did not answer")
 
 
+ROOT_CA_WAIT = 180.0
+"""Seconds a new namespace may wait for its ``kube-root-ca.crt``. The kubelet cannot mount a
+pod's service account token without it, and the controller-manager publishes it late after an
+API server restart: its informers reconnect with back-off (58 s measured on 2026-11-27, when a
+segment's pods then never started within the 60 s settle bound)."""
+
+
 def create_account(call: Callable[..., dict[str, Any]], namespace: str, account: str, group: str) -> None:
     """A namespace, and in it a ServiceAccount bound to a Role with only the sidecar's rules
-    for ``group`` (``contract.sidecar_rbac_rules``); ``call`` is ``Bed.call``."""
+    for ``group`` (``contract.sidecar_rbac_rules``); ``call`` is ``Bed.call``. Returns once the
+    namespace's root CA is published (pods can mount their token)."""
     call("POST", "/api/v1/namespaces", {"metadata": {"name": namespace}})
+    wait_root_ca(call, namespace)
     call("POST", f"/api/v1/namespaces/{namespace}/serviceaccounts", {"metadata": {"name": account}})
     rbac = f"/apis/rbac.authorization.k8s.io/v1/namespaces/{namespace}"
     call("POST", f"{rbac}/roles", {"metadata": {"name": account}, "rules": contract.sidecar_rbac_rules(group)})
@@ -124,6 +133,19 @@ def create_account(call: Callable[..., dict[str, Any]], namespace: str, account:
         "metadata": {"name": account},
         "roleRef": {"apiGroup": "rbac.authorization.k8s.io", "kind": "Role", "name": account},
         "subjects": [{"kind": "ServiceAccount", "name": account, "namespace": namespace}]})
+
+
+def wait_root_ca(call: Callable[..., dict[str, Any]], namespace: str) -> None:
+    deadline = time.monotonic() + ROOT_CA_WAIT
+    while True:
+        try:
+            call("GET", f"/api/v1/namespaces/{namespace}/configmaps/kube-root-ca.crt", ok=(200,))
+            return
+        except CampaignError as exc:
+            if time.monotonic() > deadline:
+                raise CampaignError(f"namespace {namespace}: no kube-root-ca.crt within {ROOT_CA_WAIT:g} s "
+                                    f"(is kube-controller-manager running?): {exc}") from exc
+            time.sleep(0.5)
 
 
 def sidecar_pod_env(group: str, backend: str, timings: dict[str, str]) -> list[dict[str, Any]]:

@@ -16,6 +16,12 @@ IPs route through the node's bridge) by polling every pod's ``/readyz`` every fe
   PostgreSQL's port; lease: the API server's ClusterIP; both: both) -> another pod's
   ``/readyz`` 200; then healed, and the group settles before the next run.
 
+Before the faults, each backend's group rests ``--rest-seconds`` once settled, and the
+footprint of every pod's sidecar as a user gets it (the image, in-cluster configuration) is
+read on the node: the RSS of the container's main process, and the time from that process's
+start (``/proc/<pid>/stat``) to the sidecar's first log line (imports and configuration: it
+campaigns next).
+
 Prints medians and p99 (nearest rank) per backend and fault, and each run's figure.
 """
 
@@ -25,6 +31,7 @@ import argparse
 import base64
 import contextlib
 import json
+import os
 import shutil
 import signal
 import ssl
@@ -41,7 +48,7 @@ from typing import Any
 from tests.kubehelpers import save_pod_logs
 from tests.operators import OperatorProcess
 
-from benchmarks.failover import summary
+from benchmarks.failover import rss_mb, summary
 from singleton_sidecar import contract
 from singleton_testbed import images, node_pods
 from singleton_testbed.binaries import add_to_path, find_all
@@ -71,6 +78,17 @@ class Run:
     (the kubelet noticing and restarting the container, and Python starting)."""
     start_to_lead: float | None = None
     """... -> that incarnation's log line saying it acquired the lock."""
+
+
+@dataclass
+class Footprint:
+    backend: str
+    pod: str
+    leader: bool
+    rss_mb: float
+    """VmRSS of the sidecar container's main process after the rest."""
+    start_seconds: float | None
+    """That process's start -> its first log line."""
 
 
 class Bed:
@@ -256,9 +274,8 @@ def _log_time(line: str) -> float | None:
     return None
 
 
-def incarnation_times(bed: Bed, pod: str, killed: float) -> tuple[float | None, float | None]:
-    """(killed -> first log line, first log line -> "acquired" line) of the pod's restarted sidecar,
-    from its log (the node's clock is this machine's)."""
+def sidecar_log_times(bed: Bed, pod: str) -> list[tuple[float, str]]:
+    """(time, line) of the JSON log lines of the pod's current sidecar container."""
     assert bed.info is not None
     request = urllib.request.Request(
         f"{bed.info.server}/api/v1/namespaces/{NAMESPACE}/pods/{pod}/log?container=singleton-sidecar",
@@ -266,7 +283,49 @@ def incarnation_times(bed: Bed, pod: str, killed: float) -> tuple[float | None, 
     context = ssl.create_default_context(cafile=str(bed.info.ca_file))
     with urllib.request.urlopen(request, context=context, timeout=10) as response:
         lines = response.read().decode(errors="replace").splitlines()
-    times = [(stamp, line) for line in lines if (stamp := _log_time(line)) is not None]
+    return [(stamp, line) for line in lines if (stamp := _log_time(line)) is not None]
+
+
+def process_start(pid: int) -> float:
+    """The wall-clock start of a process: its start in clock ticks after boot, plus the boot time."""
+    ticks = int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[19])
+    boot = next(int(line.split()[1]) for line in Path("/proc/stat").read_text().splitlines()
+                if line.startswith("btime "))
+    return boot + ticks / os.sysconf("SC_CLK_TCK")
+
+
+def footprints(bed: Bed, backend: str, rest: float) -> list[Footprint]:
+    """Every pod's sidecar after ``rest`` seconds of the settled group (see the module docstring)."""
+    leader, _ = settle(bed, f"bench-{backend}")
+    time.sleep(rest)
+    found = []
+    for pod in live_pods(bed.pods(f"bench-{backend}")):
+        name = pod["metadata"]["name"]
+        pid = node_pods.container_main_pid(pod, "singleton-sidecar", layout=bed.layout)
+        times = sidecar_log_times(bed, name)
+        start = times[0][0] - process_start(pid) if times else None
+        found.append(footprint := Footprint(backend, name, name == leader["metadata"]["name"], rss_mb(pid), start))
+        shown = "?" if start is None else f"{start * 1000:.0f} ms"
+        print(f"[{backend:8} footprint] {name} ({'leader' if footprint.leader else 'standby'}): "
+              f"{footprint.rss_mb:.1f} MB at rest, process start -> first log line {shown}", flush=True)
+    return found
+
+
+def print_footprints(backends: list[str], rest: float, found: list[Footprint]) -> None:
+    if not found:
+        return
+    print(f"\nthe sidecars in the image after {rest:g} s at rest (median / p99 / max over the pods)")
+    for backend in backends:
+        print("  " + summary(f"{backend} RSS", [f.rss_mb for f in found if f.backend == backend], "MB", 1.0))
+        starts = [f.start_seconds for f in found if f.backend == backend and f.start_seconds is not None]
+        if starts:
+            print("  " + summary(f"{backend} process start -> first log line", starts))
+
+
+def incarnation_times(bed: Bed, pod: str, killed: float) -> tuple[float | None, float | None]:
+    """(killed -> first log line, first log line -> "acquired" line) of the pod's restarted sidecar,
+    from its log (the node's clock is this machine's)."""
+    times = sidecar_log_times(bed, pod)
     if not times:
         return None, None
     first = times[0][0]
@@ -286,6 +345,22 @@ def keep_evidence(bed: Bed) -> None:
     print(f"[bench] evidence kept in {folder}", file=sys.stderr, flush=True)
 
 
+def print_runs(backends: list[str], faults: list[str], runs: list[Run]) -> None:
+    if not runs:
+        return
+    print("\nfault -> another pod's sidecar ready as leader (median / p99 / max over the runs)")
+    for backend in backends:
+        for fault in faults:
+            values = [r.seconds for r in runs if r.backend == backend and r.fault == fault]
+            print("  " + summary(f"{backend} {fault}", values))
+            restarts = [r for r in runs if r.backend == backend and r.fault == fault and r.restart is not None]
+            if restarts:
+                print("    " + summary("kill -> restarted sidecar's log", [r.restart or 0.0 for r in restarts]))
+            leads = [r.start_to_lead for r in restarts if r.start_to_lead is not None]
+            if leads:
+                print("    " + summary("its first log line -> acquired", leads))
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(prog="python -m benchmarks.node_failover", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -293,17 +368,24 @@ def main() -> int:
     parser.add_argument("--backend", nargs="+", choices=("postgres", "lease", "both"),
                         default=["postgres", "lease", "both"])
     parser.add_argument("--fault", nargs="+", choices=FAULTS, default=list(FAULTS))
+    parser.add_argument("--rest-seconds", type=float, default=30.0,
+                        help="rest of each settled group before its sidecars' footprint is read (default 30; 0: skip)")
     parser.add_argument("--json", type=Path, help="also write every run here")
     args = parser.parse_args()
-    if args.runs < 1:
-        parser.error("--runs must be at least 1")
+    if args.runs < 0:
+        parser.error("--runs must be at least 0 (0: the footprint only)")
+    if args.rest_seconds < 0:
+        parser.error("--rest-seconds must be 0 or more")
     with tempfile.TemporaryDirectory(prefix="node-bench-") as folder:
         bed = Bed(Path(folder))
         runs: list[Run] = []
+        rests: list[Footprint] = []
         try:
             bed.start()
             for backend in args.backend:
                 bed.control_plane.kubectl("apply", "-f", "-", input_text=json.dumps(group_manifest(bed, backend)))
+                if args.rest_seconds:
+                    rests += footprints(bed, backend, args.rest_seconds)
                 for fault in args.fault:
                     for index in range(args.runs):
                         try:
@@ -318,19 +400,11 @@ def main() -> int:
         finally:
             with contextlib.suppress(Exception):
                 bed.stop()
-    print("\nfault -> another pod's sidecar ready as leader (median / p99 / max over the runs)")
-    for backend in args.backend:
-        for fault in args.fault:
-            values = [r.seconds for r in runs if r.backend == backend and r.fault == fault]
-            print("  " + summary(f"{backend} {fault}", values))
-            restarts = [r for r in runs if r.backend == backend and r.fault == fault and r.restart is not None]
-            if restarts:
-                print("    " + summary("kill -> restarted sidecar's log", [r.restart or 0.0 for r in restarts]))
-            leads = [r.start_to_lead for r in restarts if r.start_to_lead is not None]
-            if leads:
-                print("    " + summary("its first log line -> acquired", leads))
+    print_footprints(args.backend, args.rest_seconds, rests)
+    print_runs(args.backend, args.fault, runs)
     if args.json:
-        args.json.write_text(json.dumps([asdict(r) for r in runs], indent=1))
+        args.json.write_text(json.dumps({"runs": [asdict(r) for r in runs], "footprints": [asdict(r) for r in rests]},
+                                        indent=1))
     return 0
 
 
