@@ -287,11 +287,11 @@ def sidecar_log_times(bed: Bed, pod: str) -> list[tuple[float, str]]:
 
 
 def process_start(pid: int) -> float:
-    """The wall-clock start of a process: its start in clock ticks after boot, plus the boot time."""
+    """The wall-clock start of a process: now, less the time since its start (its start in
+    clock ticks after boot against ``/proc/uptime``; ``btime`` is whole seconds, too coarse)."""
     ticks = int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[19])
-    boot = next(int(line.split()[1]) for line in Path("/proc/stat").read_text().splitlines()
-                if line.startswith("btime "))
-    return boot + ticks / os.sysconf("SC_CLK_TCK")
+    now, uptime = time.time(), float(Path("/proc/uptime").read_text().split()[0])
+    return now - (uptime - ticks / os.sysconf("SC_CLK_TCK"))
 
 
 def footprints(bed: Bed, backend: str, rest: float) -> list[Footprint]:
