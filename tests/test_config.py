@@ -86,6 +86,16 @@ def test_a_drain_url_with_a_port_out_of_range_is_refused_at_start(url: str) -> N
         load(SINGLETON_BACKEND="lease", SINGLETON_NAMESPACE="ns", SINGLETON_DRAIN_URL=url)
 
 
+@pytest.mark.parametrize(("url", "problem"), [
+    ("http:///drain", "the URL has no host"), ("http://:8080/drain", "the URL has no host"),
+    ("http://127.0.0.1:8080/dr ain", "spaces and non-ASCII characters must be percent-encoded"),
+    ("http://127.0.0.1:8080/é", "spaces and non-ASCII characters must be percent-encoded"),
+])
+def test_a_drain_url_the_client_cannot_send_is_refused_at_start(url: str, problem: str) -> None:
+    with pytest.raises(ConfigError, match=rf"^SINGLETON_DRAIN_URL \(--drain-url\): {problem}, got "):
+        load(SINGLETON_BACKEND="lease", SINGLETON_NAMESPACE="ns", SINGLETON_DRAIN_URL=url)
+
+
 @pytest.mark.parametrize("url", ["http://127.0.0.1:65535/drain", "http://localhost/drain", "https://[::1]:1"])
 def test_a_drain_url_with_a_usable_port_is_kept(url: str) -> None:
     assert load(SINGLETON_BACKEND="lease", SINGLETON_NAMESPACE="ns", SINGLETON_DRAIN_URL=url).drain_url == url

@@ -16,7 +16,7 @@ from aiohttp import web
 
 from singleton_sidecar import httpclient
 from singleton_sidecar.app import Sidecar
-from singleton_sidecar.httpclient import HttpClient, HttpTransportError, split_url
+from singleton_sidecar.httpclient import HttpClient, HttpTransportError, Origin, split_url
 
 pytestmark = pytest.mark.timeout(30)
 
@@ -250,3 +250,47 @@ async def test_the_drain_hook_posts_to_the_app_and_reads_its_answer() -> None:
         assert await Sidecar._ask_app_to_drain(f"{url}/drain?ok=0") is False
     assert calls == ["POST /drain?ok=1", "POST /drain?ok=0"]
     assert await Sidecar._ask_app_to_drain(url + "/drain") is False  # the app's listener is gone: refused
+
+
+def test_the_host_header_leaves_out_the_default_port() -> None:
+    assert Origin.parse("https://api.example.com").host_header == "api.example.com"
+    assert Origin.parse("https://api.example.com:443/k8s").host_header == "api.example.com"
+    assert Origin.parse("http://10.0.0.1:80").host_header == "10.0.0.1"
+    assert Origin.parse("https://[fd00::1]:6443").host_header == "[fd00::1]:6443"
+    assert Origin.parse("https://api.example.com").authority == "api.example.com:443"  # a CONNECT target keeps it
+
+
+async def test_a_connection_with_bytes_past_its_answer_is_not_reused() -> None:
+    connections = 0
+
+    async def reply(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        nonlocal connections
+        connections += 1
+        first = connections == 1
+        while True:
+            try:
+                await read_head(reader)
+            except asyncio.IncompleteReadError:  # the client closed the connection
+                return
+            extra = b"HTTP/1.1 500 Stale\r\nContent-Length: 0\r\n\r\n" if first else b""
+            writer.write(b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\n\r\nok" + extra)
+            await writer.drain()
+
+    async with raw_server(reply) as url, HttpClient(url) as client:
+        first, _ = await client.request("GET", "/")
+        await asyncio.sleep(0.1)  # the extra answer arrives and waits in the connection's buffer
+        second, body = await client.request("GET", "/")
+    assert (first.status, second.status, body, connections) == (200, 200, b"ok", 2)
+
+
+async def test_a_closed_client_refuses_requests() -> None:
+    async def ok(request: web.Request) -> web.Response:
+        return web.Response(text="ok")
+
+    async with aiohttp_server(ok) as url:
+        client = HttpClient(url)
+        await client.request("GET", "/")
+        await client.close()
+        assert not client._idle
+        with pytest.raises(HttpTransportError, match="the client is closed"):
+            await client.request("GET", "/")

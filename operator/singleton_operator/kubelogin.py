@@ -89,7 +89,7 @@ class Resolved:
         conf = self.configuration
         if not conf.proxy or k8s_rest.should_bypass_proxies(conf.host, conf.no_proxy or ""):
             return None
-        if not str(conf.proxy).startswith("http://"):
+        if not str(conf.proxy).lower().startswith("http://"):
             # The operator's own client tunnels its TLS through an http:// proxy's CONNECT only.
             raise KubeLoginError(f"proxy {conf.proxy!r}: only http:// proxies are supported "
                                  "(the connection to the API server is TLS inside the proxy's tunnel)")

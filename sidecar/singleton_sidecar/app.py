@@ -172,7 +172,7 @@ class Sidecar:
                 return True
             log.warning("drain hook answered an error; waiting for the app to stop",
                         extra={"url": drain_url, "status": response.status})
-        except OSError as exc:  # refused, reset, TLS, a malformed answer (HttpTransportError)
+        except (OSError, ValueError) as exc:  # refused, reset, TLS, a malformed answer (HttpTransportError)
             log.warning("drain hook failed; waiting for the app to stop", extra={"url": drain_url, "error": exc})
         return False
 

@@ -310,6 +310,12 @@ def load_config(args: argparse.Namespace, environ: Mapping[str, str]) -> Sidecar
             drain_port = 0
         if drain_port == 0:
             raise ConfigError(f"{label('drain_url')}: the port must be from 1 to 65535, got {drain_url!r}")
+        parts = urllib.parse.urlsplit(drain_url)
+        if not parts.hostname:
+            raise ConfigError(f"{label('drain_url')}: the URL has no host, got {drain_url!r}")
+        if any(c.isspace() or not c.isascii() for c in drain_url):
+            raise ConfigError(f"{label('drain_url')}: spaces and non-ASCII characters must be percent-encoded, "
+                              f"got {drain_url!r}")
 
     command = tuple(args.command[1:] if args.command and args.command[0] == "--" else args.command or ())
     log_format = raw.get("log_format", "json")

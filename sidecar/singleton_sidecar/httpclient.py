@@ -23,6 +23,7 @@ from collections.abc import AsyncIterator, Mapping
 from contextlib import asynccontextmanager, suppress
 from dataclasses import dataclass, field
 from types import TracebackType
+from typing import Any
 from urllib.parse import unquote, urlsplit
 
 import h11
@@ -35,6 +36,9 @@ IDLE_TIMEOUT = 15.0
 connection risks failing on its next request)."""
 MAX_CONNECTIONS = 100
 """Connections open at once per client, idle and busy (a watch holds one while it runs)."""
+HAPPY_EYEBALLS: dict[str, Any] = {"happy_eyeballs_delay": 0.25, "interleave": 1}
+"""A host name with IPv6 and IPv4 addresses: try the next address family after 0.25 s (RFC 8305),
+so a black-holed one does not hold every connection until its caller's timeout."""
 
 
 class HttpTransportError(OSError):
@@ -65,9 +69,19 @@ class Origin:
 
     @property
     def authority(self) -> str:
-        """``host:port`` as the Host header and a CONNECT target write it."""
-        host = f"[{self.host}]" if ":" in self.host else self.host
-        return f"{host}:{self.port}"
+        """``host:port``, as a CONNECT target writes it."""
+        return f"{self._bracketed}:{self.port}"
+
+    @property
+    def host_header(self) -> str:
+        """The Host header: without the scheme's default port, as browsers, Go and aiohttp send
+        it (a gateway routing by host name may know ``api.example.com`` and not ``…:443``)."""
+        default = 443 if self.scheme == "https" else 80
+        return self._bracketed if self.port == default else self.authority
+
+    @property
+    def _bracketed(self) -> str:
+        return f"[{self.host}]" if ":" in self.host else self.host
 
 
 def split_url(url: str) -> tuple[str, str]:
@@ -166,6 +180,7 @@ class HttpClient:
         self._idle: list[_Connection] = []
         self._busy: set[_Connection] = set()
         self._slots = asyncio.Semaphore(MAX_CONNECTIONS)
+        self._closed = False
 
     async def __aenter__(self) -> HttpClient:
         return self
@@ -175,15 +190,21 @@ class HttpClient:
         await self.close()
 
     async def close(self) -> None:
-        """Close every connection, idle or busy (a running watch then fails)."""
+        """Close every connection, idle or busy (a running watch then fails); requests after
+        this, and those still connecting, fail with ``HttpTransportError``."""
+        self._closed = True
         connections = [*self._idle, *self._busy]
         self._idle.clear()
         for connection in connections:
             connection.close()
-        for connection in connections:
-            with suppress(OSError, TimeoutError):
-                async with asyncio.timeout(1):
-                    await connection.writer.wait_closed()
+        if not connections:
+            return
+        # A TLS peer that is gone never confirms the close: a second at most for all, then abort.
+        waits = {asyncio.ensure_future(_closed(c)): c for c in connections}
+        _, late = await asyncio.wait(waits, timeout=1)
+        for wait in late:
+            waits[wait].writer.transport.abort()
+        await asyncio.gather(*waits)
 
     async def request(self, method: str, path: str, *, headers: Mapping[str, str] | None = None,
                       body: bytes | None = None) -> tuple[HttpResponse, bytes]:
@@ -200,6 +221,8 @@ class HttpClient:
         is kept for reuse only when the body was read to its end; otherwise (an error, a
         cancel, a stream left early) it is closed.
         """
+        if self._closed:
+            raise HttpTransportError("the client is closed")
         async with asyncio.timeout_at(deadline):
             await self._slots.acquire()
         connection: _Connection | None = None
@@ -213,7 +236,7 @@ class HttpClient:
         finally:
             if connection is not None:
                 self._busy.discard(connection)
-                if response is not None and response.complete and self._recycle(connection):
+                if not self._closed and response is not None and response.complete and self._recycle(connection):
                     self._idle.append(connection)
                 else:
                     connection.close()
@@ -223,6 +246,8 @@ class HttpClient:
     def _recycle(connection: _Connection) -> bool:
         protocol = connection.protocol
         if protocol.our_state is not h11.DONE or protocol.their_state is not h11.DONE:
+            return False
+        if protocol.trailing_data[0]:  # bytes past the answer's end: the next answer read would be wrong
             return False
         protocol.start_next_cycle()
         connection.idle_since = time.monotonic()
@@ -248,9 +273,10 @@ class HttpClient:
         try:
             if proxy is None:
                 reader, writer = await asyncio.open_connection(
-                    origin.host, origin.port, ssl=self._ssl, server_hostname=origin.host if self._ssl else None)
+                    origin.host, origin.port, ssl=self._ssl, server_hostname=origin.host if self._ssl else None,
+                    **HAPPY_EYEBALLS)
                 return _Connection(reader, writer, h11.Connection(h11.CLIENT))
-            reader, writer = await asyncio.open_connection(proxy.host, proxy.port)
+            reader, writer = await asyncio.open_connection(proxy.host, proxy.port, **HAPPY_EYEBALLS)
             if self._ssl is not None:
                 await self._tunnel(_Connection(reader, writer, h11.Connection(h11.CLIENT)))
                 await writer.start_tls(self._ssl, server_hostname=origin.host)
@@ -286,7 +312,7 @@ class HttpClient:
         if self.proxy is not None and self._ssl is None:
             target = f"http://{self.origin.authority}{target}"  # absolute form: the proxy forwards it
             extra = self._proxy_headers()
-        fields = [("Host", self.origin.authority), ("User-Agent", self._user_agent), *headers.items(), *extra]
+        fields = [("Host", self.origin.host_header), ("User-Agent", self._user_agent), *headers.items(), *extra]
         if body is not None or method in ("POST", "PUT", "PATCH"):
             fields.append(("Content-Length", str(len(body or b""))))
         try:
@@ -306,3 +332,8 @@ class HttpClient:
             if isinstance(event, h11.ConnectionClosed):
                 raise HttpTransportError("the server closed the connection before its answer was complete")
             # h11.InformationalResponse (100 Continue and the like): the real answer follows.
+
+
+async def _closed(connection: _Connection) -> None:
+    with suppress(OSError):
+        await connection.writer.wait_closed()

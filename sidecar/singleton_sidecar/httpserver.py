@@ -147,7 +147,9 @@ class HttpServer:
                 task.cancel()
             await asyncio.gather(*tasks, return_exceptions=True)
         if self._server is not None:
-            await self._server.wait_closed()
+            with contextlib.suppress(TimeoutError):  # Python 3.12+ waits for every connection here
+                async with asyncio.timeout(self.shutdown_timeout):
+                    await self._server.wait_closed()
 
     async def _accept(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         # A task of our own, not asyncio's per connection: close() may cancel it (Python 3.11's
@@ -193,9 +195,13 @@ class HttpServer:
             if not clean:
                 writer.transport.abort()
             writer.close()
-            with contextlib.suppress(OSError, TimeoutError):
+            try:
                 async with asyncio.timeout(LINGER_TIME):
                     await writer.wait_closed()
+            except TimeoutError:
+                writer.transport.abort()  # a client that reads nothing: what it did not take is dropped
+            except OSError:
+                pass
 
     async def _receive(self, protocol: h11.Connection, reader: asyncio.StreamReader,
                        writer: asyncio.StreamWriter) -> Request:
