@@ -11,6 +11,13 @@ The real node (``singleton_testbed.node``) needs ``advertise_address`` set to it
 binds every address instead of loopback only, and its certificate names the node IP. It still
 requires TLS and a token. The API server always presents a client certificate
 (``system:masters``) to kubelets, for ``kubectl logs``/``exec``.
+
+With a node, the ``kubernetes`` Service's endpoint is written once by the test bed and never
+withdrawn (``--endpoint-reconciler-type=none``), as a load-balanced control plane endpoint is.
+The API server's own reconciler withdraws it at every graceful stop, and kube-proxy, whose watch
+broke with the API server, learns that it is back only when its reconnect back-off (up to 30 s
+after repeated restarts) lets it: pods then could not reach a restarted API server for up to a
+minute (a fault campaign on 2026-11-27), which measured kube-proxy, not the sidecar.
 """
 
 from __future__ import annotations
@@ -179,6 +186,7 @@ class ControlPlane:
                 "--service-account-issuer=https://kubernetes.default.svc.cluster.local",
                 "--service-cluster-ip-range=10.0.0.0/24",
                 "--allow-privileged=true",
+                *(["--endpoint-reconciler-type=none"] if self.serve_pods else []),  # see the module docstring
                 "--enable-priority-and-fairness=false",
                 "--audit-log-path=" + str(self.workdir / "audit.log"),
                 "--audit-policy-file=" + str(self._audit_policy()),
@@ -188,6 +196,30 @@ class ControlPlane:
         )
         self.apiserver.start()
         wait_until(self._ready, timeout=90, what="kube-apiserver /readyz", proc=self.apiserver)
+        if self.serve_pods:
+            self._publish_endpoint()
+
+    def _publish_endpoint(self) -> None:
+        """The ``kubernetes`` Service's EndpointSlice: the advertised address and the secure port."""
+        assert self.advertise_address is not None
+        body = {
+            "apiVersion": "discovery.k8s.io/v1", "kind": "EndpointSlice",
+            "metadata": {"name": "kubernetes", "namespace": "default",
+                         "labels": {"kubernetes.io/service-name": "kubernetes",
+                                    "endpointslice.kubernetes.io/managed-by": "singleton-testbed"}},
+            "addressType": "IPv6" if ":" in self.advertise_address else "IPv4",
+            "endpoints": [{"addresses": [self.advertise_address], "conditions": {"ready": True}}],
+            "ports": [{"name": "https", "port": self.api_port, "protocol": "TCP"}],
+        }
+        base = f"{self.info.server}/apis/discovery.k8s.io/v1/namespaces/default/endpointslices"
+        request = urllib.request.Request(base, data=json.dumps(body).encode(), method="POST", headers={
+            "Authorization": f"Bearer {self.token}", "Content-Type": "application/json"})
+        try:
+            with urllib.request.urlopen(request, timeout=10, context=self._ssl_context()):
+                pass
+        except urllib.error.HTTPError as exc:
+            if exc.code != 409:  # written at an earlier start: it never changes
+                raise
 
     def _audit_policy(self) -> Path:
         # Metadata for every request: benchmarks count API requests per second from it.
