@@ -57,7 +57,8 @@ def text_response(text: str, status: int = 200) -> Response:
 
 
 def json_response(doc: object, status: int = 200) -> Response:
-    return Response(status, json.dumps(doc, separators=(",", ":")).encode(), "application/json")
+    # json.dumps' own separators (", ", ": "), as the sidecar answered on aiohttp: scripts grep them.
+    return Response(status, json.dumps(doc).encode(), "application/json; charset=utf-8")
 
 
 Handler = Callable[[Request], Awaitable[Response]]
