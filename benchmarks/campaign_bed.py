@@ -139,7 +139,7 @@ def wait_root_ca(call: Callable[..., dict[str, Any]], namespace: str) -> None:
     deadline = time.monotonic() + ROOT_CA_WAIT
     while True:
         try:
-            call("GET", f"/api/v1/namespaces/{namespace}/configmaps/kube-root-ca.crt", ok=(200,))
+            call("GET", f"/api/v1/namespaces/{namespace}/configmaps/kube-root-ca.crt")  # 404: CampaignError
             return
         except CampaignError as exc:
             if time.monotonic() > deadline:
