@@ -170,7 +170,7 @@ async def worker(config: dict[str, Any]) -> dict[str, Any]:
     return {
         "renewals": renewals,
         "acting": {f"{c.group} {c.identity}": c.acting for c in candidates},
-        "pooler_connections": sum(1 for c in candidates if c.backend.through_transaction_pooler),
+        "pooler_connections": sum(1 for c in candidates if c.backend.through_pooler),
     }
 
 

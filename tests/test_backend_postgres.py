@@ -18,7 +18,7 @@ import pytest_asyncio
 
 from singleton_sdk.asyncpg import ensure_fence_table, fence
 from singleton_sidecar.backends.postgres import PostgresBackend, takeover_wait
-from singleton_sidecar.backends.postgres_session import keepalive_settings, session_settings
+from singleton_sidecar.backends.postgres_session import keepalive_settings, server_session, session_settings
 from singleton_sidecar.backends.postgres_sql import NAMESPACE
 from singleton_sidecar.core.lock import BackendMisconfigured, BackendUnavailable, Identity, LockRecord, Term, Token
 from singleton_testbed.pgbouncer import PgBouncer, PoolMode
@@ -726,7 +726,7 @@ async def test_direct_connections_pass_the_pooler_check(
     make_backend: Factory, postgres_server: PostgresServer | None, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """Over TCP the session's two ends prove a direct connection; over a Unix socket the
-    nonce probe runs (a second connection) and finds a session of its own too."""
+    backend pid announced at connect does: neither needs the probe's second connection."""
     if postgres_server is None:
         pytest.skip("needs the session's own server (its Unix socket)")
     info = postgres_server.info
@@ -748,7 +748,26 @@ async def test_direct_connections_pass_the_pooler_check(
     term = await acquired(tcp, "a")
     assert await unix.acquire(Identity("b"), timeout=0.3) == LockRecord(
         holder=Identity("a"), token=term.token, version=str(term.token))
-    assert opened == {"tcp": 1, "unix": 2}
+    assert opened == {"tcp": 1, "unix": 1}
+
+
+async def test_only_a_connection_to_the_server_itself_is_a_server_session(
+        postgres_server: PostgresServer | None, pgbouncer: Bouncers, pg_dsn: str) -> None:
+    """The answer does not depend on what other clients do: a pooler's cancel key is its own
+    in every pool mode, however quiet or busy it is."""
+    if postgres_server is None:
+        pytest.skip("needs the session's own server (its Unix socket)")
+    sockets = postgres_server.workdir / "sockets"
+    unix_dsn = f"postgresql://singleton@/singleton?host={sockets}&port={postgres_server.info.port}"
+    answers: dict[str, bool] = {}
+    for name, dsn in (("tcp", pg_dsn), ("unix", unix_dsn), ("session pooler", pgbouncer("session").dsn),
+                      ("transaction pooler", pgbouncer("transaction").dsn)):
+        conn = await asyncpg.connect(dsn, statement_cache_size=0)
+        try:
+            answers[name] = await server_session(conn)
+        finally:
+            await conn.close()
+    assert answers == {"tcp": True, "unix": True, "session pooler": False, "transaction pooler": False}
 
 
 # --- a takeover waits until the previous holder's app is surely stopped ----------------------------

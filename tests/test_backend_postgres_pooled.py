@@ -113,7 +113,7 @@ async def test_acquire_renew_release_through_a_transaction_pooler(make_backend: 
     assert seen == LockRecord(holder=Identity("a"), token=term.token, version=str(term.token))
     assert time.monotonic() - started >= 0.35, "a standby's call waits out its budget: one check per call"
     # Behind a transaction pooler an idle client connection holds no server connection: kept.
-    assert standby.through_transaction_pooler is True and standby.holds_connection
+    assert standby.through_pooler is True and standby.holds_connection
 
     renewed = await holder.renew(term, timeout=1)
     assert renewed is not None and renewed.token == term.token and renewed.written_at > term.written_at
@@ -298,7 +298,7 @@ async def test_standbys_connected_directly_hold_no_connection_between_checks(
                                f"singleton:{group}")
         assert count == 1
         assert not any(s.holds_connection for s in standbys)
-        assert not any(s.through_transaction_pooler for s in standbys)
+        assert not any(s.through_pooler for s in standbys)
     finally:
         results = await asyncio.gather(*polls)
     assert all(isinstance(r, LockRecord) and r.holder == "leader" for r in results)

@@ -32,14 +32,18 @@ expires (the lease duration), not the instant its session ends.
   that margin; use a slewing NTP, as for any lease).
 - **Connections**: what counts is server sessions (``max_connections``), and a standby holds
   none between its checks. Which connection that takes depends on what the DSN reaches, so
-  the first connection is probed once (``postgres_session.check_session``, the session
-  mode's pooler check): a connection that is a server session of its own (direct, or a
-  session-mode pooler) is opened for each check and closed after it; one that a transaction
-  pooler multiplexes is kept, since an idle client connection there holds no server
-  connection, and reconnecting every check would cost each standby a TCP handshake and a
-  password exchange (about 1.5 to 3 ms of CPU, which for 2,000 standbys polling every 2 s is
-  a CPU core) for nothing. The leader keeps its connection for its renewals either way (one
-  every retry period) and, on a server session, closes it when its term ends. A lost
+  the first connection is asked once whether it reaches the server itself
+  (``postgres_session.server_session``: the backend pid announced at connect is the one that
+  answers, which no pooler's is). One that does is opened for each check and closed after
+  it; one through a pooler is kept, since behind a transaction pooler an idle client
+  connection holds no server connection, and reconnecting every check would cost each
+  standby a TCP handshake and a password exchange (about 1.5 to 3 ms of CPU, which for 2,000
+  standbys polling every 2 s is a CPU core) for nothing. (Telling a transaction pooler from
+  a session pooler by what it does is not certain while other clients keep it busy; a
+  session pooler is not what this mode is for, and there the kept connection holds one
+  server connection per sidecar, as the session mode does.) The leader keeps its connection
+  for its renewals either way (one every retry period) and, on a server session, closes it
+  when its term ends. A lost
   connection is not a lost term: the next renewal reconnects, and only the renew deadline
   ends the term. So PgBouncer restarts and ``pg_terminate_backend`` cost nothing if they
   heal within the renew deadline.
@@ -80,7 +84,7 @@ from singleton_sidecar.backends.postgres_session import (
     ensure_schema,
     guarded,
     lock_record,
-    pooler_evidence,
+    server_session,
     short_lived,
 )
 from singleton_sidecar.backends.postgres_sql import NAMESPACE, Statements
@@ -214,7 +218,7 @@ class PooledPostgresBackend:
         self._predecessor_prefix = predecessor_prefix
         self._server_settings = {"application_name": f"singleton:{group}"[:63]}
         self._conn: Connection | None = None  # kept while a term is held, or always behind a transaction pooler
-        self._pooled_connection: bool | None = None  # a transaction pooler's client connection (None: not probed)
+        self._through_pooler: bool | None = None  # a pooler's client connection (None: not asked yet)
         self._term: Term | None = None
         self._schema_ready = False
         self._seen: LockRecord | None = None  # the row as last read, for the standby's reports
@@ -228,14 +232,14 @@ class PooledPostgresBackend:
 
     @property
     def holds_connection(self) -> bool:
-        """Whether a connection is kept open now (a term is held, or it is a transaction
-        pooler's client connection, which holds no server connection while idle)."""
+        """Whether a connection is kept open now (a term is held, or it is a pooler's client
+        connection, which behind a transaction pooler holds no server connection while idle)."""
         return self._conn is not None and not self._conn.is_closed()
 
     @property
-    def through_transaction_pooler(self) -> bool | None:
-        """What the probe of the first connection found (None: not connected yet)."""
-        return self._pooled_connection
+    def through_pooler(self) -> bool | None:
+        """Whether the first connection went through a pooler (None: not connected yet)."""
+        return self._through_pooler
 
     def set_loss_callback(self, callback: LossCallback) -> None:
         # Nothing tells this mode asynchronously that its term is gone (no session holds it):
@@ -397,21 +401,20 @@ class PooledPostgresBackend:
         if conn is not None and not conn.is_closed():
             return conn
         conn = await self._open(deadline)
-        if self._pooled_connection is None:
+        if self._through_pooler is None:
             try:
-                evidence = await pooler_evidence(conn, second=lambda: self._short_lived(deadline))
+                self._through_pooler = not await server_session(conn)
             except BaseException:
                 conn.terminate()
                 raise
-            self._pooled_connection = evidence is not None
-            log.info("a transaction pooler's connection: kept between checks"
-                     if self._pooled_connection else "a server session: opened for each check", extra=self._fields())
+            log.info("a pooler's connection: kept between checks"
+                     if self._through_pooler else "a server session: opened for each check", extra=self._fields())
         self._conn = conn
         return conn
 
     async def _idle(self) -> None:
         """No term held: give up a connection that is a server session of its own."""
-        if self._pooled_connection or self._conn is None:
+        if self._through_pooler or self._conn is None:
             return
         conn, self._conn = self._conn, None
         await close_connection(conn)

@@ -81,9 +81,9 @@ async def check_session(
 ) -> None:
     """Raise ``BackendMisconfigured`` unless ``conn`` is a server session of its own.
 
-    A direct TCP connection proves itself: the server's view of the session's two ends is our
-    socket's. Otherwise (a Unix socket, NAT, a proxy or a pooler) the probe marks this session
-    (a session-level setting holding a nonce and the backend pid) and checks, each in its own
+    A connection to the server itself proves itself (``server_session``). Otherwise (a
+    pooler, or a proxy that rewrites the addresses) the probe marks this session (a
+    session-level setting holding a nonce and the backend pid) and checks, each in its own
     statement and so its own transaction:
 
     1. this connection still sees its mark (a round-robin pooler with two idle server
@@ -94,23 +94,45 @@ async def check_session(
     3. this connection still sees it after that (a pooler that resets server connections
        between clients wiped it).
 
-    Direct connections and session pooling pass all three by construction. Only the simple
-    query protocol is used: behind such a pooler, prepared statements would fail first, with
-    a less clear error.
+    A session-mode pooler passes all three by construction; a transaction pooler that other
+    clients keep busy may route a round so that it passes too, so the probe runs
+    ``PROBE_ROUNDS`` times and one failed round is enough (and the renewal, which names the
+    holder's backend pid, fails at once if a later statement lands elsewhere). Only the
+    simple query protocol is used: behind such a pooler, prepared statements would fail
+    first, with a less clear error.
     """
-    evidence = await pooler_evidence(conn, second=second)
-    if evidence is not None:
-        _misconfigured(group, evidence)
+    if await server_session(conn):
+        return
+    for _ in range(PROBE_ROUNDS):
+        evidence = await _pooler_evidence(conn, second=second)
+        if evidence is not None:
+            _misconfigured(group, evidence)
 
 
-async def pooler_evidence(
+PROBE_ROUNDS = 3
+
+
+async def server_session(conn: Connection) -> bool:
+    """Whether ``conn`` is known to reach the server itself, with no pooler between: either its
+    TCP connection is the one the server sees, or the backend pid the server announced at
+    connect (the cancel key's pid, which the client keeps) is the pid of the backend that
+    answers. A pooler answers the connect itself with a cancel key of its own (PgBouncer's is
+    random), since its clients' cancel requests must come to it. False means "through a pooler
+    or a proxy", whichever its mode."""
+    if await _direct_tcp(conn):
+        return True
+    announced = conn.get_server_pid()
+    if not isinstance(announced, int) or announced <= 0:
+        return False
+    # The simple query protocol: a prepared statement could fail first behind a pooler.
+    return await conn.execute(f"SELECT 1 WHERE pg_backend_pid() = {announced}") == "SELECT 1"
+
+
+async def _pooler_evidence(
     conn: Connection, *, second: Callable[[], AbstractAsyncContextManager[Connection]]
 ) -> str | None:
-    """None if ``conn`` is a server session of its own, else what showed that a transaction or
-    statement pooler shares it (the checks of ``check_session``). The pooled mode asks too: it
-    keeps such a connection between checks, as it then holds no server connection."""
-    if await _direct_tcp(conn):
-        return None
+    """What one round of the probe of ``check_session`` saw of a transaction or statement
+    pooler sharing ``conn``, or None if it saw nothing."""
     probe = SessionProbe(secrets.token_hex(16))
     await conn.execute(probe.mark)
     if await conn.execute(probe.still_mine) != "SELECT 1":
