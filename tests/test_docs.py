@@ -512,7 +512,16 @@ def run_doc_block(block: Block, contexts: Contexts, node: RealNode | None) -> No
         if (contexts.testbed_state / "testbed.json").exists():  # a `make testbed-up` that was not brought down
             subprocess.run([str(VENV_BIN / "singleton-testbed"), "down"], env=env, capture_output=True, check=False)
     print(result.stdout)  # shown with -rP
+    if result.returncode != 0 and context.name == "group":
+        print(_group_logs(contexts.cluster))  # what the sidecars saw: shown with the failure
     check_block_ran(block, result)
+
+
+def _group_logs(cluster: Cluster) -> str:
+    """The last lines of every container of the group's pods (their sidecars' view of a failed block)."""
+    logs = cluster.kubectl("logs", "-n", GROUP_NS, "-l", f"singleton.dev/group={GROUP}", "--all-containers",
+                           "--prefix", "--tail=150", "--max-log-requests=10", check=False)
+    return f"--- the group's containers' logs ---\n{logs.stdout}{logs.stderr}"
 
 
 def check_block_ran(block: Block, result: subprocess.CompletedProcess[str]) -> None:

@@ -30,13 +30,16 @@ from tests.sidecars import SidecarProcess, one_leader
 
 LIBRARIES = ("asyncio", "h11", "prometheus_client", "pythonjsonlogger.json")
 """What every sidecar needs: the event loop, HTTP, the metrics, the JSON log formatter."""
-LEASE_BUDGET_MB = 6.0
+LEASE_BUDGET_MB = 7.0
 """RSS at rest of a lease sidecar over ``LIBRARIES``, reading a kubeconfig file (so with PyYAML)
-and reporting to its pod: measured 5.1 to 5.2 MB (with asyncpg loaded for nothing, as it was
-before the backends were imported on demand, 3.3 MB more)."""
-POSTGRES_BUDGET_MB = 3.5
+and reporting to its pod: measured 5.1 to 5.2 MB on one machine and 6.0 to 6.1 MB on another of
+the same image (the same figure, 6.06 MB, failed a 6.0 MB budget in CI), so the budget leaves
+about 1 MB for machines; what it is there to catch is bigger: asyncpg loaded for nothing, as it
+was before the backends were imported on demand, is 3.3 MB more, aiohttp 12 MB."""
+POSTGRES_BUDGET_MB = 4.0
 """RSS at rest of a PostgreSQL sidecar outside Kubernetes over ``LIBRARIES`` and asyncpg:
-measured 2.5 to 2.6 MB (the Kubernetes client, PyYAML and ctypes loaded for nothing were 1.9 MB more)."""
+measured 2.5 to 2.6 MB on one machine, 2.9 to 3.0 MB on another (the Kubernetes client, PyYAML
+and ctypes loaded for nothing were 1.9 MB more)."""
 REST_SECONDS = 5.0
 
 # Builds the backend the way the sidecar does (singleton_sidecar.app.build_backend) from the

@@ -396,7 +396,7 @@ class PooledPostgresBackend:
     # -- connections -----------------------------------------------------------------
 
     async def _connection(self, deadline: float) -> Connection:
-        """The kept connection, or a new one (probed once: see the module docstring)."""
+        """The kept connection, or a new one (asked once whether it reaches the server itself: see the module docstring)."""
         conn = self._conn
         if conn is not None and not conn.is_closed():
             return conn
