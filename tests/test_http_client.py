@@ -8,6 +8,9 @@ from __future__ import annotations
 import asyncio
 import base64
 import json
+import os
+import shutil
+import subprocess
 from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
 
@@ -152,6 +155,49 @@ async def test_a_streamed_answer_arrives_chunk_by_chunk_and_its_deadline_holds()
         assert seen == [b"first\n", b"second\n"]
         assert 0.9 < loop.time() - (deadline - 1.0) < 2.0
         assert not client._busy and not client._idle  # the half-read connection was closed, not kept
+
+
+@pytest.mark.skipif(os.geteuid() != 0 or shutil.which("iptables") is None,
+                    reason="drops the server's packets with iptables: root only")
+async def test_a_stream_on_a_path_gone_dead_fails_within_the_keepalive_not_its_deadline(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """A watch whose path goes silent (its peer's packets dropped, no reset: a lost machine,
+    a dropped conntrack entry) fails once TCP keepalive gives up, long before its deadline."""
+    monkeypatch.setattr(httpclient, "KEEPALIVE_IDLE", 1)
+    monkeypatch.setattr(httpclient, "KEEPALIVE_INTERVAL", 1)
+    monkeypatch.setattr(httpclient, "KEEPALIVE_COUNT", 2)
+    monkeypatch.setattr(httpclient, "USER_TIMEOUT_MS", 3000)  # Linux: decides with keepalive's probes
+    stop = asyncio.Event()
+
+    async def stream(request: web.Request) -> web.StreamResponse:
+        response = web.StreamResponse()
+        await response.prepare(request)
+        await response.write(b"first\n")
+        await stop.wait()
+        return response
+
+    loop = asyncio.get_running_loop()
+    async with aiohttp_server(stream) as url, HttpClient(url) as client:
+        port = url.rpartition(":")[2]
+        rules = [["INPUT", "-i", "lo", "-p", "tcp", "--sport", port, "-j", "DROP"],
+                 ["INPUT", "-i", "lo", "-p", "tcp", "--dport", port, "-j", "DROP"]]
+        seen: list[bytes] = []
+        started = loop.time()
+        try:
+            with pytest.raises(OSError) as failed:
+                async with client.open("GET", "/watch", deadline=started + 20) as response:
+                    async for chunk in response.chunks():
+                        seen.append(chunk)
+                        for rule in rules:
+                            subprocess.run(["iptables", "-w", "-I", *rule], check=True)
+        finally:
+            for rule in rules:
+                subprocess.run(["iptables", "-w", "-D", *rule], check=False)
+            stop.set()
+        took = loop.time() - started
+    assert seen == [b"first\n"]
+    assert took < 10, f"the dead path was noticed after {took:.1f}s (the stream's deadline was 20s)"
+    assert not isinstance(failed.value, TimeoutError) or failed.value.errno is not None, repr(failed.value)
 
 
 async def test_a_cancelled_request_closes_its_connection() -> None:

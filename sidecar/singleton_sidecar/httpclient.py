@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import socket
 import ssl
 import time
 from collections.abc import AsyncIterator, Mapping
@@ -39,6 +40,15 @@ MAX_CONNECTIONS = 100
 HAPPY_EYEBALLS: dict[str, Any] = {"happy_eyeballs_delay": 0.25, "interleave": 1}
 """A host name with IPv6 and IPv4 addresses: try the next address family after 0.25 s (RFC 8305),
 so a black-holed one does not hold every connection until its caller's timeout."""
+
+
+KEEPALIVE_IDLE, KEEPALIVE_INTERVAL, KEEPALIVE_COUNT = 10, 5, 3
+"""TCP keepalive on every connection: a path that went dead without a reset (a peer's machine
+lost, a NAT or conntrack entry dropped) fails the connection within 25 s, instead of leaving a
+watch that waits for events to wait until its own deadline (minutes) and miss what happens."""
+USER_TIMEOUT_MS = 25_000
+"""The same for data sent and never acknowledged (TCP_USER_TIMEOUT, Linux; where it is set, it
+also decides when unanswered keepalive probes end the connection: 25 s after the last answer)."""
 
 
 class HttpTransportError(OSError):
@@ -88,6 +98,20 @@ def split_url(url: str) -> tuple[str, str]:
     """``(base URL, request target)`` of a full URL: ``http://h:1/a?b`` → ``("http://h:1", "/a?b")``."""
     parts = urlsplit(url)
     return f"{parts.scheme}://{parts.netloc}", (parts.path or "/") + (f"?{parts.query}" if parts.query else "")
+
+
+def watch_the_path(writer: asyncio.StreamWriter) -> None:
+    """Turn on TCP keepalive (and the user timeout where the platform has them) on the
+    connection's socket: see ``KEEPALIVE_IDLE``."""
+    sock = writer.get_extra_info("socket")
+    if sock is None:
+        return
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1)
+    for name, value in (("TCP_KEEPIDLE", KEEPALIVE_IDLE), ("TCP_KEEPINTVL", KEEPALIVE_INTERVAL),
+                        ("TCP_KEEPCNT", KEEPALIVE_COUNT), ("TCP_USER_TIMEOUT", USER_TIMEOUT_MS)):
+        option = getattr(socket, name, None)
+        if option is not None:
+            sock.setsockopt(socket.IPPROTO_TCP, option, value)
 
 
 class _Connection:
@@ -275,8 +299,10 @@ class HttpClient:
                 reader, writer = await asyncio.open_connection(
                     origin.host, origin.port, ssl=self._ssl, server_hostname=origin.host if self._ssl else None,
                     **HAPPY_EYEBALLS)
+                watch_the_path(writer)
                 return _Connection(reader, writer, h11.Connection(h11.CLIENT))
             reader, writer = await asyncio.open_connection(proxy.host, proxy.port, **HAPPY_EYEBALLS)
+            watch_the_path(writer)
             if self._ssl is not None:
                 await self._tunnel(_Connection(reader, writer, h11.Connection(h11.CLIENT)))
                 await writer.start_tls(self._ssl, server_hostname=origin.host)
