@@ -10,7 +10,6 @@ import base64
 import json
 import os
 import shutil
-import subprocess
 from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
 
@@ -157,6 +156,11 @@ async def test_a_streamed_answer_arrives_chunk_by_chunk_and_its_deadline_holds()
         assert not client._busy and not client._idle  # the half-read connection was closed, not kept
 
 
+async def iptables(*args: str) -> int:
+    process = await asyncio.create_subprocess_exec("iptables", "-w", *args)
+    return await process.wait()
+
+
 @pytest.mark.skipif(os.geteuid() != 0 or shutil.which("iptables") is None,
                     reason="drops the server's packets with iptables: root only")
 async def test_a_stream_on_a_path_gone_dead_fails_within_the_keepalive_not_its_deadline(
@@ -189,10 +193,10 @@ async def test_a_stream_on_a_path_gone_dead_fails_within_the_keepalive_not_its_d
                     async for chunk in response.chunks():
                         seen.append(chunk)
                         for rule in rules:
-                            subprocess.run(["iptables", "-w", "-I", *rule], check=True)
+                            assert await iptables("-I", *rule) == 0
         finally:
             for rule in rules:
-                subprocess.run(["iptables", "-w", "-D", *rule], check=False)
+                await iptables("-D", *rule)
             stop.set()
         took = loop.time() - started
     assert seen == [b"first\n"]

@@ -396,7 +396,8 @@ class PooledPostgresBackend:
     # -- connections -----------------------------------------------------------------
 
     async def _connection(self, deadline: float) -> Connection:
-        """The kept connection, or a new one (asked once whether it reaches the server itself: see the module docstring)."""
+        """The kept connection, or a new one (the first is asked whether it reaches the server
+        itself: see the module docstring)."""
         conn = self._conn
         if conn is not None and not conn.is_closed():
             return conn
