@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import secrets
 import subprocess
 import sys
@@ -115,6 +116,35 @@ def test_handover_refuses_a_pod_that_is_not_a_ready_standby(cluster: Cluster, na
     assert result.returncode == 1 and "already leads" in result.stderr
     result = ctl(cluster, "handover", group, "-n", namespace, "--to", "nope-0")
     assert result.returncode == 1 and "is not a ready standby" in result.stderr
+
+
+@pytest.mark.usefixtures("singleton_crd")
+def test_a_handover_that_no_standby_takes_says_the_old_leader_leads_again(
+        cluster: Cluster, namespace: str, group: str, pod_sidecars: Factory) -> None:  # noqa: F811
+    """The chosen standby is frozen (SIGSTOP): the leader steps down, stands aside a lease
+    duration and takes the lock back. The plugin says so at once, not after its timeout."""
+    body = {"apiVersion": "singleton.dev/v1alpha1", "kind": "SingletonService", "metadata": {"name": group},
+            "spec": {"template": {"spec": {"containers": [{"name": "app", "image": "x"}]}}}}
+    cluster.apply(json.dumps(body), namespace=namespace)
+    started = pod_sidecars("lease", 2, extra=SLOW)
+    ready = {"status": {"conditions": [{"type": "Ready", "status": "True"}]}}
+    for sidecar in started:
+        cluster.kubectl("patch", "pod", sidecar.pod, "-n", namespace, "--subresource=status", "--type=strategic",
+                        "-p", json.dumps(ready))
+    leader = one_leader(started)
+    target = next(m for m in started if m is not leader)
+    wait_for(lambda: role_of(cluster, leader) == "leader" and role_of(cluster, target) == "standby", 10,
+             "both pods annotated", 0.1)
+    assert target.popen is not None
+    target.popen.send_signal(signal.SIGSTOP)
+    try:
+        result = ctl(cluster, "handover", group, "-n", namespace, "--to", target.pod, "--timeout", "40")
+    finally:
+        target.popen.send_signal(signal.SIGCONT)
+    assert result.returncode == 1
+    assert f"{leader.pod} stepped down but no other replica of group {namespace}/{group} took the lock, " \
+           "and it leads again" in result.stderr, result.stderr
+    assert role_of(cluster, leader) == "leader"
 
 
 def test_release_is_carried_out_by_the_operator(cluster: Cluster, namespace: str, group: str,  # noqa: F811

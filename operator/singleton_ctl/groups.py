@@ -168,7 +168,7 @@ class Ctl:
         self.record(body, "HandoverRequested", f"{who} asked {leader.pod} to hand over"
                     + (f" to {target}" if target else ""))
         try:
-            new = self._wait_new_leader(namespace, name, leader.pod, timeout)
+            new = self._wait_new_leader(namespace, name, leader.pod, leader.token, timeout)
         finally:
             for pod in others:
                 self._annotate_pod(namespace, pod, contract.ANNOTATION_HOLD, None)
@@ -176,14 +176,28 @@ class Ctl:
         self.record(body, "HandoverDone", f"{new} leads after a handover from {leader.pod} in {took:.3f}s")
         return new, took
 
-    def _wait_new_leader(self, namespace: str, name: str, old: str, timeout: float) -> str:
+    def _wait_new_leader(self, namespace: str, name: str, old: str, old_token: int | None, timeout: float) -> str:
+        """The pod that leads after ``old`` (which led with ``old_token``) stepped down."""
         deadline = time.monotonic() + timeout
+        stepped_down = False
         while time.monotonic() < deadline:
             for pod in self.pods(namespace, name):
                 annotations = pod["metadata"].get("annotations") or {}
-                if pod["metadata"]["name"] != old and annotations.get(contract.ANNOTATION_ROLE) == "leader":
-                    return str(pod["metadata"]["name"])
+                role = annotations.get(contract.ANNOTATION_ROLE)
+                if pod["metadata"]["name"] != old:
+                    if role == "leader":
+                        return str(pod["metadata"]["name"])
+                elif role == "leader" and (stepped_down or (  # a term of its own again
+                        old_token is not None and annotations.get(contract.ANNOTATION_TOKEN) != str(old_token))):
+                    raise CtlError(f"{old} stepped down but no other replica of group {namespace}/{name} took the "
+                                   f"lock, and it leads again: see kubectl singleton history {name} -n {namespace} "
+                                   "and the standbys' sidecar logs")
+                elif role != "leader":
+                    stepped_down = True
             time.sleep(0.05)
+        if not stepped_down:
+            raise CtlError(f"{old} did not step down within {timeout:g}s (is its sidecar running and "
+                           f"watching its pod?); no new leader in group {namespace}/{name}")
         raise CtlError(f"no new leader in group {namespace}/{name} within {timeout:g}s")
 
     def release(self, namespace: str, name: str, *, timeout: float, poll: float = 0.2) -> list[str]:
