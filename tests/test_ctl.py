@@ -6,8 +6,8 @@ from __future__ import annotations
 
 import json
 import os
-import signal
 import secrets
+import signal
 import subprocess
 import sys
 from collections.abc import Iterator
