@@ -325,9 +325,13 @@ def print_footprints(backends: list[str], rest: float, found: list[Footprint]) -
 def incarnation_times(bed: Bed, pod: str, killed: float) -> tuple[float | None, float | None]:
     """(killed -> first log line, first log line -> "acquired" line) of the pod's restarted sidecar,
     from its log (the node's clock is this machine's)."""
-    times = sidecar_log_times(bed, pod)
-    if not times:
-        return None, None
+    # The kill may be answered (another pod leads) before the kubelet has restarted the
+    # container, whose log is then still the killed one's: wait for lines of the new one.
+    deadline = time.monotonic() + 15
+    while not (times := [(stamp, line) for stamp, line in sidecar_log_times(bed, pod) if stamp >= killed]):
+        if time.monotonic() > deadline:
+            return None, None
+        time.sleep(0.2)
     first = times[0][0]
     acquired = next((stamp for stamp, line in times if "acquired" in line), None)
     return first - killed, None if acquired is None else acquired - first
