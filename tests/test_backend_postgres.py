@@ -298,6 +298,33 @@ async def test_stalled_holder_is_terminated_after_expiry(
     holder.signal(signal.SIGCONT)
 
 
+async def test_a_lock_taken_twice_is_given_back_whole_and_a_lock_without_a_term_is_reported(
+        make_backend: Factory, pg_dsn: str, caplog: pytest.LogCaptureFixture) -> None:
+    """Session advisory locks stack. A holder whose session took the lock twice gives back every
+    level at its release (a campaign once saw a released lock stay held for a lease duration);
+    a standby kept out by a session that holds the lock while the row names no holder says
+    which session that is."""
+    holder, standby = make_backend(), make_backend()
+    term = await acquired(holder, "a")
+    assert holder._conn is not None
+    await holder._conn.execute("SELECT pg_advisory_lock($1::int4, $2::int4)", NAMESPACE, holder._held_lock_id)
+    caplog.set_level("WARNING", logger="singleton_sidecar.backends.postgres")
+    await holder.release(term, timeout=2)
+    assert "this session held the group's lock more than once; gave back every level" in caplog.text
+    second = await acquired(standby, "b", timeout=1)
+    await standby.release(second, timeout=2)
+    # A session that holds the lock and no term: the standby names it.
+    outsider = await asyncpg.connect(pg_dsn)
+    try:
+        await outsider.execute("SELECT pg_advisory_lock($1::int4, $2::int4)", NAMESPACE, standby._held_lock_id)
+        pid = outsider.get_server_pid()
+        assert isinstance(await standby.acquire(Identity("b"), timeout=0.3), LockRecord)
+        assert "the group's row names no holder, yet a session holds its lock" in caplog.text
+        assert any(getattr(r, "holder_pid", None) == pid for r in caplog.records)
+    finally:
+        await outsider.close()
+
+
 async def test_cancelled_wait_leaves_backend_usable(make_backend: Factory) -> None:
     holder, standby = make_backend(), make_backend()
     first = await acquired(holder, "a")

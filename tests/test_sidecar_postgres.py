@@ -375,3 +375,26 @@ def test_a_replica_on_a_vm_and_one_in_a_pod_share_one_lock(sidecars: Factory, gr
     other = on_vm if leader is in_pod else in_pod
     leader.signal(signal.SIGKILL)
     assert one_leader([other], 10) is other
+
+
+def test_after_a_stalled_holder_is_replaced_a_step_down_hands_over_to_a_standby(sidecars: Factory) -> None:
+    """A leader frozen past its lease is replaced (a standby ends its session); once it wakes,
+    the new leader steps down: a standby (the woken one or the third) takes the free lock at
+    once, not the stepped-down leader after its pause (seen in a fault campaign: the lock stayed
+    held across the release)."""
+    members = sidecars(3)
+    for round_ in range(4):
+        leader = one_leader(members)
+        leader.signal(signal.SIGSTOP)
+        try:
+            new = one_leader([s for s in members if s is not leader], timeout=10)
+        finally:
+            leader.signal(signal.SIGCONT)
+        wait_for(lambda: (doc := leader.leader_doc()) is not None and doc["role"] == "standby", 5,
+                 "the woken leader to stand by")
+        time.sleep(0.3)
+        status, body = new.control("POST", "/step-down")
+        assert status in (200, 202), body
+        after = one_leader(members, timeout=10)
+        assert after is not new, (f"round {round_}: {new.name} stepped down and took the lock back: no standby took it\n"
+                                  + "\n".join(f"--- {s.name}\n{s.log()[-3000:]}" for s in members))

@@ -149,6 +149,7 @@ class PostgresBackend:
         self._term: Term | None = None  # the term held on self._conn, if any
         self._held_lock_id = 0  # the advisory lock key of self._term
         self._lock_id: int | None = None
+        self._reported_lock_pid: int | None = None  # a session reported holding the lock without a term
         self._schema_ready = False
         self._busy = asyncio.Lock()  # one operation at a time on the dedicated connection
         self._on_loss: LossCallback | None = None
@@ -226,13 +227,25 @@ class PostgresBackend:
                 return
             try:
                 await conn.execute(self._sql.release, self.group, term.identity, term.token)
-                await conn.execute(self._sql.unlock, NAMESPACE, self._held_lock_id)
+                await self._unlock_every_level(conn, term)
             except BaseException:
                 # The term stays ours until here, so closing the session reports its loss.
                 self._discard(conn, "release failed; closed the lock's connection, which frees the lock")
                 raise
             self._term = None
             log.info("released the lock", extra=self._fields(identity=term.identity, token=term.token))
+
+    async def _unlock_every_level(self, conn: Connection, term: Term) -> None:
+        """Give the lock back. Session advisory locks stack: a session that took it twice and
+        gave it back once would keep every standby out while its row says "free", so the
+        release checks and says so."""
+        if not await conn.fetchval(self._sql.unlock, NAMESPACE, self._held_lock_id):
+            log.warning("released the row, but this session did not hold the group's lock",
+                        extra=self._fields(identity=term.identity, token=term.token, lock_id=self._held_lock_id))
+        elif await conn.fetchval(self._sql.still_locked, NAMESPACE, self._held_lock_id):
+            log.warning("this session held the group's lock more than once; gave back every level",
+                        extra=self._fields(identity=term.identity, token=term.token, lock_id=self._held_lock_id))
+            await conn.execute(self._sql.unlock_all)
 
     async def observe(self, *, timeout: float) -> LockRecord:
         deadline = self._clock() + timeout
@@ -348,6 +361,8 @@ class PostgresBackend:
         row = await conn.fetchrow(self._sql.observe, self.group, NAMESPACE)
         if row is None:
             return LockRecord(holder=None, token=None)
+        if row["holder"] is None:
+            await self._report_lock_without_term(conn, row["lock_id"])
         if row["expired"] and row["live"]:
             log.warning("the holder let its lease expire but still holds the lock; terminating its session",
                         extra=self._fields(identity=identity, holder=row["holder"], token=row["token"],
@@ -362,6 +377,20 @@ class PostgresBackend:
                     log.warning("terminating the stalled holder's session failed",
                                 extra=self._fields(holder=row["holder"], token=row["token"]))
         return lock_record(row)
+
+    async def _report_lock_without_term(self, conn: Connection, lock_id: int) -> None:
+        """The lock was not granted in time, yet the row names no holder: a session holds the
+        lock without a term (one taking it this instant, or a lock left behind). Say which,
+        once per session: it keeps every standby out."""
+        sessions = await conn.fetch(self._sql.lock_sessions, NAMESPACE, lock_id)
+        for session in sessions:
+            if session["pid"] == self._reported_lock_pid:
+                continue
+            self._reported_lock_pid = session["pid"]
+            log.warning("the group's row names no holder, yet a session holds its lock",
+                        extra=self._fields(holder_pid=session["pid"], application_name=session["application_name"],
+                                           state=session["state"], backend_start=str(session["backend_start"]),
+                                           state_change=str(session["state_change"])))
 
     async def _read(self, conn: Connection) -> LockRecord:
         row = await conn.fetchrow(self._sql.observe, self.group, NAMESPACE)

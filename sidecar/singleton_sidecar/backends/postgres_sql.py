@@ -166,6 +166,19 @@ class Statements:
         return "SELECT pg_advisory_unlock($1::int4, $2::int4)"
 
     @property
+    def still_locked(self) -> str:
+        """$1 namespace, $2 lock id: whether this session still holds the lock (after an unlock:
+        it had taken it more than once, as session advisory locks stack)."""
+        return (
+            "SELECT EXISTS (SELECT 1 FROM pg_locks WHERE locktype = 'advisory' AND granted AND objsubid = 2"
+            " AND pid = pg_backend_pid() AND classid::bigint = $1 AND objid::bigint = $2)"
+        )
+
+    @property
+    def unlock_all(self) -> str:
+        return "SELECT pg_advisory_unlock_all()"
+
+    @property
     def durable_commit(self) -> str:
         return "SET LOCAL synchronous_commit TO on"
 
@@ -232,6 +245,19 @@ class Statements:
             "   AND l.classid::bigint = $2 AND l.objid::bigint = r.lock_id"
             "   AND l.pid = r.holder_pid AND a.backend_start <= r.acquired_at) AS live"
             f" FROM {self.leases} r WHERE r.group_name = $1"
+        )
+
+    @property
+    def lock_sessions(self) -> str:
+        """$1 namespace, $2 lock id. The sessions holding the group's advisory lock (pid,
+        application_name, state, when the backend and its state began): what a standby
+        reports when the lock is held while the row names no holder."""
+        return (
+            "SELECT a.pid, a.application_name, a.state, a.backend_start, a.state_change"
+            " FROM pg_locks l JOIN pg_stat_activity a ON a.pid = l.pid"
+            " WHERE l.locktype = 'advisory' AND l.granted AND l.objsubid = 2"
+            "   AND l.database = (SELECT oid FROM pg_database WHERE datname = current_database())"
+            "   AND l.classid::bigint = $1 AND l.objid::bigint = $2"
         )
 
     @property
