@@ -471,7 +471,13 @@ class Group:
 
     def delete_pod(self, pod: str) -> None:
         """Graceful deletion (the pod's grace period), and a replacement pod (slow if it was), as a
-        ReplicaSet would."""
+        ReplicaSet would. The pod's logs so far are saved first: the pods still there at the
+        segment's end are saved then, a deleted one's would be gone."""
+        folder = self.bed.workdir / "pods" / self.namespace
+        folder.mkdir(parents=True, exist_ok=True)
+        logs = self.bed.cp.kubectl("logs", "-n", self.namespace, pod, "--all-containers", "--prefix", "--timestamps",
+                                   check=False)
+        (folder / f"{pod}.before-deletion.log").write_text(logs.stdout + logs.stderr)
         self.bed.call("DELETE", f"/api/v1/namespaces/{self.namespace}/pods/{pod}", {})
         self.pods.pop(pod, None)
         self.poller.forget(pod)
