@@ -325,6 +325,32 @@ async def test_a_lock_taken_twice_is_given_back_whole_and_a_lock_without_a_term_
         await outsider.close()
 
 
+async def test_a_lock_granted_as_its_wait_timed_out_is_taken_not_leaked(
+        make_backend: Factory, monkeypatch: pytest.MonkeyPatch) -> None:
+    """PostgreSQL keeps a lock granted in the instant its lock_timeout fired and still reports
+    the timeout. The server's side of that is made exact here: the lock statement runs, then
+    the timeout error is raised. The standby sees that it holds the lock and takes the term;
+    taken for "not granted", its next wait would be granted at once (locks stack) and its
+    release would leave one level held, keeping every other standby out."""
+    standby, other = make_backend(), make_backend()
+    real_execute = asyncpg.Connection.execute
+    raised: list[str] = []
+
+    async def lock_then_time_out(conn: asyncpg.Connection, query: str, *args: object, **kwargs: object) -> str:
+        result: str = await real_execute(conn, query, *args, **kwargs)  # type: ignore[arg-type]
+        if query.startswith("SELECT pg_advisory_lock(") and not raised:
+            raised.append(query)
+            raise asyncpg.LockNotAvailableError("canceling statement due to lock timeout")
+        return result
+
+    monkeypatch.setattr(asyncpg.Connection, "execute", lock_then_time_out)
+    term = await standby.acquire(Identity("a"), timeout=2)
+    assert raised and isinstance(term, Term), term
+    monkeypatch.setattr(asyncpg.Connection, "execute", real_execute)
+    await standby.release(term, timeout=2)
+    assert isinstance(await other.acquire(Identity("b"), timeout=1), Term)  # nothing left held
+
+
 async def test_cancelled_wait_leaves_backend_usable(make_backend: Factory) -> None:
     holder, standby = make_backend(), make_backend()
     first = await acquired(holder, "a")

@@ -390,11 +390,11 @@ def test_after_a_stalled_holder_is_replaced_a_step_down_hands_over_to_a_standby(
             new = one_leader([s for s in members if s is not leader], timeout=10)
         finally:
             leader.signal(signal.SIGCONT)
-        wait_for(lambda: (doc := leader.leader_doc()) is not None and doc["role"] == "standby", 5,
+        wait_for(lambda woken=leader: (doc := woken.leader_doc()) is not None and doc["role"] == "standby", 5,
                  "the woken leader to stand by")
         time.sleep(0.3)
         status, body = new.control("POST", "/step-down")
         assert status in (200, 202), body
         after = one_leader(members, timeout=10)
-        assert after is not new, (f"round {round_}: {new.name} stepped down and took the lock back: no standby took it\n"
-                                  + "\n".join(f"--- {s.name}\n{s.log()[-3000:]}" for s in members))
+        assert after is not new, (f"round {round_}: {new.name} stepped down and took the lock back: no standby "
+                                  "took it\n" + "\n".join(f"--- {s.name}\n{s.log()[-3000:]}" for s in members))

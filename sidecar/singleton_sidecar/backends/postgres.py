@@ -290,7 +290,18 @@ class PostgresBackend:
         try:
             await conn.execute(self._sql.lock, NAMESPACE, lock_id)
         except asyncpg.LockNotAvailableError:
-            granted = False
+            # A lock granted in the instant the timeout fired is kept by PostgreSQL, which
+            # still reports the timeout (proc.c, LockErrorCleanup). Taken for not granted, the
+            # session would hold it unknowingly: the next wait is granted at once (session
+            # locks stack) and the release gives back one level of two, keeping every standby
+            # out while the row says "free". Seen when a holder's session ended just then.
+            try:
+                granted = bool(await conn.fetchval(self._sql.still_locked, NAMESPACE, lock_id))
+            except BaseException:
+                self._discard(conn, "checking the lock after its wait timed out failed")  # frees it, if held
+                raise
+            if granted:
+                log.info("the lock was granted as its wait timed out", extra=self._fields(lock_id=lock_id))
         else:
             granted = True
         # Left on the session, the wait's timeout would also bound later statements' lock
