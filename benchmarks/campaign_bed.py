@@ -489,10 +489,12 @@ class Group:
         """The pod as the API server has it now (container IDs change with restarts)."""
         return self.bed.call("GET", f"/api/v1/namespaces/{self.namespace}/pods/{pod}")
 
-    def on_pod(self, pod: str, action: Callable[[dict[str, Any]], T], what: str, timeout: float = 3.0) -> T:
+    def on_pod(self, pod: str, action: Callable[[dict[str, Any]], T], what: str, timeout: float = 15.0) -> T:
         """``action`` on the pod object, read again and retried for ``timeout`` seconds while the
         node has no such container: the group settles by its sidecars' answers, and the API's
-        container IDs can lag a container restart by a moment."""
+        container IDs can lag what runs. After a kubelet restart and an API server outage the
+        kubelet posts a pod's status only at its status manager's next sync (every 10 s): a
+        leader whose worker was writing still showed that container "not started" 3 s later (CI)."""
         deadline = time.monotonic() + timeout
         while True:
             try:
