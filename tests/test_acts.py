@@ -245,6 +245,13 @@ def acted(token: int, count: int = 3) -> Callable[[list[asyncpg.Record]], bool]:
     return lambda acts: sum(a["token"] == token for a in acts) >= count
 
 
+async def wait_path(path: Path, what: str, timeout: float = 15.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not await asyncio.to_thread(path.exists):
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        await asyncio.sleep(0.02)
+
+
 async def wait_exit(worker: Worker, timeout: float = 15.0) -> int:
     return await asyncio.to_thread(worker.wait, timeout)
 
@@ -294,6 +301,9 @@ async def test_an_act_stalled_after_its_deadline_check_is_logged_as_decided_in_i
     release = tmp_path / "release"
     old = start(5, SINGLETON_DEADLINE_FILE=str(deadline), LEDGER_PAUSE_UNTIL=str(release), LEDGER_DEADLINE_CHECK=check)
     await wait_acts(pg_dsn, group, "token 5's first item", acted(5, 2))
+    # Its check before the third act has passed only once it stalls: ending the term before
+    # then would stop it at that check instead (a race the first version of this test lost).
+    await wait_path(tmp_path / "release.stalled", "token 5 to stall after its deadline check")
     deadline.write_text("0\n")  # the term is over: no act may begin from now on
     new = start(7)
     await wait_acts(pg_dsn, group, "token 7 to act", acted(7, 1))

@@ -49,6 +49,8 @@ Options (environment; the defaults are the safe behaviour the tests rely on):
 - ``LEDGER_PAUSE_UNTIL=PATH``: stall between the deadline check before the third act (item 2's
   start) and that act until PATH exists, as a whole-pod freeze landing there would: the act then
   comes late, decided in its term (``decided_at`` in the act log says when the check passed).
+  The worker creates ``PATH.stalled`` once it stalls there, so that a test ends the term only
+  after the check it means to outlive has passed.
 - ``LEDGER_ESCAPE=S``: the writer escapes the gate (deliberately unsafe): the gated process
   starts a writer in a session of its own that ignores SIGTERM, so neither the gate's SIGTERM
   and SIGKILL nor a signal to the pod's process group reaches it; it writes for S seconds and
@@ -76,6 +78,13 @@ CHILD_ITEMS = 1_000_000_000
 def wait_for_file(path: str) -> None:
     while not os.path.exists(path):
         time.sleep(0.01)
+
+
+def stall_until(path: str) -> None:
+    """Say so in ``path.stalled``, then wait for ``path``."""
+    with open(f"{path}.stalled", "w"):
+        pass
+    wait_for_file(path)
 
 
 async def wait_for_sigterm() -> int:
@@ -195,7 +204,7 @@ async def main() -> int:
             decided = time.time() if deadline_file is not None or gate_dir is not None else None
             acts_done += 1
             if acts_done == PAUSED_ACT and pause_until:
-                await asyncio.to_thread(wait_for_file, pause_until)  # a stall between the check and the act
+                await asyncio.to_thread(stall_until, pause_until)  # a stall between the check and the act
             try:
                 act = await acts.begin(item, phase, decided=decided)
             except (asyncpg.PostgresError, asyncpg.InterfaceError, OSError) as exc:
