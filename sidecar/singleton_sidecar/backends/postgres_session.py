@@ -49,6 +49,9 @@ KEEPALIVE_MARGIN = 1.0
 KEEPALIVE_INTERVAL = 1
 KEEPALIVE_COUNT = 3
 
+PROBE_ROUNDS = 3
+"""Rounds of the session-setting probe behind a pooler (``check_session``)."""
+
 
 def keepalive_settings(renew_deadline: float) -> dict[str, str]:
     """Server-side keepalives that drop a silent client only after ``renew_deadline`` + margin."""
@@ -107,9 +110,6 @@ async def check_session(
         evidence = await _pooler_evidence(conn, second=second)
         if evidence is not None:
             _misconfigured(group, evidence)
-
-
-PROBE_ROUNDS = 3
 
 
 async def server_session(conn: Connection) -> bool:

@@ -45,6 +45,16 @@ def quote_identifier(name: str, *, what: str, max_length: int = _MAX_IDENTIFIER)
     return '"' + name.replace('"', '""') + '"'
 
 
+def granted_group_lock(namespace: str, lock_id: str) -> str:
+    """The condition on ``pg_locks l`` for a granted group lock of this database (the
+    two-int form, so ``objsubid`` 2), with the namespace and lock id as SQL expressions."""
+    return (
+        "l.locktype = 'advisory' AND l.granted AND l.objsubid = 2"
+        " AND l.database = (SELECT oid FROM pg_database WHERE datname = current_database())"
+        f" AND l.classid::bigint = {namespace} AND l.objid::bigint = {lock_id}"
+    )
+
+
 @dataclass(frozen=True)
 class Statements:
     """The statements for one schema and table."""
@@ -170,8 +180,8 @@ class Statements:
         """$1 namespace, $2 lock id: whether this session still holds the lock (after an unlock:
         it had taken it more than once, as session advisory locks stack)."""
         return (
-            "SELECT EXISTS (SELECT 1 FROM pg_locks WHERE locktype = 'advisory' AND granted AND objsubid = 2"
-            " AND pid = pg_backend_pid() AND classid::bigint = $1 AND objid::bigint = $2)"
+            f"SELECT EXISTS (SELECT 1 FROM pg_locks l WHERE {granted_group_lock('$1', '$2')}"
+            " AND l.pid = pg_backend_pid())"
         )
 
     @property
@@ -240,9 +250,7 @@ class Statements:
             "SELECT r.holder, r.token, r.holder_pid, r.lock_id,"
             " coalesce(r.expires_at < now(), false) AS expired,"
             " EXISTS (SELECT 1 FROM pg_locks l JOIN pg_stat_activity a ON a.pid = l.pid"
-            "   WHERE l.locktype = 'advisory' AND l.granted AND l.objsubid = 2"
-            "   AND l.database = (SELECT oid FROM pg_database WHERE datname = current_database())"
-            "   AND l.classid::bigint = $2 AND l.objid::bigint = r.lock_id"
+            f"   WHERE {granted_group_lock('$2', 'r.lock_id')}"
             "   AND l.pid = r.holder_pid AND a.backend_start <= r.acquired_at) AS live"
             f" FROM {self.leases} r WHERE r.group_name = $1"
         )
@@ -255,9 +263,7 @@ class Statements:
         return (
             "SELECT a.pid, a.application_name, a.state, a.backend_start, a.state_change"
             " FROM pg_locks l JOIN pg_stat_activity a ON a.pid = l.pid"
-            " WHERE l.locktype = 'advisory' AND l.granted AND l.objsubid = 2"
-            "   AND l.database = (SELECT oid FROM pg_database WHERE datname = current_database())"
-            "   AND l.classid::bigint = $1 AND l.objid::bigint = $2"
+            f" WHERE {granted_group_lock('$1', '$2')}"
         )
 
     @property
