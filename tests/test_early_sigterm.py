@@ -23,8 +23,12 @@ import pytest
 VENV_BIN = Path(__file__).resolve().parent.parent / ".venv" / "bin"
 PROGRAMS = {
     "singleton-operator": (["run", "--kubeconfig", "/nonexistent/kubeconfig", "--health-listen", "127.0.0.1:0"], {}),
+    # The DSN file is a FIFO nobody writes: reading its configuration, the sidecar waits there,
+    # with only the early handler installed, until the SIGTERM comes. (With its configuration
+    # complete and readable it reaches the event loop's handler 50 to 100 ms after the early one,
+    # and a configuration it refuses ends it a few ms after: CI once lost that race.)
     "singleton-sidecar": (["run"], {"SINGLETON_GROUP": "early", "SINGLETON_BACKEND": "postgres",
-                                    "SINGLETON_POSTGRES_DSN": "postgresql://nobody@127.0.0.1:1/none",
+                                    "SINGLETON_LOCK_KEY": "local/early", "SINGLETON_POSTGRES_DSN_FILE": "{fifo}",
                                     "SINGLETON_LISTEN": "127.0.0.1:0", "SINGLETON_CONTROL_LISTEN": "127.0.0.1:0"}),
 }
 
@@ -39,8 +43,11 @@ def _catches_sigterm(pid: int) -> bool:
 
 
 @pytest.mark.parametrize("program", sorted(PROGRAMS))
-def test_a_sigterm_during_start_up_ends_the_program_at_once(program: str) -> None:
+def test_a_sigterm_during_start_up_ends_the_program_at_once(program: str, tmp_path: Path) -> None:
     args, env = PROGRAMS[program]
+    fifo = tmp_path / "dsn"
+    os.mkfifo(fifo)
+    env = {name: value.format(fifo=fifo) for name, value in env.items()}
     proc = subprocess.Popen([str(VENV_BIN / program), *args], env={**os.environ, **env},
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
