@@ -11,7 +11,12 @@ IPs route through the node's bridge) by polling every pod's ``/readyz`` every fe
 
 - pod deletion: ``DELETE`` of the leader pod (graceful) -> another pod's ``/readyz`` 200;
 - sidecar SIGKILL: every process of the leader's sidecar container (``node_pods``) -> a
-  pod's ``/readyz`` 200 with a newer token (the restarted sidecar of the same pod may win);
+  pod's ``/readyz`` 200 with a newer token (the restarted sidecar of the same pod may win).
+  The container killed has never restarted before (a leader whose sidecar has is deleted
+  first, and its ReplicaSet makes a new pod): the kubelet delays restarting a container that
+  crashed within 10 minutes of its previous crash (its crash-loop back-off: 10 s doubling up to
+  5 min by default, capped at 1 s on the test bed), which is policy, not failover. With
+  ``--crash-loop`` the same leader container is killed run after run instead, back-off included;
 - partition: the leader pod cut off from its store inside its network namespace (postgres:
   PostgreSQL's port; lease: the API server's ClusterIP; both: both) -> another pod's
   ``/readyz`` 200; then healed, and the group settles before the next run.
@@ -78,6 +83,8 @@ class Run:
     (the kubelet noticing and restarting the container, and Python starting)."""
     start_to_lead: float | None = None
     """... -> that incarnation's log line saying it acquired the lock."""
+    restarts_before: int = 0
+    """sidecar-kill: how often the killed container had restarted before (0: an isolated crash)."""
 
 
 @dataclass
@@ -238,9 +245,27 @@ def cut_targets(bed: Bed, backend: str) -> list[tuple[str, int | None]]:
     return {"postgres": postgres, "lease": lease}.get(backend, postgres + lease)
 
 
-def one_run(bed: Bed, backend: str, fault: str) -> Run:
+def sidecar_restarts(pod: dict[str, Any]) -> int:
+    """The restart count of the pod's sidecar container (a native sidecar: an init container)."""
+    statuses = [*(pod["status"].get("initContainerStatuses") or []), *(pod["status"].get("containerStatuses") or [])]
+    return sum(int(s.get("restartCount") or 0) for s in statuses if s.get("name") == "singleton-sidecar")
+
+
+def settle_on_fresh_sidecar(bed: Bed, group: str) -> tuple[dict[str, Any], int]:
+    """``settle``, on a leader whose sidecar container has never restarted: a leader whose
+    sidecar has is deleted (the group hands over; its ReplicaSet makes a new pod) until one leads."""
+    for _ in range(8):
+        leader, token = settle(bed, group)
+        if sidecar_restarts(leader) == 0:
+            return leader, token
+        bed.api("DELETE", f"/api/v1/namespaces/{NAMESPACE}/pods/{leader['metadata']['name']}")
+    raise TimeoutError(f"group {group}: no leader on a pod whose sidecar never restarted after 8 deletions")
+
+
+def one_run(bed: Bed, backend: str, fault: str, *, crash_loop: bool = False) -> Run:
     group = f"bench-{backend}"
-    leader, token = settle(bed, group)
+    fresh = fault == "sidecar-kill" and not crash_loop
+    leader, token = settle_on_fresh_sidecar(bed, group) if fresh else settle(bed, group)
     name = leader["metadata"]["name"]
     if fault == "delete-pod":
         started = time.monotonic()
@@ -252,7 +277,8 @@ def one_run(bed: Bed, backend: str, fault: str) -> Run:
         new, at = wait_new_leader(bed, group, token, exclude=None)
         if new == name:
             restart, start_to_lead = incarnation_times(bed, name, killed)
-            return Run(backend, fault, at - started, name, new, restart, start_to_lead)
+            return Run(backend, fault, at - started, name, new, restart, start_to_lead, sidecar_restarts(leader))
+        return Run(backend, fault, at - started, name, new, restarts_before=sidecar_restarts(leader))
     else:
         targets = cut_targets(bed, backend)
         for address, port in targets:
@@ -346,7 +372,7 @@ def keep_evidence(bed: Bed) -> None:
             shutil.copy(bed.node.paths.work / log, folder / log)
     with contextlib.suppress(OSError):
         shutil.copy(bed.workdir / "operator.log", folder / "operator.log")
-    print(f"[bench] evidence kept in {folder}", file=sys.stderr, flush=True)
+    print(f"[bench] logs kept in {folder}", file=sys.stderr, flush=True)
 
 
 def print_runs(backends: list[str], faults: list[str], runs: list[Run]) -> None:
@@ -375,6 +401,11 @@ def main() -> int:
     parser.add_argument("--rest-seconds", type=float, default=30.0,
                         help="rest of each settled group before its sidecars' footprint is read (default 30; 0: skip)")
     parser.add_argument("--json", type=Path, help="also write every run here")
+    parser.add_argument("--crash-loop", action="store_true",
+                        help="sidecar-kill: kill the same leader container run after run, the kubelet's crash-loop "
+                             "back-off included (default: each run kills a container that never restarted)")
+    parser.add_argument("--keep-logs", action="store_true",
+                        help="keep the pods', the node's (kubelet, containerd) and the operator's logs in a folder")
     args = parser.parse_args()
     if args.runs < 0:
         parser.error("--runs must be at least 0 (0: the footprint only)")
@@ -393,13 +424,16 @@ def main() -> int:
                 for fault in args.fault:
                     for index in range(args.runs):
                         try:
-                            run = one_run(bed, backend, fault)
+                            run = one_run(bed, backend, fault, crash_loop=args.crash_loop)
                         except TimeoutError:
                             keep_evidence(bed)
                             raise
                         runs.append(run)
+                        before = f" (sidecar restarted {run.restarts_before}x before)" if run.restarts_before else ""
                         print(f"[{backend:8} {fault:12} {index + 1:2}/{args.runs}] {run.old} -> {run.new}: "
-                              f"{run.seconds * 1000:.0f} ms", flush=True)
+                              f"{run.seconds * 1000:.0f} ms{before}", flush=True)
+                if args.keep_logs:
+                    keep_evidence(bed)
                 bed.control_plane.kubectl("delete", "sgl", f"bench-{backend}", "-n", NAMESPACE, "--wait=true")
         finally:
             with contextlib.suppress(Exception):

@@ -16,7 +16,7 @@ import pytest_asyncio
 from singleton_sidecar.backends.both import BothBackend
 from singleton_sidecar.backends.lease import LeaseBackend
 from singleton_sidecar.backends.postgres import PostgresBackend
-from singleton_sidecar.core.lock import BackendUnavailable, Identity, Term
+from singleton_sidecar.core.lock import BackendUnavailable, Identity, LockRecord, Term
 from singleton_sidecar.kube import KubeClient, load_kube_config
 from tests.conftest import Cluster
 from tests.tcpproxy import CuttableProxy
@@ -97,9 +97,8 @@ async def test_a_leader_cut_off_from_the_api_server_still_frees_postgres_when_it
 async def test_a_standby_times_the_lease_from_its_last_change_while_it_waits_for_postgres(
         stores: Stores) -> None:
     """A `both` leader whose Lease went silent keeps the PostgreSQL lock until it steps down
-    (here after 1.5 s). The standby, blocked on PostgreSQL all that time, must still take over
-    one lease duration after the Lease last changed, not one lease duration after it got the
-    PostgreSQL lock."""
+    (here after 1.5 s). The standby must take over one lease duration after the Lease last
+    changed, not one lease duration after it got the PostgreSQL lock."""
     old_pg, old_lease = stores.postgres(), stores.lease()
     pg_term = await old_pg.acquire(Identity("pod-a"), timeout=5)
     assert isinstance(pg_term, Term)
@@ -152,6 +151,43 @@ async def test_a_restarted_sole_candidate_takes_both_locks_at_once_beside_a_wait
     result = await standby_attempt
     assert not isinstance(result, Term) and result.holder == prefix + "44444444"
     assert result.token == term.token  # PostgreSQL's view of the holder: the term's token
+
+
+async def test_a_standby_that_loses_the_race_for_a_released_lease_keeps_off_the_postgres_lock(
+        stores: Stores) -> None:
+    """The leader releases; both standbys find the Lease free at once and one wins. The loser
+    must not wait on the PostgreSQL lock: it would get it the instant the winner's sidecar dies
+    (its session ends) and keep out the winner's restarted incarnation, the one candidate that
+    may take over at once, until its own attempt ends (measured on the real node: 1.5 to 2.3 s
+    more, in every run after a handover)."""
+    leader = stores.both()
+    old = await leader.acquire(Identity("poller-2/22222222/00000000"), timeout=5)
+    assert isinstance(old, Term)
+    parts = {prefix: (stores.postgres(), stores.lease()) for prefix in ("poller-0/0a0a0a0a/", "poller-1/1b1b1b1b/")}
+    attempts = {asyncio.create_task(BothBackend(postgres=pg, lease=lease).acquire(Identity(prefix + "11111111"),
+                                                                                  timeout=1.9)): prefix
+                for prefix, (pg, lease) in parts.items()}
+    await asyncio.sleep(0.3)  # both wait on the Lease
+    await leader.release(old, timeout=5)
+    waiting: set[asyncio.Task[Term | LockRecord]] = set(attempts)
+    winner = None
+    while winner is None and waiting:  # the loser may answer first: it lost the Lease and waits on nothing
+        done, waiting = await asyncio.wait(waiting, return_when=asyncio.FIRST_COMPLETED)
+        winner = next((attempts[task] for task in done if isinstance(task.result(), Term)), None)
+    assert winner is not None, [task.result() for task in attempts]
+    dead_pg, dead_lease = parts[winner]
+    await dead_lease.close()
+    await dead_pg.close()  # the winner's sidecar dies: its session ends, its Lease stays
+
+    restarted = BothBackend(postgres=stores.postgres(predecessor_prefix=winner),
+                            lease=stores.lease(predecessor_prefix=winner))
+    started = time.monotonic()
+    term = await restarted.acquire(Identity(winner + "44444444"), timeout=3)
+    took = time.monotonic() - started
+    assert isinstance(term, Term), term
+    assert took < 0.6, f"took {took:.2f}s: the other standby held the PostgreSQL lock"
+    lost = await next(task for task, prefix in attempts.items() if prefix != winner)
+    assert not isinstance(lost, Term), lost
 
 
 async def test_a_lost_half_keeps_the_other_held_until_the_term_is_released(stores: Stores) -> None:

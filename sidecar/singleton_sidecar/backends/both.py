@@ -32,7 +32,7 @@ from singleton_sidecar.core.lock import (
     Term,
 )
 
-_OBSERVE_RESERVE_MAX = 0.5  # seconds of an acquire's budget kept to read PostgreSQL's holder
+_POSTGRES_RESERVE_MAX = 0.5  # seconds of an acquire's budget kept for PostgreSQL after the Lease
 
 
 class BothBackend:
@@ -57,27 +57,30 @@ class BothBackend:
 
     async def acquire(self, identity: Identity, *, timeout: float) -> Term | LockRecord:
         started = self._clock()
-        # A standby waits on the Lease's watch first, holding no PostgreSQL lock while the
-        # Lease is not to be had: otherwise it would hold that lock for its whole attempt and
-        # keep out the one candidate that may take the Lease at once (the restarted holder
-        # itself, core.identity.is_predecessor). Both locks still have to be taken in turn.
+
+        def remaining() -> float:
+            return max(timeout - (self._clock() - started), 0.05)
+
+        # The Lease first, then PostgreSQL. A standby waits on the Lease's watch holding
+        # nothing, and only the one candidate that wins the Lease goes on to the PostgreSQL
+        # lock: the others never wait on that lock, where they would get it the instant its
+        # holder's session ends (a killed sidecar) and keep out the one candidate that may take
+        # the Lease at once, the holder's restarted incarnation (core.identity.is_predecessor).
         # The term's token is PostgreSQL's, so the holder is reported as PostgreSQL sees it.
-        reserve = min(_OBSERVE_RESERVE_MAX, timeout / 4)
-        if await self.lease.wait_takeable(identity, timeout=timeout - reserve) is not None:
-            return await self.postgres.observe(timeout=max(timeout - (self._clock() - started), 0.05))
-        remaining = max(timeout - (self._clock() - started), 0.05)
-        pg = await self.postgres.acquire(identity, timeout=remaining)
-        if not isinstance(pg, Term):
-            return pg
-        remaining = max(timeout - (self._clock() - started), 0.05)
-        try:
-            lease = await self.lease.acquire(identity, timeout=remaining)
-        except BaseException:
-            await self.postgres.release(pg, timeout=2.0)
-            raise
+        reserve = min(_POSTGRES_RESERVE_MAX, timeout / 4)
+        lease = await self.lease.acquire(identity, timeout=timeout - reserve)
         if not isinstance(lease, Term):
-            await self.postgres.release(pg, timeout=2.0)
-            return lease
+            return await self.postgres.observe(timeout=remaining())
+        try:
+            pg = await self.postgres.acquire(identity, timeout=remaining())
+        except BaseException:
+            await self.lease.release(lease, timeout=2.0)
+            raise
+        if not isinstance(pg, Term):
+            # Held by a leader that lost its Lease and stops its app first: the Lease goes
+            # back, for whichever candidate waits on PostgreSQL once that lock is free.
+            await self.lease.release(lease, timeout=2.0)
+            return pg
         return self._combine(pg, lease)
 
     def _combine(self, pg: Term, lease: Term) -> Term:

@@ -188,15 +188,6 @@ class LeaseBackend:
                 return await self._take(identity, self._seen, deadline)
             return seen.record()
 
-    async def wait_takeable(self, identity: Identity, *, timeout: float) -> LockRecord | None:
-        """Wait up to ``timeout`` until ``identity`` could take the Lease (free, expired, its
-        own, or its predecessor's in this pod); None then, else the holder's record. Writes
-        nothing: ``BothBackend`` waits here before it takes the PostgreSQL lock, so that a
-        standby does not hold that lock while the Lease is not to be had."""
-        with self._unavailable("acquire", identity):
-            seen = await self._wait_takeable(identity, self._clock() + timeout, reserve=0.0)
-        return None if seen is None else seen.record()
-
     async def _wait_takeable(self, identity: Identity, deadline: float, *, reserve: float) -> Observed | None:
         """None once the Lease is takeable by ``identity`` (``self._seen`` is then the Lease to
         take); the last observation when ``deadline - reserve`` passes first."""
