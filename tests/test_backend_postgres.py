@@ -866,8 +866,7 @@ async def test_a_takeover_after_a_release_acts_at_once(make_backend: Factory) ->
 @pytest.mark.parametrize(("new_identity", "prefix", "acts_at_once"), [
     ("pod-a/0a1b2c3d/22222222", "pod-a/0a1b2c3d/", True),
     ("pod-a/0a1b2c3d/22222222", None, False),  # not declared its pod's sole candidate
-    ("pod-b/99999999/22222222", "pod-b/99999999/", False),  # another pod's candidate
-], ids=["own predecessor", "not sole in its pod", "another pod"])
+], ids=["own predecessor", "not sole in its pod"])
 async def test_a_restarted_sole_candidate_acts_at_once_after_its_own_predecessor(
         make_backend: Factory, pg_admin_dsn: str, new_identity: str, prefix: str | None,
         acts_at_once: bool) -> None:
@@ -883,3 +882,44 @@ async def test_a_restarted_sole_candidate_acts_at_once_after_its_own_predecessor
         assert wait <= 0
     else:
         assert wait > 5.0  # the rest of the 10 s lease: no stop bound declared
+
+
+async def test_another_pods_sole_candidate_leaves_the_lock_to_the_restarted_holder(
+        make_backend: Factory, pg_admin_dsn: str) -> None:
+    """The holder's session ended without a release (its sidecar was killed). A standby of
+    another pod gets the lock at once but must not act for the rest of the old lease (no stop
+    bound declared): it gives the lock back rather than sit on it, so the holder's restarted
+    incarnation, which may act at once, takes its own term without waiting for the standby."""
+    holder = make_backend()
+    old = await acquired(holder, "pod-a/0a1b2c3d/11111111")
+    pid = await holder_pid(pg_admin_dsn, holder.group)
+    assert await admin_fetchval(pg_admin_dsn, "SELECT pg_terminate_backend($1)", pid) is True
+    standby = make_backend(predecessor_prefix="pod-b/99999999/")
+    started = time.monotonic()
+    waiting = asyncio.create_task(standby.acquire(Identity("pod-b/99999999/22222222"), timeout=2.0))
+    await asyncio.sleep(0.3)
+    restarted = make_backend(predecessor_prefix="pod-a/0a1b2c3d/")
+    begun = time.monotonic()
+    term = await acquired(restarted, "pod-a/0a1b2c3d/33333333", timeout=2.0)
+    assert time.monotonic() - begun < 0.5, "the standby sat on the lock"
+    assert term.acting_from <= time.monotonic() and term.token > old.token
+    seen = await waiting
+    assert not isinstance(seen, Term), seen
+    assert seen.holder == "pod-a/0a1b2c3d/11111111" and seen.token == old.token
+    assert time.monotonic() - started > 1.5  # it used its attempt's budget, as a lock wait does
+
+
+async def test_another_pods_sole_candidate_takes_over_once_the_old_app_is_stopped(
+        make_backend: Factory, pg_admin_dsn: str) -> None:
+    """No restarted holder comes: the standby that gave the lock back takes the term once the
+    old holder's app is surely stopped (its stop bound, here 0.4 s), and acts at once then: no
+    later than a standby that sat on the lock would have."""
+    holder = make_backend(stop_bound=0.4)
+    old = await acquired(holder, "pod-a/0a1b2c3d/11111111")
+    pid = await holder_pid(pg_admin_dsn, holder.group)
+    assert await admin_fetchval(pg_admin_dsn, "SELECT pg_terminate_backend($1)", pid) is True
+    ended = time.monotonic()
+    term = await acquired(make_backend(predecessor_prefix="pod-b/99999999/"), "pod-b/99999999/22222222", timeout=2.0)
+    took = time.monotonic() - ended
+    assert 0.35 < took < 0.9, f"took over after {took:.2f}s"
+    assert term.acting_from <= time.monotonic() and term.token > old.token

@@ -40,6 +40,14 @@ Design (the server is the authority; its clock decides expiry):
   that must stay on this connection and must not show on a second one; see
   ``postgres_session.check_session``). Failing that raises ``BackendMisconfigured``, which is
   not wrapped in ``BackendUnavailable``: the sidecar exits rather than retry.
+- **A holder that did not release** (its session ended under it) may still have an app
+  stopping, so a standby that gets its lock acts only after that term's stop bound or expiry.
+  When the sidecar is its group's sole candidate in its pod (``predecessor_prefix``), that
+  holder may be a sidecar the kubelet is restarting in its own pod, which may take its own
+  term at once (``core.identity.is_predecessor``). So such a standby does not sit on the lock
+  for that wait: it gives the lock back and checks again once the old term's app is surely
+  stopped, and the restarted holder, if it comes, takes its term meanwhile (about 1 s after a
+  SIGKILL on a real node, instead of the old lease). It acts no earlier than before.
 - **Schema**: created on first use under a transaction-level advisory lock (several sidecars
   may start at once), with ``<table>_schema_version`` recording the layout version. A role
   that only owns its database (no superuser) suffices.
@@ -67,9 +75,10 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import math
 import time
-from collections.abc import Callable
-from contextlib import AbstractAsyncContextManager
+from collections.abc import Callable, Iterator
+from contextlib import AbstractAsyncContextManager, contextmanager
 from dataclasses import replace
 from typing import TYPE_CHECKING, TypeAlias
 
@@ -101,6 +110,8 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 _LOCK_RESERVE_MAX = 0.5  # seconds of an acquire's budget kept for the work after the lock wait
+_HOLD_OFF_MIN = 0.1  # a shorter wait for an unreleased holder's app is waited holding the lock
+_HOLD_OFF_SLACK = 0.005  # seconds past an unreleased holder's stop before checking again
 
 
 class PostgresBackend:
@@ -147,6 +158,7 @@ class PostgresBackend:
         self._server_settings = {"application_name": f"singleton:{group}"[:63]}
         self._conn: Connection | None = None
         self._term: Term | None = None  # the term held on self._conn, if any
+        self._held_off: tuple[int, float] | None = None  # (token, when its app is surely stopped) held off for
         self._held_lock_id = 0  # the advisory lock key of self._term
         self._lock_id: int | None = None
         self._reported_lock_pid: int | None = None  # a session reported holding the lock without a term
@@ -171,24 +183,84 @@ class PostgresBackend:
         deadline = self._clock() + timeout
         async with self._guard("acquire", timeout), self._busy:
             conn = await self._connection(deadline)
-            try:
+            with self._closed_on_failure(conn):
                 if self._term is not None:
                     log.warning("asked to acquire while a term is held here",
                                 extra=self._fields(identity=identity, holder=self._term.identity,
                                                    token=self._term.token))
                     return await self._read(conn)
                 lock_id = await self._group_lock_id(conn)
-                if not await self._wait_for_lock(conn, lock_id, deadline):
-                    return await self._busy_record(conn, identity)
-            except BaseException as exc:
-                if not (isinstance(exc, asyncpg.PostgresError) and not conn.is_closed()):
-                    self._discard(conn, "acquire failed; closed the lock's connection")
-                raise
-            if (pooled := await self._pooled_holder(conn, lock_id)) is not None:
-                remaining = deadline - self._clock()  # waited out, as a lock wait would be
-                await asyncio.sleep(max(remaining - min(_LOCK_RESERVE_MAX, remaining * 0.2), 0.0))
-                return pooled
-            return await self._take(conn, identity, lock_id)
+            while True:
+                with self._closed_on_failure(conn):
+                    if not await self._wait_for_lock(conn, lock_id, deadline):
+                        return await self._busy_record(conn, identity)
+                if (pooled := await self._pooled_holder(conn, lock_id)) is not None:
+                    await self._sleep_out(deadline)  # waited out, as a lock wait would be
+                    return pooled
+                held_off = await self._hold_off(conn, identity, lock_id)
+                if held_off is None:
+                    return await self._take(conn, identity, lock_id)
+                record, wait = held_off
+                remaining = deadline - self._clock()
+                if wait + _HOLD_OFF_SLACK >= remaining - min(_LOCK_RESERVE_MAX, remaining * 0.2):
+                    await self._sleep_out(deadline)
+                    return record
+                await asyncio.sleep(wait + _HOLD_OFF_SLACK)
+                conn = await self._connection(deadline)
+
+    @contextmanager
+    def _closed_on_failure(self, conn: Connection) -> Iterator[None]:
+        """A failure that leaves the connection's state unknown closes it (the server then frees
+        any lock it held); a PostgreSQL error on a live connection leaves it open."""
+        try:
+            yield
+        except BaseException as exc:
+            if not (isinstance(exc, asyncpg.PostgresError) and not conn.is_closed()):
+                self._discard(conn, "acquire failed; closed the lock's connection")
+            raise
+
+    async def _sleep_out(self, deadline: float) -> None:
+        """Sleep until just inside an acquire's budget, as a lock wait that timed out would."""
+        remaining = deadline - self._clock()
+        await asyncio.sleep(max(remaining - min(_LOCK_RESERVE_MAX, remaining * 0.2), 0.0))
+
+    async def _hold_off(self, conn: Connection, identity: Identity, lock_id: int) -> tuple[LockRecord, float] | None:
+        """We hold the lock. If its last holder did not release and its app may act a while
+        yet (``takeover_wait``), and that holder may be restarted in its pod (we are our pod's
+        sole candidate, so every pod of the group runs so), give the lock back: (the old
+        holder, the seconds until its app is surely stopped). None: take the term now."""
+        if self._predecessor_prefix is None:
+            return None
+        try:
+            row = await conn.fetchrow(self._sql.previous_term, self.group, lock_id)
+            holder = None if row is None else row["holder"]
+            if row is None or holder is None or holder == identity \
+                    or is_predecessor(holder, identity, self._predecessor_prefix):
+                return None
+            token = row["token"]
+            first_seen = self._held_off is None or self._held_off[0] != token
+            if first_seen:
+                # The stop bound counts from the session's end, which was no later than now.
+                wait = takeover_wait(unreleased=True, expiry_left=row["expiry_left"], stop_bound=row["stop_bound"])
+                self._held_off = (token, self._clock() + wait)
+            wait = self._stopped_at(token) - self._clock()
+            if wait < _HOLD_OFF_MIN:
+                return None
+            await conn.execute(self._sql.unlock, NAMESPACE, lock_id)
+        except BaseException:
+            self._discard(conn, "checking the previous term failed; closed the connection")  # frees the lock
+            raise
+        if first_seen:
+            log.info("the holder did not release: giving its lock back until its app is surely stopped,"
+                     " for its restarted incarnation to take over meanwhile",
+                     extra=self._fields(identity=identity, holder=holder, token=token, wait_seconds=round(wait, 3)))
+        return LockRecord(holder=Identity(holder), token=Token(token), version=str(token)), wait
+
+    def _stopped_at(self, token: int) -> float:
+        """When the app of the unreleased term ``token`` is surely stopped, if we held off for it."""
+        if self._held_off is None or self._held_off[0] != token:
+            return -math.inf
+        return self._held_off[1]
 
     async def renew(self, term: Term, *, timeout: float) -> Term | None:
         async with self._guard("renew", timeout), self._busy:
@@ -355,6 +427,8 @@ class PostgresBackend:
         own = is_predecessor(row["previous_holder"], identity, self._predecessor_prefix)
         wait = 0.0 if own else takeover_wait(unreleased=row["unreleased"], expiry_left=row["previous_expiry_left"],
                                              stop_bound=row["previous_stop_bound"])
+        if row["unreleased"] and (stopped_at := self._stopped_at(row["previous_token"])) > -math.inf:
+            wait = min(wait, max(stopped_at - taken, 0.0))  # held off for it: its stop bound ran from then
         if own:
             log.info("taking over from this pod's own earlier incarnation",
                      extra=self._fields(identity=identity, previous_holder=row["previous_holder"]))

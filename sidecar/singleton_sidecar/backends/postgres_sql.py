@@ -210,7 +210,7 @@ class Statements:
         return (
             f"WITH issued AS (SELECT nextval($5::text::regclass) AS seq,"
             " floor(extract(epoch FROM clock_timestamp()) * 1000)::bigint AS clock_ms),"
-            f" prev AS (SELECT holder, expires_at, stop_bound FROM {self.leases}"
+            f" prev AS (SELECT holder, token, expires_at, stop_bound FROM {self.leases}"
             "   WHERE group_name = $1 AND lock_id = $4)"
             f" UPDATE {self.leases} r SET holder = $2, holder_pid = pg_backend_pid(),"
             " token = greatest(i.seq, i.clock_ms, coalesce(r.token, 0) + 1),"
@@ -219,8 +219,17 @@ class Statements:
             " expires_at = now() + make_interval(secs => $3), released_at = NULL, stop_bound = $6"
             " FROM issued i, prev p WHERE r.group_name = $1 AND r.lock_id = $4"
             " RETURNING r.token, CASE WHEN r.token > i.seq THEN setval($5::text::regclass, r.token) END AS advanced,"
-            " p.holder IS NOT NULL AS unreleased, p.holder AS previous_holder, p.stop_bound AS previous_stop_bound,"
+            " p.holder IS NOT NULL AS unreleased, p.holder AS previous_holder, p.token AS previous_token,"
+            " p.stop_bound AS previous_stop_bound,"
             " extract(epoch FROM p.expires_at - now())::float8 AS previous_expiry_left"
+        )
+
+    @property
+    def previous_term(self) -> str:
+        """$1 group, $2 lock id: the last term as the take would find it (run under the lock)."""
+        return (
+            "SELECT holder, token, stop_bound, extract(epoch FROM expires_at - now())::float8 AS expiry_left"
+            f" FROM {self.leases} WHERE group_name = $1 AND lock_id = $2"
         )
 
     @property
