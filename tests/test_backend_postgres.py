@@ -298,6 +298,26 @@ async def test_stalled_holder_is_terminated_after_expiry(
     holder.signal(signal.SIGCONT)
 
 
+async def test_a_stalled_holder_is_replaced_at_its_expiry_within_one_attempt(
+    make_backend: Factory, holders: list[Holder], pg_dsn: str
+) -> None:
+    """A standby whose attempt outlasts the frozen holder's lease ends its lock wait at that
+    expiry, ends the holder's session and takes the term in the same attempt: at the expiry,
+    not at the end of its attempt (here 3 s later)."""
+    standby = make_backend(lease_duration=1.0, renew_deadline=0.5)
+    holder = await Holder.start(standby.group, pg_dsn, lease=1.0)
+    holders.append(holder)
+    before = await standby.observe(timeout=2)  # the row as a standby last read it
+    assert before.holder is not None
+    holder.signal(signal.SIGSTOP)
+    frozen = time.monotonic()
+    result = await standby.acquire(Identity("b"), timeout=4.0)
+    took = time.monotonic() - frozen
+    assert isinstance(result, Term) and result.token > holder.token, result
+    assert took < 1.6, f"took {took:.2f}s: the lease is 1 s"
+    holder.signal(signal.SIGCONT)
+
+
 async def test_a_lock_taken_twice_is_given_back_whole_and_a_lock_without_a_term_is_reported(
         make_backend: Factory, pg_dsn: str, caplog: pytest.LogCaptureFixture) -> None:
     """Session advisory locks stack. A holder whose session took the lock twice gives back every

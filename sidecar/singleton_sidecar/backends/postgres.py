@@ -110,6 +110,8 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 _LOCK_RESERVE_MAX = 0.5  # seconds of an acquire's budget kept for the work after the lock wait
+_RETRY_MIN = 0.02  # seconds an acquire needs left to wait for the lock once more
+_EXPIRY_SLACK = 0.005  # seconds past a live holder's expiry before checking it
 _HOLD_OFF_MIN = 0.1  # a shorter wait for an unreleased holder's app is waited holding the lock
 _HOLD_OFF_SLACK = 0.005  # seconds past an unreleased holder's stop before checking again
 
@@ -158,6 +160,10 @@ class PostgresBackend:
         self._server_settings = {"application_name": f"singleton:{group}"[:63]}
         self._conn: Connection | None = None
         self._term: Term | None = None  # the term held on self._conn, if any
+        # When the live holder's lease runs out (local clock, from the row last read): a lock
+        # wait ends then, to end that holder's session if it still holds the lock (stalled or
+        # cut off) rather than at the end of the acquire's budget.
+        self._holder_expiry_check = -math.inf
         self._held_off: tuple[int, float] | None = None  # (token, when its app is surely stopped) held off for
         self._held_lock_id = 0  # the advisory lock key of self._term
         self._lock_id: int | None = None
@@ -193,7 +199,15 @@ class PostgresBackend:
             while True:
                 with self._closed_on_failure(conn):
                     if not await self._wait_for_lock(conn, lock_id, deadline):
-                        return await self._busy_record(conn, identity)
+                        record = await self._busy_record(conn, identity)
+                        # Wait again within this call if the live holder's lease runs out before
+                        # its end (to end that session then), or its session was just ended (the
+                        # lock frees in a moment): a standby takes over then, not a retry later.
+                        if self._holder_expiry_check > -math.inf and \
+                                self._holder_expiry_check + _RETRY_MIN < deadline and \
+                                self._clock() + _RETRY_MIN < deadline:
+                            continue
+                        return record
                 if (pooled := await self._pooled_holder(conn, lock_id)) is not None:
                     await self._sleep_out(deadline)  # waited out, as a lock wait would be
                     return pooled
@@ -354,10 +368,13 @@ class PostgresBackend:
     # -- steps -----------------------------------------------------------------------
 
     async def _wait_for_lock(self, conn: Connection, lock_id: int, deadline: float) -> bool:
-        """Block on the advisory lock until granted (True) or ``lock_timeout`` (False)."""
-        remaining = deadline - self._clock()
+        """Block on the advisory lock until granted (True) or ``lock_timeout`` (False): the end
+        of the budget, or the live holder's expiry if that comes first (``_holder_expiry_check``)."""
+        now = self._clock()
+        remaining = deadline - now
         reserve = min(_LOCK_RESERVE_MAX, max(0.02, remaining * 0.2))
-        wait_ms = max(1, int((remaining - reserve) * 1000))
+        until = self._holder_expiry_check if self._holder_expiry_check > now else math.inf
+        wait_ms = max(1, int((min(remaining - reserve, until - now)) * 1000))
         await conn.execute(self._sql.set_lock_timeout, str(wait_ms))
         try:
             await conn.execute(self._sql.lock, NAMESPACE, lock_id)
@@ -442,8 +459,9 @@ class PostgresBackend:
         return term
 
     async def _busy_record(self, conn: Connection, identity: Identity) -> LockRecord:
-        """The lock was not free in time: report the holder, ending its session if stalled."""
-        row = await conn.fetchrow(self._sql.observe, self.group, NAMESPACE)
+        """The lock was not free in time: report the holder, ending its session if stalled
+        (``_holder_expiry_check`` is then now: the lock frees in a moment)."""
+        row = await self._fetch_observed(conn)
         if row is None:
             return LockRecord(holder=None, token=None)
         if row["holder"] is None:
@@ -452,16 +470,27 @@ class PostgresBackend:
             log.warning("the holder let its lease expire but still holds the lock; terminating its session",
                         extra=self._fields(identity=identity, holder=row["holder"], token=row["token"],
                                            holder_pid=row["holder_pid"]))
+            self._holder_expiry_check = -math.inf  # unless ended below: no use waiting for it again
             try:
                 done = await conn.fetchval(self._sql.terminate, row["holder_pid"])
             except asyncpg.InsufficientPrivilegeError as exc:
                 log.error("may not terminate the stalled holder's session",
                           extra=self._fields(identity=identity, holder=row["holder"], token=row["token"], error=exc))
             else:
-                if not done:
+                if done:
+                    self._holder_expiry_check = self._clock()
+                else:
                     log.warning("terminating the stalled holder's session failed",
                                 extra=self._fields(holder=row["holder"], token=row["token"]))
         return lock_record(row)
+
+    async def _fetch_observed(self, conn: Connection) -> asyncpg.Record | None:
+        """The row as ``observe`` reads it; notes when a live holder's lease runs out."""
+        row: asyncpg.Record | None = await conn.fetchrow(self._sql.observe, self.group, NAMESPACE)
+        live_until = None if row is None or not row["live"] else row["expiry_left"]
+        self._holder_expiry_check = -math.inf if live_until is None else \
+            self._clock() + max(live_until, 0.0) + _EXPIRY_SLACK
+        return row
 
     async def _report_lock_without_term(self, conn: Connection, lock_id: int) -> None:
         """The lock was not granted in time, yet the row names no holder: a session holds the
@@ -478,7 +507,7 @@ class PostgresBackend:
                                            state_change=str(session["state_change"])))
 
     async def _read(self, conn: Connection) -> LockRecord:
-        row = await conn.fetchrow(self._sql.observe, self.group, NAMESPACE)
+        row = await self._fetch_observed(conn)
         return LockRecord(holder=None, token=None) if row is None else lock_record(row)
 
     # -- connection ------------------------------------------------------------------

@@ -254,10 +254,12 @@ class Statements:
     @property
     def observe(self) -> str:
         """$1 group, $2 namespace. The row, whether its holder's session still holds the
-        advisory lock (``live``), and whether its lease has expired by the database clock."""
+        advisory lock (``live``), and whether (and in how many seconds) its lease expires by the
+        database clock."""
         return (
             "SELECT r.holder, r.token, r.holder_pid, r.lock_id,"
             " coalesce(r.expires_at < now(), false) AS expired,"
+            " extract(epoch FROM r.expires_at - now())::float8 AS expiry_left,"
             " EXISTS (SELECT 1 FROM pg_locks l JOIN pg_stat_activity a ON a.pid = l.pid"
             f"   WHERE {granted_group_lock('$2', 'r.lock_id')}"
             "   AND l.pid = r.holder_pid AND a.backend_start <= r.acquired_at) AS live"
