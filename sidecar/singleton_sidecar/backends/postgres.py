@@ -15,6 +15,9 @@ Design (the server is the authority; its clock decides expiry):
   still holds the lock (``pg_locks``), that holder is stalled (SIGSTOP keeps its TCP alive)
   and the standby ends its session with ``pg_terminate_backend`` (allowed for the same role).
   By then the stalled holder has passed its renew deadline (< lease duration) and stepped down.
+  A wait ends early, at the live holder's expiry as last read, when that comes first; and a
+  standby that ended a session waits for the lock again in the same call: it takes over at the
+  expiry, not a call later.
 - **The record** (table ``<schema>.<table>``, one row per group) says who holds the lock,
   since when, until when (``expires_at``), and with which **token**. Tokens are a hybrid
   logical clock, the rule of every backend: a new term's token is the greatest of the
