@@ -1,7 +1,7 @@
 """A thousand groups on one default-sized PostgreSQL: the pooled mode through PgBouncer, and
 how far the session mode goes on the same server.
 
-    .venv/bin/python -m benchmarks.pooled_postgres --runs 3                 # 1,000 groups x 3, pooled
+    .venv/bin/python -m benchmarks.pooled_postgres --runs 3 --plot          # 1,000 groups x 3, pooled
     .venv/bin/python -m benchmarks.pooled_postgres --session-capacity       # the session mode's limit
 
 Starts its own PostgreSQL (``max_connections = 100``, ``superuser_reserved_connections`` 3:
@@ -31,7 +31,9 @@ Per run:
 connections) one at a time until one cannot connect, and reports the connections per group
 and the largest number of groups the server carried.
 
-Prints each run's figures, then medians over the runs and p99 (nearest rank) over every sample.
+Prints each run's figures, then medians over the runs and p99 (nearest rank) over every sample;
+``--plot`` draws each run's distributions (renewals, crash failovers) with the goals into
+``benchmarks/plots/pooled-postgres.png``.
 """
 
 from __future__ import annotations
@@ -47,6 +49,7 @@ import sys
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, BinaryIO
 
 import asyncpg
@@ -66,6 +69,8 @@ from singleton_testbed.pgbouncer import PgBouncer
 from singleton_testbed.postgres import PostgresServer
 
 TIMINGS = Timings(lease_duration=6.0, renew_deadline=4.0, retry_period=2.0)  # the postgres defaults
+RENEW_GOAL_MS = 50.0  # issue 15: renew p99 at 1,000 groups
+PLOT = Path(__file__).resolve().parent / "plots" / "pooled-postgres.png"
 ACT_MAX_SECONDS = 0.5  # an act never ended (its worker was killed mid-act) counts this long
 
 
@@ -350,8 +355,46 @@ async def pooled(args: argparse.Namespace) -> None:
                   "; acting overlaps:", sum(f.overlaps for f in figures),
                   "; ledger safe in every run:", all(f.ledger_safe for f in figures),
                   "; peak server connections:", max(f.peak_server_connections for f in figures))
+            if args.plot is not None:
+                print("  plot:", plot(figures, args))
     finally:
         server.cleanup()
+
+
+def plot(figures: Sequence[RunFigures], args: argparse.Namespace) -> Path:
+    """Each run's renewal latencies and crash failovers as distributions, with the goals."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (renew_ax, failover_ax) = plt.subplots(1, 2, figsize=(10, 4.2), dpi=100)
+    for number, run in enumerate(figures, start=1):
+        for ax, values in ((renew_ax, run.renew_ms), (failover_ax, run.failover_s)):
+            if values:
+                ordered = sorted(values)
+                ax.step(ordered, [(i + 1) / len(ordered) for i in range(len(ordered))], where="post",
+                        label=f"run {number} ({len(ordered)})")
+    renew_ax.axvline(RENEW_GOAL_MS, color="red", linestyle="--", label=f"goal: p99 ≤ {RENEW_GOAL_MS:g} ms")
+    renew_ax.set_xscale("log")
+    renew_ax.set_xlabel("renewal: request → answer (ms, log scale)")
+    renew_ax.set_title("Renewals at rest", fontsize=10)
+    bound = TIMINGS.lease_duration + TIMINGS.retry_period
+    failover_ax.axvline(bound, color="red", linestyle="--", label=f"goal: ≤ lease + retry ({bound:g} s)")
+    failover_ax.set_xlabel("worker SIGKILLed → a survivor acts (s)")
+    failover_ax.set_title("Crash failover of the killed leaders", fontsize=10)
+    for ax in (renew_ax, failover_ax):
+        ax.set_ylabel("fraction of samples")
+        ax.axhline(0.99, color="grey", linewidth=0.6)
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=8, loc="lower right")
+    fig.suptitle(f"Pooled mode: {args.groups} groups x {args.replicas} through PgBouncer (pool {args.pool_size}), "
+                 f"PostgreSQL max_connections 100, {os.cpu_count()} CPUs", fontsize=10)
+    fig.tight_layout()
+    args.plot.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(args.plot)
+    plt.close(fig)
+    return Path(args.plot)
 
 
 # --- the session mode's capacity ---------------------------------------------------------------------
@@ -409,6 +452,8 @@ def main(argv: Sequence[str] | None = None) -> None:
     parser.add_argument("--session-capacity", action="store_true", help="measure the session mode's limit instead")
     parser.add_argument("--session-max-groups", type=int, default=60)
     parser.add_argument("--logs", default="/tmp", help="folder for the worker processes' logs (stderr)")
+    parser.add_argument("--plot", type=Path, nargs="?", const=PLOT, default=None, metavar="PNG",
+                        help=f"draw the runs' distributions into PNG (without a value: {PLOT})")
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.worker:
