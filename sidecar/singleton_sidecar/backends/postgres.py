@@ -114,9 +114,8 @@ log = logging.getLogger(__name__)
 
 _LOCK_RESERVE_MAX = 0.5  # seconds of an acquire's budget kept for the work after the lock wait
 _RETRY_MIN = 0.02  # seconds an acquire needs left to wait for the lock once more
-_EXPIRY_SLACK = 0.005  # seconds past a live holder's expiry before checking it
+_CHECK_SLACK = 0.005  # seconds past a live holder's expiry, or an unreleased one's stop, before checking again
 _HOLD_OFF_MIN = 0.1  # a shorter wait for an unreleased holder's app is waited holding the lock
-_HOLD_OFF_SLACK = 0.005  # seconds past an unreleased holder's stop before checking again
 
 
 class PostgresBackend:
@@ -203,12 +202,7 @@ class PostgresBackend:
                 with self._closed_on_failure(conn):
                     if not await self._wait_for_lock(conn, lock_id, deadline):
                         record = await self._busy_record(conn, identity)
-                        # Wait again within this call if the live holder's lease runs out before
-                        # its end (to end that session then), or its session was just ended (the
-                        # lock frees in a moment): a standby takes over then, not a retry later.
-                        if self._holder_expiry_check > -math.inf and \
-                                self._holder_expiry_check + _RETRY_MIN < deadline and \
-                                self._clock() + _RETRY_MIN < deadline:
+                        if self._may_wait_again(deadline):
                             continue
                         return record
                 if (pooled := await self._pooled_holder(conn, lock_id)) is not None:
@@ -219,11 +213,18 @@ class PostgresBackend:
                     return await self._take(conn, identity, lock_id)
                 record, wait = held_off
                 remaining = deadline - self._clock()
-                if wait + _HOLD_OFF_SLACK >= remaining - min(_LOCK_RESERVE_MAX, remaining * 0.2):
+                if wait + _CHECK_SLACK >= remaining - min(_LOCK_RESERVE_MAX, remaining * 0.2):
                     await self._sleep_out(deadline)
                     return record
-                await asyncio.sleep(wait + _HOLD_OFF_SLACK)
+                await asyncio.sleep(wait + _CHECK_SLACK)
                 conn = await self._connection(deadline)
+
+    def _may_wait_again(self, deadline: float) -> bool:
+        """After a lock wait that timed out: wait again within this call if the live holder's
+        lease runs out before its end (to end that session then), or its session was just ended
+        (the lock frees in a moment). A standby takes over then, not a retry period later."""
+        check = self._holder_expiry_check
+        return check > -math.inf and check + _RETRY_MIN < deadline and self._clock() + _RETRY_MIN < deadline
 
     @contextmanager
     def _closed_on_failure(self, conn: Connection) -> Iterator[None]:
@@ -492,7 +493,7 @@ class PostgresBackend:
         row: asyncpg.Record | None = await conn.fetchrow(self._sql.observe, self.group, NAMESPACE)
         live_until = None if row is None or not row["live"] else row["expiry_left"]
         self._holder_expiry_check = -math.inf if live_until is None else \
-            self._clock() + max(live_until, 0.0) + _EXPIRY_SLACK
+            self._clock() + max(live_until, 0.0) + _CHECK_SLACK
         return row
 
     async def _report_lock_without_term(self, conn: Connection, lock_id: int) -> None:
