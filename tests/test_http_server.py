@@ -275,6 +275,50 @@ async def test_a_client_leaving_mid_request_or_mid_answer_logs_nothing(caplog: p
     assert [r.getMessage() for r in caplog.records if r.name.startswith(("singleton", "asyncio"))] == []
 
 
+async def wait_for_connections(server: HttpServer, count: int) -> None:
+    async with asyncio.timeout(5):
+        while server.connections != count:
+            await asyncio.sleep(0.01)
+
+
+async def test_a_connection_over_the_limit_is_503_and_closed_and_one_is_served_again_once_another_closes(
+        caplog: pytest.LogCaptureFixture) -> None:
+    async with serving(max_connections=2) as server, connect(server) as first, connect(server) as second:
+        assert (await first.get("/hello")).status == 200
+        assert (await second.get("/hello")).status == 200
+        for _ in range(2):  # a request sent or not, the answer is the same
+            async with connect(server) as refused:
+                answer = await refused.get("/hello")
+                assert (answer.status, answer.text) == (503, "too many connections (at most 2): try again\n")
+                assert (answer.headers["retry-after"], answer.headers["connection"]) == ("1", "close")
+                assert await refused.closed()
+        warnings = [r for r in caplog.records if r.getMessage() == "too many connections: refusing more"]
+        assert len(warnings) == 1  # once per spell, not per connection
+        first.close()
+        await wait_for_connections(server, 1)
+        async with connect(server) as again:
+            assert (await again.get("/hello")).status == 200
+        assert (await second.get("/hello")).status == 200  # the kept connection was never touched
+
+
+async def test_close_ends_a_refusal_whose_client_holds_its_connection_open() -> None:
+    server = HttpServer(ROUTES, max_connections=1)
+    await server.start("127.0.0.1", 0)
+    async with connect(server) as served, connect(server) as refused:
+        assert (await served.get("/hello")).status == 200
+        assert (await refused.answer()).status == 503  # then it reads and sends nothing more
+        started = asyncio.get_running_loop().time()
+        await server.close()
+        assert asyncio.get_running_loop().time() - started < 0.5
+        assert await refused.closed(timeout=0.5)
+    assert other_tasks() == set()
+
+
+def test_max_connections_below_one_is_refused() -> None:
+    with pytest.raises(ValueError, match="max_connections must be at least 1, not 0"):
+        HttpServer(ROUTES, max_connections=0)
+
+
 async def test_close_answers_long_polls_through_on_shutdown_and_leaves_nothing_open() -> None:
     changed = asyncio.Event()
     waiting = asyncio.Event()

@@ -5,8 +5,9 @@ Ours rather than aiohttp's because of the sidecar's budget (30 MB at rest, campa
 0.5 s of its start): aiohttp.web and its helpers cost 12 MB and about 0.4 s of imports, h11
 0.2 MB. h11 does the protocol (parsing, framing, keep-alive rules); this module only does the
 I/O: it accepts connections, reads one request at a time, routes it by method and path to a
-handler, writes the answer, and bounds everything a client can make it hold (header and body
-sizes, a slow request, an idle keep-alive connection, the wait for answers at shutdown).
+handler, writes the answer, and bounds everything a client can make it hold (open
+connections, header and body sizes, a slow request, an idle keep-alive connection, the wait for
+answers at shutdown).
 
 Routes take no request bodies: a body is read and discarded up to ``max_body_size``.
 """
@@ -94,8 +95,10 @@ class HttpServer:
 
     def __init__(self, routes: Routes, *, on_shutdown: Iterable[Callable[[], None]] = (),
                  idle_timeout: float = 75.0, request_timeout: float = 10.0, shutdown_timeout: float = 5.0,
-                 max_header_size: int = 16 * 1024, max_body_size: int = 64 * 1024) -> None:
-        """``idle_timeout``: how long a keep-alive connection may wait for its next request;
+                 max_header_size: int = 16 * 1024, max_body_size: int = 64 * 1024,
+                 max_connections: int = 256) -> None:
+        """``max_connections``: connections served at once; one more is answered 503 and closed;
+        ``idle_timeout``: how long a keep-alive connection may wait for its next request;
         ``request_timeout``: how long a client may take to send a request once it started (and
         to take an answer); ``shutdown_timeout``: how long ``close`` waits for requests being
         answered; ``on_shutdown``: called by ``close`` before that wait (to answer long polls)."""
@@ -106,8 +109,13 @@ class HttpServer:
         self.shutdown_timeout = shutdown_timeout
         self.max_header_size = max_header_size
         self.max_body_size = max_body_size
+        if max_connections < 1:
+            raise ValueError(f"max_connections must be at least 1, not {max_connections}")
+        self.max_connections = max_connections
         self._server: asyncio.Server | None = None
         self._connections: dict[asyncio.Task[None], _Connection] = {}
+        self._refusals: set[asyncio.Task[None]] = set()
+        self._refusing = False  # since the last connection served: logged once per spell
         self._closing = False
 
     def __repr__(self) -> str:
@@ -138,7 +146,9 @@ class HttpServer:
         for connection in list(self._connections.values()):
             if not connection.busy:  # waiting for a request: nothing to finish
                 connection.task.cancel()
-        tasks = list(self._connections)
+        for refusal in list(self._refusals):
+            refusal.cancel()
+        tasks = [*self._connections, *self._refusals]
         if tasks:
             _, late = await asyncio.wait(tasks, timeout=self.shutdown_timeout)
             if late:
@@ -158,9 +168,34 @@ class HttpServer:
         if self._closing:  # accepted just before the listener closed
             writer.transport.abort()
             return
+        if len(self._connections) >= self.max_connections:
+            # Answered at once, before its request: a client flooding the port gets no more of
+            # the server than this, and probes get through again as soon as connections close.
+            if not self._refusing:
+                log.warning("too many connections: refusing more",
+                            extra={"connections": len(self._connections), "max_connections": self.max_connections})
+                self._refusing = True
+            refusal = asyncio.create_task(self._refuse(reader, writer), name="http-refusal")
+            self._refusals.add(refusal)
+            refusal.add_done_callback(self._refusals.discard)
+            return
+        self._refusing = False
         task = asyncio.create_task(self._serve(reader, writer), name="http-connection")
         self._connections[task] = _Connection(task)
         task.add_done_callback(self._connections.pop)
+
+    async def _refuse(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        body = f"too many connections (at most {self.max_connections}): try again\n".encode()
+        # By hand: h11's state machine answers only a request it has read.
+        writer.write(b"HTTP/1.1 503 Service Unavailable\r\ncontent-type: text/plain; charset=utf-8\r\n"
+                     b"content-length: %d\r\nretry-after: 1\r\nconnection: close\r\n\r\n%s" % (len(body), body))
+        try:
+            await _linger(reader, writer)
+        finally:
+            if writer.transport.get_write_buffer_size():  # a client that reads nothing
+                writer.transport.abort()
+            else:
+                writer.close()
 
     async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         task = asyncio.current_task()
