@@ -199,6 +199,36 @@ def test_deleting_the_service_removes_everything(controllers: Cluster, namespace
     wait_for(lambda: not get_json(cluster, "pods", "-n", namespace, "-l", selector)["items"], 30, "pods to go", 0.2)
 
 
+def test_an_unwanted_leader_service_or_pdb_is_deleted_only_if_the_group_owns_it(
+        cluster: Cluster, namespace: str, operators: Factory) -> None:
+    operators()
+    theirs, ours = "their-" + uuid.uuid4().hex[:4], "ours-" + uuid.uuid4().hex[:4]
+    # A user's own Service and PodDisruptionBudget that happen to have the names a group's would.
+    cluster.apply(json.dumps({"apiVersion": "v1", "kind": "List", "items": [
+        {"apiVersion": "v1", "kind": "Service", "metadata": {"name": f"{theirs}-leader"},
+         "spec": {"selector": {"app": "theirs"}, "ports": [{"port": 80}]}},
+        {"apiVersion": "policy/v1", "kind": "PodDisruptionBudget", "metadata": {"name": theirs},
+         "spec": {"selector": {"matchLabels": {"app": "theirs"}}, "maxUnavailable": 1}}]}), namespace=namespace)
+    uids = {kind: get_json(cluster, kind, obj, "-n", namespace)["metadata"]["uid"]
+            for kind, obj in (("service", f"{theirs}-leader"), ("pdb", theirs))}
+    no_pdb = {"podDisruptionBudget": {"enabled": False}}
+    cluster.apply(service(theirs, **no_pdb), namespace=namespace)
+    cluster.apply(service(ours, service={"ports": [{"port": 80}]}), namespace=namespace)
+    for kind, obj in (("service", f"{ours}-leader"), ("pdb", ours)):
+        wait_for(lambda k=kind, o=obj: exists(cluster, namespace, k, o) or None, 20, f"the group's own {kind}", 0.2)
+    # Edits, each reconciled: the first group still wants neither object; the second no longer does.
+    cluster.kubectl("patch", "singletonservice", theirs, "-n", namespace, "--type=merge", "-p",
+                    json.dumps({"spec": {"replicas": 3}}))
+    cluster.kubectl("patch", "singletonservice", ours, "-n", namespace, "--type=merge", "-p",
+                    json.dumps({"spec": {"service": None, **no_pdb}}))
+    for kind, obj in (("service", f"{ours}-leader"), ("pdb", ours)):
+        wait_for(lambda k=kind, o=obj: not exists(cluster, namespace, k, o), 20, f"the group's own {kind} to go", 0.2)
+    wait_for(lambda: get_json(cluster, "deployment", theirs, "-n", namespace)["spec"]["replicas"] == 3, 20,
+             "the first group's edit to be reconciled", 0.2)
+    for kind, obj in (("service", f"{theirs}-leader"), ("pdb", theirs)):
+        assert get_json(cluster, kind, obj, "-n", namespace)["metadata"]["uid"] == uids[kind], f"their {kind}"
+
+
 def test_one_active_operator_and_fast_takeover_on_sigterm(
     cluster: Cluster, namespace: str, operators: Factory
 ) -> None:

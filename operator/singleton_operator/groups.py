@@ -111,12 +111,13 @@ class Groups:
         return dataclasses.replace(spec, sidecar_pull_policy=self.sidecar_pull_policy,
                                    image_pull_secrets=self.image_pull_secrets)
 
-    async def reconcile(self, body: dict[str, Any]) -> None:
-        """Apply the group's objects; remember (and raise) a problem the user must fix."""
+    async def reconcile(self, body: dict[str, Any], *, new: bool = False) -> None:
+        """Apply the group's objects; remember (and raise) a problem the user must fix.
+        ``new``: its first reconcile since it was created (``reconcile.reconcile``)."""
         async with self._reconciling:
-            await self._reconcile(body)
+            await self._reconcile(body, new=new)
 
-    async def _reconcile(self, body: dict[str, Any]) -> None:
+    async def _reconcile(self, body: dict[str, Any], *, new: bool) -> None:
         key = (body["metadata"]["namespace"], body["metadata"]["name"])
         self.metrics.reconciles.inc()
         try:
@@ -128,7 +129,7 @@ class Groups:
                 raise ReconcileProblem("InvalidWorkload", str(exc)) from None
             if workload is not None:
                 await self._check_adoption(spec, workload)
-            await reconcile(self.client, spec, self.access)
+            await reconcile(self.client, spec, self.access, new=new)
         except SpecError as exc:
             self.problems[key] = ReconcileProblem("InvalidSpec", str(exc))
             self.metrics.reconcile_failed(*key, "InvalidSpec")

@@ -58,10 +58,11 @@ def registry(kube_config: KubeConfig,
     # Any change of the essence (spec, labels, annotations; never status): the owned objects
     # carry the group's labels and the annotations it names.
     @kopf.on.update(*resource, registry=reg)
-    async def reconcile(body: kopf.Body, memo: Any, retry: int, **_: Any) -> None:
+    async def reconcile(body: kopf.Body, memo: Any, retry: int, reason: str, **_: Any) -> None:
         groups: Groups = memo["groups"]
         try:
-            await groups.reconcile(dict(body))
+            # A retried create may follow an attempt that applied objects an edit since unwants.
+            await groups.reconcile(dict(body), new=reason == kopf.Reason.CREATE and retry == 0)
         except SpecError as exc:
             raise kopf.PermanentError(str(exc)) from exc
         except ReconcileProblem as exc:
