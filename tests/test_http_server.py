@@ -314,6 +314,17 @@ async def test_close_ends_a_refusal_whose_client_holds_its_connection_open() -> 
     assert other_tasks() == set()
 
 
+async def test_a_flood_beyond_the_refusals_being_answered_is_dropped_without_an_answer() -> None:
+    async with serving(max_connections=1) as server, connect(server) as served:
+        assert (await served.get("/hello")).status == 200
+        async with connect(server) as refused:  # answered, then lingering: it sends and reads nothing
+            assert (await refused.answer()).status == 503
+            async with connect(server) as dropped:
+                with pytest.raises((ConnectionResetError, asyncio.IncompleteReadError)):
+                    await dropped.answer()
+        assert (await served.get("/hello")).status == 200
+
+
 def test_max_connections_below_one_is_refused() -> None:
     with pytest.raises(ValueError, match="max_connections must be at least 1, not 0"):
         HttpServer(ROUTES, max_connections=0)

@@ -175,6 +175,9 @@ class HttpServer:
                 log.warning("too many connections: refusing more",
                             extra={"connections": len(self._connections), "max_connections": self.max_connections})
                 self._refusing = True
+            if len(self._refusals) >= self.max_connections:  # a flood: not even an answer
+                writer.transport.abort()
+                return
             refusal = asyncio.create_task(self._refuse(reader, writer), name="http-refusal")
             self._refusals.add(refusal)
             refusal.add_done_callback(self._refusals.discard)
