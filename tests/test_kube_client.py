@@ -310,6 +310,13 @@ async def test_refused_connection_is_unavailable() -> None:
                 pass
 
 
+async def test_a_watch_refuses_a_timeout_seconds_parameter_its_timeout_would_override() -> None:
+    async with KubeClient(KubeConfig(server="https://127.0.0.1:1", token="t")) as client:
+        with pytest.raises(ValueError, match="a watch's timeoutSeconds is its timeout argument"):
+            async for _ in client.watch("/api/v1/pods", params={"timeoutSeconds": "60"}, timeout=2):
+                pass
+
+
 async def test_silent_server_times_out_within_the_timeout() -> None:
     writers: list[asyncio.StreamWriter] = []
     server = await asyncio.start_server(lambda r, w: writers.append(w), "127.0.0.1", 0)

@@ -307,11 +307,14 @@ class KubeClient:
 
     async def watch(self, path: str, *, params: Mapping[str, str] | None = None,
                     timeout: float) -> AsyncGenerator[tuple[str, dict[str, Any]], None]:
-        """Yield ``(type, object)`` from a watch; it ends after about ``timeout`` seconds.
+        """Yield ``(type, object)`` from a watch; it ends after about ``timeout`` seconds (the
+        server's ``timeoutSeconds``: this one, whatever ``params`` says).
 
         Close it with ``contextlib.aclosing`` when leaving early. An ERROR event raises
         (``KubeGone`` for 410: list again); transport trouble raises ``KubeUnavailable``.
         """
+        if params and "timeoutSeconds" in params:
+            raise ValueError("a watch's timeoutSeconds is its timeout argument, not a parameter")
         query = {**(params or {}), "watch": "1", "timeoutSeconds": str(max(1, round(timeout)))}
         # A deadline, not asyncio.timeout: a timeout's scope must not span this generator's yields.
         deadline = asyncio.get_running_loop().time() + max(1, round(timeout)) + WATCH_GRACE

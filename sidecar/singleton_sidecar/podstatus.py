@@ -236,9 +236,9 @@ class PodReporter:
                     resource_version = pod["metadata"]["resourceVersion"]
                     self._note_pod(pod)
                 params = {"fieldSelector": f"metadata.name={self.pod_name}", "resourceVersion": resource_version,
-                          "timeoutSeconds": str(WATCH_SECONDS), "allowWatchBookmarks": "true"}
+                          "allowWatchBookmarks": "true"}
                 async for kind, obj in self.client.watch(f"/api/v1/namespaces/{self.namespace}/pods",
-                                                         params=params, timeout=WATCH_SECONDS + 30):
+                                                         params=params, timeout=WATCH_SECONDS):
                     resource_version = obj.get("metadata", {}).get("resourceVersion", resource_version)
                     if kind in ("ADDED", "MODIFIED", "DELETED"):
                         self._note_pod(obj, deleted=kind == "DELETED")
