@@ -31,7 +31,9 @@ replaces it) is **slow**: its app takes 0.5..1 s to finish and its sidecar's dra
 0.2 s, so a planned ending of its term hits the drain timeout. A killed container is restarted by
 the kubelet (the test bed's node caps its back-off at 1 s); a deleted pod is replaced by a new
 one (with the same role, slow or not), as a ReplicaSet would. Before a group is torn down its
-pods' logs (previous containers' included) are saved under ``<workdir>/pods/<namespace>/``.
+pods' logs (previous containers' included) are saved under ``<workdir>/pods/<namespace>/``; a
+deleted pod's are saved as it is deleted (``<pod>.before-deletion.log``) and followed until its
+containers end (``<pod>.after-deletion.log``: its drain).
 """
 
 from __future__ import annotations
@@ -40,6 +42,8 @@ import asyncio
 import base64
 import contextlib
 import dataclasses
+import datetime as dt
+import os
 import random
 import secrets
 import signal
@@ -351,6 +355,8 @@ class Group:
     """The SingletonService object as the API server returned it."""
     uids: dict[str, str] = dataclasses.field(default_factory=dict)
     """Every pod the group ever had → its UID (names its log folder on the node)."""
+    followers: list[subprocess.Popen[bytes]] = dataclasses.field(default_factory=list)
+    """``kubectl logs -f`` of each deleted pod, until its containers end."""
 
     def __post_init__(self) -> None:
         self.name = self.name or f"camp-{self.backend}-{secrets.token_hex(3)}"
@@ -478,10 +484,31 @@ class Group:
         logs = self.bed.cp.kubectl("logs", "-n", self.namespace, pod, "--all-containers", "--prefix", "--timestamps",
                                    check=False)
         (folder / f"{pod}.before-deletion.log").write_text(logs.stdout + logs.stderr)
+        self.follow_logs(pod, folder / f"{pod}.after-deletion.log")
         self.bed.call("DELETE", f"/api/v1/namespaces/{self.namespace}/pods/{pod}", {})
         self.pods.pop(pod, None)
         self.poller.forget(pod)
         self.add_pod(slow=self.slow(pod))
+
+    def follow_logs(self, pod: str, path: Path) -> None:
+        """What the pod's containers log from now until they end (its drain, after the deletion:
+        the pod and its logs are gone once it ends)."""
+        since = dt.datetime.now(dt.UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
+        argv = [str(self.bed.cp.binaries["kubectl"]), "logs", "-f", "-n", self.namespace, pod, "--all-containers",
+                "--prefix", "--timestamps", f"--since-time={since}"]
+        with path.open("wb") as out:
+            self.followers.append(subprocess.Popen(
+                argv, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                env={**os.environ, "KUBECONFIG": str(self.bed.cp.info.kubeconfig)}))
+
+    def stop_following(self) -> None:
+        for follower in self.followers:
+            try:
+                follower.wait(timeout=GRACE)
+            except subprocess.TimeoutExpired:
+                follower.kill()
+                follower.wait()
+        self.followers.clear()
 
     # --- what the faults do to a pod's processes (``campaign_pods``, ``node_pods``) ------------
 
@@ -589,6 +616,7 @@ class Group:
         for pod in list(self.pods):
             self.poller.forget(pod)
         self.pods.clear()
+        self.stop_following()
         try:
             save_pod_logs(self.bed.cp, self.namespace, self.bed.workdir / "pods" / self.namespace)
         except (OSError, RuntimeError, ValueError, subprocess.SubprocessError) as exc:

@@ -143,6 +143,8 @@ class _Attribution:
 
     def __init__(self, segment: Segment, kinds: dict[str, Stats], paths: dict[str, Stats]) -> None:
         self.segment, self.kinds, self.paths = segment, kinds, paths
+        self.lost_at_graceful_deletion = 0
+        """Items lost when a quick pod's leader was deleted (``BackendResult.lost_at_graceful_deletion``)."""
         self.faults = sorted(segment.faults, key=lambda f: f.t0)
         self.starts = [f.t0 for f in self.faults]
         self.ended_by: dict[int, FaultRecord] = {f.old_token: f for f in self.faults if f.changed}
@@ -203,8 +205,11 @@ class _Attribution:
                 entry.max_gap = max(entry.max_gap, gap.seconds)
                 entry.long_gaps += gap.seconds > gap_bound(ender)
         for item in report.lost_at_handover:
-            for entry in self.entries(self.ender(item.token, item.started.timestamp())):
+            ender = self.ender(item.token, item.started.timestamp())
+            for entry in self.entries(ender):
                 entry.lost += 1
+            if ender is not None and ender.kind == "delete-pod" and not ender.slow:
+                self.lost_at_graceful_deletion += 1
 
     def acting(self, report: LedgerReport) -> None:
         for overlap in report.acting_overlaps:
@@ -236,6 +241,8 @@ class BackendResult:
     """Per fault kind."""
     paths: dict[str, Stats] = field(default_factory=dict)
     """Per path (how the old term ended)."""
+    graceful_deletion_losses: int = 0
+    """See ``lost_at_graceful_deletion``."""
 
     @property
     def faults(self) -> list[FaultRecord]:
@@ -253,17 +260,21 @@ class BackendResult:
         """Fill ``stats`` and ``paths`` from the segments' faults and reports."""
         kinds = {kind: Stats(kind) for kind in (*ALL_KINDS, WARM_UP)}
         paths = {path: Stats(path) for path in (*ALL_PATHS, WARM_UP)}
+        self.graceful_deletion_losses = 0
         for segment in self.segments:
-            _Attribution(segment, kinds, paths).run()
+            attribution = _Attribution(segment, kinds, paths)
+            attribution.run()
+            self.graceful_deletion_losses += attribution.lost_at_graceful_deletion
         self.stats = {k: v for k, v in kinds.items() if not v.empty}
         self.paths = {k: v for k, v in paths.items() if not v.empty}
 
     def lost_at_graceful_deletion(self) -> int:
         """Items lost when a leader's pod was deleted gracefully with time enough to finish
-        (``delete-pod``). Not ``drain-timeout``, which shares the path: its slow app is killed at
-        a drain timeout shorter than its work on purpose, and may lose the item it was on."""
-        entry = self.stats.get("delete-pod")
-        return entry.lost if entry is not None else 0
+        (``delete-pod`` of a quick pod). Not ``drain-timeout``, which shares the path: its slow
+        app is killed at a drain timeout shorter than its work on purpose, and may lose the item
+        it was on; nor ``delete-pod`` dealt to a slow leader, which is the same (a ``--kinds``
+        run without ``drain-timeout`` deals it so)."""
+        return self.graceful_deletion_losses
 
 
 def _duration(seconds: float) -> str:

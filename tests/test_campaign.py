@@ -455,7 +455,8 @@ def test_the_campaign_fails_when_apps_cannot_check_their_deadline(borrowed: Borr
 def test_only_a_deletion_with_time_to_finish_may_not_lose_its_item() -> None:
     """``delete-pod`` and ``drain-timeout`` share the path "drain (pod deleted)"; only the
     first must not lose the item in flight: the second kills its slow app at a drain timeout
-    shorter than its work, on purpose."""
+    shorter than its work, on purpose, as does a ``delete-pod`` dealt to the slow pod (a
+    ``--kinds`` run without ``drain-timeout``)."""
     from datetime import UTC, datetime, timedelta
 
     from benchmarks.campaign_bed import Variant
@@ -469,11 +470,11 @@ def test_only_a_deletion_with_time_to_finish_may_not_lose_its_item() -> None:
     ledger = [{"id": 1, "identity": "id-5", "token": 5, "item": 1, "phase": "start", "at": t},
               {"id": 2, "identity": "id-7", "token": 7, "item": 2, "phase": "start",
                "at": t + timedelta(milliseconds=800)}]
-    for kind, lost in (("delete-pod", 1), ("drain-timeout", 0)):
+    for kind, slow, lost in (("delete-pod", False, 1), ("drain-timeout", True, 0), ("delete-pod", True, 0)):
         fault = FaultRecord("lease", kind, 0, "pod", 5, t.timestamp() + 0.2, path="drain (pod deleted)",
-                            recovered=t.timestamp() + 0.3, new_token=7)
+                            recovered=t.timestamp() + 0.3, new_token=7, slow=slow)
         report = judge(ledger)  # type: ignore[arg-type]
         result = BackendResult("lease", [Segment(0, "g", Variant("file", True), faults=[fault], report=report)])
         result.attribute()
         assert result.paths["drain (pod deleted)"].lost == 1
-        assert result.lost_at_graceful_deletion() == lost, kind
+        assert result.lost_at_graceful_deletion() == lost, (kind, slow)
