@@ -40,6 +40,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import importlib.util
 import json
 import os
 import random
@@ -456,6 +457,8 @@ def main(argv: Sequence[str] | None = None) -> None:
                         help=f"draw the runs' distributions into PNG (without a value: {PLOT})")
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
+    if args.plot is not None and importlib.util.find_spec("matplotlib") is None:
+        parser.error("--plot needs matplotlib: .venv/bin/pip install -e '.[bench]'")
     if args.worker:
         result = asyncio.run(worker(json.loads(sys.stdin.read())))
         sys.stdout.write(json.dumps(result))
