@@ -52,7 +52,7 @@ import time
 import urllib.error
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any, BinaryIO, TypeVar
 
 import asyncpg
 from tests.kubehelpers import AdminApi, save_pod_logs
@@ -62,6 +62,7 @@ from benchmarks.campaign_poll import PORT, Poller, Sample
 from singleton_operator import resources
 from singleton_operator.spec import read_spec
 from singleton_sidecar import contract
+from singleton_sidecar.core.elector import DRAIN_TIMEOUT_PASSED
 from singleton_testbed import images, node_pods
 from singleton_testbed.apps_image import APPS_ROOT, build_test_apps_image
 from singleton_testbed.binaries import add_to_path, find_all
@@ -357,6 +358,8 @@ class Group:
     """Every pod the group ever had → its UID (names its log folder on the node)."""
     followers: list[subprocess.Popen[bytes]] = dataclasses.field(default_factory=list)
     """``kubectl logs -f`` of each deleted pod, until its containers end."""
+    held_logs: dict[str, list[BinaryIO]] = dataclasses.field(default_factory=dict)
+    """Each deleted pod's sidecar log files, opened before its deletion (``hold_logs``)."""
 
     def __post_init__(self) -> None:
         self.name = self.name or f"camp-{self.backend}-{secrets.token_hex(3)}"
@@ -485,6 +488,7 @@ class Group:
                                    check=False)
         (folder / f"{pod}.before-deletion.log").write_text(logs.stdout + logs.stderr)
         self.follow_logs(pod, folder / f"{pod}.after-deletion.log")
+        self.hold_logs(pod)
         self.bed.call("DELETE", f"/api/v1/namespaces/{self.namespace}/pods/{pod}", {})
         self.pods.pop(pod, None)
         self.poller.forget(pod)
@@ -509,6 +513,19 @@ class Group:
                 follower.kill()
                 follower.wait()
         self.followers.clear()
+        for files in self.held_logs.values():
+            for file in files:
+                file.close()
+        self.held_logs.clear()
+
+    def hold_logs(self, pod: str) -> None:
+        """Open the pod's sidecar log files before it is deleted: an open file stays readable
+        after the kubelet removes it, and the container goes on writing to it until it ends."""
+        files: list[BinaryIO] = []
+        for path in self.sidecar_log_files(pod):
+            with contextlib.suppress(OSError):  # rotated away meanwhile
+                files.append(path.open("rb"))
+        self.held_logs[pod] = files
 
     # --- what the faults do to a pod's processes (``campaign_pods``, ``node_pods``) ------------
 
@@ -577,17 +594,28 @@ class Group:
                             "find its network namespace")
         return loopback_request(netns, CONTROL_PORT, "POST", "/step-down?reason=campaign")
 
-    def drain_timeouts(self, pod: str) -> int:
-        """How often the pod's sidecar logged that its drain timeout passed (every log file the
-        node keeps of the container: the current one and the previous ones')."""
+    def sidecar_log_files(self, pod: str) -> list[Path]:
+        """The node's log files of the pod's sidecar container: the current one and the previous ones'."""
         folder = self.bed.node.paths.pod_logs / f"{self.namespace}_{pod}_{self.uids.get(pod, '')}" / \
             self.sidecar_container
+        return sorted(folder.glob("*.log"))
+
+    def drain_timeouts(self, pod: str) -> int:
+        """How often the pod's sidecar logged that its drain timeout passed. A deleted pod's log
+        files are read through the handles taken before its deletion (``delete_pod``): the
+        kubelet removes them with the pod, often before the fault's end is judged."""
         count = 0
-        for log in sorted(folder.glob("*.log")):
+        held = self.held_logs.get(pod)
+        for log in held if held is not None else self.sidecar_log_files(pod):
             try:
-                count += log.read_text(errors="replace").count("drain timeout (")
+                if isinstance(log, Path):
+                    text = log.read_text(errors="replace")
+                else:
+                    log.seek(0)
+                    text = log.read().decode(errors="replace")
             except OSError:
                 continue  # rotated away meanwhile
+            count += text.count(DRAIN_TIMEOUT_PASSED)
         return count
 
     def watch_started(self) -> None:

@@ -403,7 +403,7 @@ def test_ci_quick_campaign_all_faults_no_overlap_no_regression(borrowed: Borrowe
     it, seeded; safety must hold by what the apps did (the act log) and by the fenced ledger, and
     time is bounded."""
     from benchmarks.campaign import CampaignOptions, run_campaign
-    from benchmarks.campaign_faults import ALL_KINDS, NEW_KINDS
+    from benchmarks.campaign_faults import ALL_KINDS, DRAIN_TIMEOUT_PATH, NEW_KINDS
 
     seed = int(os.environ.get("SINGLETON_CAMPAIGN_SEED", "1"))
     started = time.monotonic()
@@ -423,6 +423,9 @@ def test_ci_quick_campaign_all_faults_no_overlap_no_regression(borrowed: Borrowe
     injected = {record.kind for backend in result.backends for record in backend.faults}
     assert set(NEW_KINDS) <= injected, f"new kinds not injected: {set(NEW_KINDS) - injected}"
     assert injected == set(ALL_KINDS), f"not injected: {set(ALL_KINDS) - injected}"
+    # The slow pod's drain always outlasts its timeout, pod deleted or not: the report must say so.
+    timed_out = [(r.kind, r.detail, r.path) for b in result.backends for r in b.faults if r.kind == "drain-timeout"]
+    assert timed_out and all(path == DRAIN_TIMEOUT_PATH for _, _, path in timed_out), timed_out
     assert elapsed < 300, f"the quick campaign took {elapsed:.0f}s (about 160 s on 2 cores)"
 
 

@@ -44,6 +44,9 @@ StopObserver = Callable[[float, bool], None]
 RELEASE_TIMEOUT = 2.0
 """Seconds a release may take; the lock frees by itself (session end or expiry) after that."""
 
+DRAIN_TIMEOUT_PASSED = "drain timeout passed; stopping the app"
+"""The log line of a drain cut short by the drain timeout (tools that read logs count it)."""
+
 
 class Elector:
     def __init__(
@@ -404,7 +407,7 @@ class Elector:
         hook.add_done_callback(lambda _t: finished.set())
         try:
             if not await self.clock.wait(finished, self.drain_timeout):
-                log.warning("drain timeout passed; stopping the app",
+                log.warning(DRAIN_TIMEOUT_PASSED,
                             extra=self._fields(drain_timeout_seconds=self.drain_timeout))
         finally:
             hook.cancel()
