@@ -270,10 +270,10 @@ class BackendResult:
 
     def lost_at_graceful_deletion(self) -> int:
         """Items lost when a leader's pod was deleted gracefully with time enough to finish
-        (``delete-pod`` of a quick pod). Not ``drain-timeout``, which shares the path: its slow
-        app is killed at a drain timeout shorter than its work on purpose, and may lose the item
-        it was on; nor ``delete-pod`` dealt to a slow leader, which is the same (a ``--kinds``
-        run without ``drain-timeout`` deals it so)."""
+        (``delete-pod`` of a quick pod). Not ``drain-timeout``: its slow app is killed at a
+        drain timeout shorter than its work on purpose, and may lose the item it was on; nor
+        ``delete-pod`` dealt to a slow leader, which is the same (a ``--kinds`` run without
+        ``drain-timeout`` deals it so)."""
         return self.graceful_deletion_losses
 
 

@@ -456,10 +456,11 @@ def test_the_campaign_fails_when_apps_cannot_check_their_deadline(borrowed: Borr
 
 
 def test_only_a_deletion_with_time_to_finish_may_not_lose_its_item() -> None:
-    """``delete-pod`` and ``drain-timeout`` share the path "drain (pod deleted)"; only the
-    first must not lose the item in flight: the second kills its slow app at a drain timeout
-    shorter than its work, on purpose, as does a ``delete-pod`` dealt to the slow pod (a
-    ``--kinds`` run without ``drain-timeout``)."""
+    """``delete-pod`` and ``drain-timeout`` (as a deletion) both delete the leader's pod; only
+    the first must not lose the item in flight (both on one path here, so that only the kind
+    and the pod tell them apart): the second kills its slow app at a drain timeout shorter
+    than its work, on purpose, as does a ``delete-pod`` dealt to the slow pod (a ``--kinds``
+    run without ``drain-timeout``)."""
     from datetime import UTC, datetime, timedelta
 
     from benchmarks.campaign_bed import Variant
