@@ -18,8 +18,8 @@ a pod object (as in a cluster) with the backend's default timings. Measures:
   app, and with one (the whole "pod" killed: sidecar, keeper and app; a takeover then waits
   until the dead holder's app is surely stopped: its stop bound, or the lease);
 - start to campaigning: process start -> /leader answers;
-- at rest: RSS and CPU of each sidecar, and API requests per second for the whole group
-  (counted in the API server's audit log over --rest-seconds).
+- at rest: RSS and CPU of each sidecar (scraped once a second, as by Prometheus), and API
+  requests per second for the whole group (counted in the API server's audit log over --rest-seconds).
 Prints medians and p99 (nearest rank) over the runs, and every run's figures.
 """
 
@@ -251,7 +251,12 @@ class Bench:
             pids = [m.popen.pid for m in members if m.popen is not None]
             before = [cpu_seconds(p) for p in pids]
             audit_from = self._audit_size()
-            time.sleep(seconds)
+            end = time.monotonic() + seconds
+            while time.monotonic() < end:  # scraped once a second, as by Prometheus
+                for member in members:
+                    kind = member.scrape()[0]
+                    assert kind.startswith("application/openmetrics-text;"), kind
+                time.sleep(max(0.0, min(1.0, end - time.monotonic())))
             cpu = [(cpu_seconds(p) - b) / seconds for p, b in zip(pids, before, strict=True)]
             requests = self._sidecar_requests(audit_from) / seconds if self.control_plane is not None else None
             return [rss_mb(p) for p in pids], cpu, requests

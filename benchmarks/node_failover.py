@@ -21,7 +21,8 @@ IPs route through the node's bridge) by polling every pod's ``/readyz`` every fe
   PostgreSQL's port; lease: the API server's ClusterIP; both: both) -> another pod's
   ``/readyz`` 200; then healed, and the group settles before the next run.
 
-Before the faults, each backend's group rests ``--rest-seconds`` once settled, and the
+Before the faults, each backend's group rests ``--rest-seconds`` once settled (every
+sidecar scraped by this machine once a second, as Prometheus does), and the
 footprint of every pod's sidecar as a user gets it (the image, in-cluster configuration) is
 read on the node: the RSS of the container's main process, and the time from that process's
 start (``/proc/<pid>/stat``) to the sidecar's first log line (imports and configuration: it
@@ -52,6 +53,7 @@ from typing import Any
 
 from tests.kubehelpers import save_pod_logs
 from tests.operators import OperatorProcess
+from tests.sidecars import PROMETHEUS_ACCEPT
 
 from benchmarks.failover import rss_mb, summary
 from singleton_sidecar import contract
@@ -172,6 +174,23 @@ def leader_doc(ip: str) -> dict[str, Any] | None:
             return doc
     except (urllib.error.URLError, OSError, ValueError):
         return None
+
+
+def scrape_during(bed: Bed, group: str, seconds: float) -> None:
+    """Scrape every pod's ``/metrics`` as Prometheus does, once a second for ``seconds``: a
+    sidecar at rest is a scraped one."""
+    ips = [p["status"]["podIP"] for p in live_pods(bed.pods(group))]
+    end = time.monotonic() + seconds
+    while time.monotonic() < end:
+        for ip in ips:
+            request = urllib.request.Request(f"http://{ip}:{SIDECAR_PORT}/metrics",
+                                             headers={"Accept": PROMETHEUS_ACCEPT})
+            with urllib.request.urlopen(request, timeout=2) as response:
+                kind = response.headers["Content-Type"]
+                if not kind.startswith("application/openmetrics-text;"):
+                    raise AssertionError(f"{ip}: /metrics answered {kind} to Prometheus's Accept")
+                response.read()
+        time.sleep(max(0.0, min(1.0, end - time.monotonic())))
 
 
 def live_pods(pods: list[dict[str, Any]]) -> list[dict[str, Any]]:
@@ -323,7 +342,7 @@ def process_start(pid: int) -> float:
 def footprints(bed: Bed, backend: str, rest: float) -> list[Footprint]:
     """Every pod's sidecar after ``rest`` seconds of the settled group (see the module docstring)."""
     leader, _ = settle(bed, f"bench-{backend}")
-    time.sleep(rest)
+    scrape_during(bed, f"bench-{backend}", rest)
     found = []
     for pod in live_pods(bed.pods(f"bench-{backend}")):
         name = pod["metadata"]["name"]

@@ -22,6 +22,9 @@ import asyncpg
 from singleton_testbed.ledger import check_ledger
 from singleton_testbed.procs import free_port
 
+PROMETHEUS_ACCEPT = ("application/openmetrics-text;version=1.0.0,application/openmetrics-text;version=0.0.1;q=0.75,"
+                     "text/plain;version=0.0.4;q=0.5,*/*;q=0.1")
+"""The ``Accept`` header of Prometheus's scrapes (2.x; 3.x sends the same types, weighted alike)."""
 FAST_TIMINGS = {"SINGLETON_LEASE_DURATION": "2", "SINGLETON_RENEW_DEADLINE": "1.5", "SINGLETON_RETRY_PERIOD": "0.5"}
 
 
@@ -69,6 +72,12 @@ class SidecarProcess:
                 return resp.status, resp.read().decode()
         except urllib.error.HTTPError as exc:
             return exc.code, exc.read().decode()
+
+    def scrape(self, accept: str = PROMETHEUS_ACCEPT, timeout: float = 1.0) -> tuple[str, str]:
+        """``GET /metrics`` as a scraper that sends ``accept``: (content type, body)."""
+        request = urllib.request.Request(self.url + "/metrics", headers={"Accept": accept})
+        with urllib.request.urlopen(request, timeout=timeout) as resp:
+            return resp.headers["Content-Type"], resp.read().decode()
 
     def leader_doc(self, timeout: float = 1.0) -> dict[str, Any] | None:
         try:

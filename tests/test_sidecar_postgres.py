@@ -15,6 +15,7 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
+from prometheus_client.openmetrics.parser import text_string_to_metric_families as openmetrics_families
 from prometheus_client.parser import text_string_to_metric_families
 
 from singleton_testbed.ledger import check_ledger
@@ -85,6 +86,18 @@ def test_exactly_one_leader_and_probes(sidecars: Factory) -> None:
         # Every replica sees the lock held (the standbys learned the holder above); one term was won.
         assert samples["singleton_lock_held"] == 1.0
         assert samples["singleton_terms_total"] == (1.0 if sidecar is leader else 0.0)
+    # What Prometheus gets: OpenMetrics, the same series (a client that does not ask for it gets
+    # the classic format above).
+    content_type, body = leader.scrape()
+    assert content_type == "application/openmetrics-text; version=1.0.0; charset=utf-8"
+    assert body.endswith("# EOF\n")
+    samples = {(s.name, s.labels.get("role")): s.value for family in openmetrics_families(body) for s in family.samples}
+    assert samples[("singleton_is_leader", None)] == 1.0
+    assert samples[("singleton_terms_total", None)] == 1.0
+    assert samples[("singleton_role", "leader")] == 1.0
+    assert ("singleton_renew_latency_seconds_bucket", None) in samples
+    plain_type, _ = leader.scrape("text/plain;version=0.0.4")
+    assert plain_type == "text/plain; version=0.0.4; charset=utf-8"
     # Control actions are not reachable through the probe port: it has no such routes at all
     # (405 would mean a /drain route exists there for some method), and the leader still leads.
     for path in ("/drain", "/drain?wait=true", "/step-down"):

@@ -1,13 +1,4 @@
-"""``singleton-sidecar``: the command users run.
-
-    singleton-sidecar run [flags] [-- command ...]   campaign, lead, expose /readyz /livez /leader /metrics
-    singleton-sidecar drain [--wait]                 ask the local sidecar to drain and release (preStop)
-    singleton-sidecar step-down                      ask the local sidecar to give up the current term
-    singleton-sidecar status                         print the local sidecar's /leader document
-    singleton-sidecar gate-script                    print the POSIX sh file gate (gate.sh)
-
-Bad or missing settings exit with status 2 and one line naming the setting.
-"""
+"""``singleton-sidecar``: the command users run (its commands: ``DESCRIPTION``)."""
 
 from __future__ import annotations
 
@@ -16,18 +7,27 @@ import asyncio
 import logging
 import os
 import sys
-import urllib.error
-import urllib.request
 
 from singleton_sidecar import contract
 from singleton_sidecar.config import ConfigError, add_run_arguments, load_config
 from singleton_sidecar.early_stop import stop_on_sigterm_until_started
 
 PROG = "singleton-sidecar"
+DESCRIPTION = """\
+    singleton-sidecar run [flags] [-- command ...]   campaign, lead, expose /readyz /livez /leader /metrics
+    singleton-sidecar drain [--wait]                 ask the local sidecar to drain and release (preStop)
+    singleton-sidecar step-down                      ask the local sidecar to give up the current term
+    singleton-sidecar status                         print the local sidecar's /leader document
+    singleton-sidecar gate-script                    print the POSIX sh file gate (gate.sh)
+
+Bad or missing settings exit with status 2 and one line naming the setting.
+"""
+"""What ``--help`` shows: a constant, not the module's docstring, which the image's command runs
+without (``python -OO``: see the Dockerfile)."""
 
 
 def _parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog=PROG, description=__doc__,
+    parser = argparse.ArgumentParser(prog=PROG, description=DESCRIPTION,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     commands = parser.add_subparsers(dest="action", required=True, metavar="COMMAND")
     run = commands.add_parser("run", help="run the sidecar", description="Campaign for leadership of a group. "
@@ -47,6 +47,11 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def _control_call(control: str | None, method: str, path: str, timeout: float) -> int:
+    # Here, not at the top: `run` never calls its control endpoint, and urllib.request (with
+    # http.client and email) is 1.6 MB of a sidecar's memory.
+    import urllib.error
+    import urllib.request
+
     endpoint = control or os.environ.get(contract.ENV_CONTROL_LISTEN) or "127.0.0.1:8081"
     request = urllib.request.Request(f"http://{endpoint}{path}", method=method)
     try:

@@ -176,9 +176,10 @@ class _Endpoints:
         # No await between reading the version and the document: they belong together.
         return json_response({**self._document(), "version": self.feed.version, "waited": waited})
 
-    async def metrics(self, _request: Request) -> Response:
+    async def metrics(self, request: Request) -> Response:
         assert self._metrics is not None
-        return Response(body=self._metrics.render(), content_type="text/plain; version=0.0.4; charset=utf-8")
+        body, content_type = self._metrics.render(request.headers.get("accept", ""))
+        return Response(body=body, content_type=content_type)
 
     async def drain(self, request: Request) -> Response:
         """Start draining; with ``?wait=true`` answer only once the lock is released."""

@@ -26,7 +26,6 @@ import datetime as dt
 import json
 import os
 import ssl
-import tempfile
 from collections.abc import AsyncGenerator, Callable, Mapping
 from contextlib import suppress
 from dataclasses import dataclass, field
@@ -258,6 +257,8 @@ def _private_file(entry: dict[str, Any], key: str) -> str | None:
     data = _decode(entry, key)
     if data is None:
         return None
+    import tempfile  # here: a pod's in-cluster configuration has files already
+
     fd, path = tempfile.mkstemp(prefix="singleton-kube-", suffix=".pem")  # mode 0600
     with os.fdopen(fd, "wb") as out:
         out.write(data)
