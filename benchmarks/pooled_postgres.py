@@ -395,7 +395,8 @@ def plot(figures: Sequence[RunFigures], args: argparse.Namespace) -> Path:
     args.plot.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(args.plot)
     plt.close(fig)
-    return Path(args.plot)
+    path: Path = args.plot
+    return path
 
 
 # --- the session mode's capacity ---------------------------------------------------------------------

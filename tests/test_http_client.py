@@ -7,15 +7,21 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import datetime as dt
 import json
 import os
 import shutil
+import ssl
+from asyncio import sslproto
 from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
+from pathlib import Path
+from typing import Any
 
 import pytest
 from aiohttp import web
 
+from singleton_operator import certs
 from singleton_sidecar import httpclient
 from singleton_sidecar.app import Sidecar
 from singleton_sidecar.httpclient import HttpClient, HttpTransportError, Origin, split_url
@@ -344,3 +350,37 @@ async def test_a_closed_client_refuses_requests() -> None:
         assert not client._idle
         with pytest.raises(HttpTransportError, match="the client is closed"):
             await client.request("GET", "/")
+
+
+async def test_tls_answers_arrive_whole_through_the_sidecars_small_read_buffers(
+        monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    """``use_small_tls_buffers`` (the sidecar's start; 1 MB less at rest): a TLS connection opened
+    after it reads through 16 KiB, and a body of megabytes arrives whole through it."""
+    monkeypatch.setattr(sslproto.SSLProtocol, "max_size", sslproto.SSLProtocol.max_size)  # put back afterwards
+    httpclient.use_small_tls_buffers()
+    bundle = certs.new_bundle(["127.0.0.1"], dt.datetime.now(dt.UTC))
+    (tmp_path / "tls.crt").write_bytes(bundle.cert)
+    (tmp_path / "tls.key").write_bytes(bundle.key)
+    serving = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+    serving.load_cert_chain(tmp_path / "tls.crt", tmp_path / "tls.key")
+    big = os.urandom(3 * 1024 * 1024 + 17)
+
+    async def answer(_request: web.Request) -> web.Response:
+        return web.Response(body=big, content_type="application/octet-stream")
+
+    app = web.Application()
+    app.router.add_get("/big", answer)
+    runner = web.AppRunner(app)
+    await runner.setup()
+    await web.TCPSite(runner, "127.0.0.1", 0, ssl_context=serving).start()
+    trusting = ssl.create_default_context(cadata=bundle.ca_cert.decode())
+    try:
+        async with HttpClient(f"https://127.0.0.1:{runner.addresses[0][1]}", ssl_context=trusting) as client:
+            resp, body = await client.request("GET", "/big")
+            assert resp.status == 200
+            assert body == big
+            (connection,) = client._idle
+            tls: Any = connection.writer.transport
+            assert len(tls._ssl_protocol._ssl_buffer) == httpclient.TLS_READ_BUFFER == 16 * 1024
+    finally:
+        await runner.cleanup()

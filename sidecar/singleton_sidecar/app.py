@@ -25,6 +25,7 @@ from singleton_sidecar.core.identity import make_identity, pod_prefix
 from singleton_sidecar.core.lock import BackendMisconfigured, LockBackend
 from singleton_sidecar.gate import CooperativeGate, ExecGate, FileGate, Gate, become_subreaper
 from singleton_sidecar.http import control_server, probe_server
+from singleton_sidecar.httpclient import use_small_tls_buffers
 from singleton_sidecar.metrics import SidecarMetrics
 
 if TYPE_CHECKING:
@@ -192,6 +193,7 @@ class Sidecar:
     async def run(self) -> int:
         config = self.config
         log.info("starting", extra={"identity": self.identity, **describe(config)})
+        use_small_tls_buffers()  # before any connection (API server, PostgreSQL): 1 MB less at rest
         needs_kube = config.backend in ("lease", "both") or config.in_kubernetes
         kube: KubeClient | None = None
         if needs_kube:

@@ -308,8 +308,8 @@ class KubeClient:
 
     async def watch(self, path: str, *, params: Mapping[str, str] | None = None,
                     timeout: float) -> AsyncGenerator[tuple[str, dict[str, Any]], None]:
-        """Yield ``(type, object)`` from a watch; it ends after about ``timeout`` seconds (the
-        server's ``timeoutSeconds``: this one, whatever ``params`` says).
+        """Yield ``(type, object)`` from a watch; it ends after about ``timeout`` seconds (sent
+        as the server's ``timeoutSeconds``, which ``params`` may not hold: ValueError).
 
         Close it with ``contextlib.aclosing`` when leaving early. An ERROR event raises
         (``KubeGone`` for 410: list again); transport trouble raises ``KubeUnavailable``.
