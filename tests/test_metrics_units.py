@@ -1,9 +1,14 @@
 """The metrics' own bookkeeping: terms won and the lock seen held (sidecar), per-group series
-dropped with their group (operator). What they export over HTTP is tested across the real
+dropped with their group (operator); the sidecar's exposition format per ``Accept``, and its
+loading of prometheus_client's core only. What they export over HTTP is tested across the real
 boundary in test_sidecar_postgres.py and test_operator.py."""
 
 from __future__ import annotations
 
+import subprocess
+import sys
+
+import pytest
 from prometheus_client import CollectorRegistry
 
 from singleton_operator.metrics import OperatorMetrics
@@ -49,3 +54,46 @@ def test_a_forgotten_group_loses_its_series() -> None:
     assert metrics.registry.get_sample_value("singleton_operator_leader_changes_total",
                                              {"namespace": "feeds", "group": "b"}) == 1
     metrics.forget("feeds", "never-seen")  # a group without series is fine
+
+
+@pytest.mark.parametrize(("accept", "openmetrics"), [
+    ("application/openmetrics-text;version=1.0.0,application/openmetrics-text;version=0.0.1;q=0.75,"
+     "text/plain;version=0.0.4;q=0.5,*/*;q=0.1", True),  # Prometheus 2
+    ("application/openmetrics-text;version=1.0.0;escaping=allow-utf-8;q=0.6,text/plain;version=0.0.4;q=0.3,"
+     "*/*;q=0.2", True),  # Prometheus 3
+    ("Application/OpenMetrics-Text; version=1.0.0", True),
+    ("*/*", False),  # curl
+    ("text/plain;version=0.0.4", False),
+    ("", False),
+])
+def test_openmetrics_is_served_to_whoever_lists_it(accept: str, openmetrics: bool) -> None:
+    body, content_type = SidecarMetrics("g", "lease").render(accept)
+    if openmetrics:
+        assert content_type == "application/openmetrics-text; version=1.0.0; charset=utf-8"
+        assert body.endswith(b"# EOF\n")
+    else:
+        assert content_type == "text/plain; version=0.0.4; charset=utf-8"
+        assert b"# EOF" not in body
+    assert b'singleton_is_leader{backend="lease",group="g"} 0.0\n' in body
+
+
+PACKAGE_ON_DEMAND = """
+import sys
+from singleton_sidecar.metrics import SidecarMetrics
+metrics = SidecarMetrics("g", "lease")
+metrics.render("application/openmetrics-text")
+heavy = ("prometheus_client.exposition", "urllib.request", "http.server", "wsgiref")
+print(sorted(m for m in heavy if m in sys.modules))
+import prometheus_client
+exposition = prometheus_client.generate_latest(prometheus_client.REGISTRY)
+print(exposition[:6].decode(), "exposition" in dir(prometheus_client))
+from prometheus_client import Counter
+print(Counter is sys.modules["prometheus_client.metrics"].Counter)
+"""
+
+
+def test_the_sidecar_loads_prometheus_clients_core_and_the_package_still_loads_whole_on_demand() -> None:
+    result = subprocess.run([sys.executable, "-c", PACKAGE_ON_DEMAND], capture_output=True, text=True, check=False,
+                            timeout=60)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.splitlines() == ["[]", "# HELP True", "True"]
