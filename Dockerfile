@@ -44,14 +44,15 @@ COPY sdk/ sdk/
 # All of it, forced (-f), as unchecked hashes: the timestamp-based bytecode pip wrote for the
 # dependencies records whole seconds of the sources' times, which a layer may round up
 # (buildah does), leaving it stale, so Python would compile at every start.
-# Two levels: plain, and -OO's (no docstrings, no asserts) for the sidecar, whose console
-# script gets `-OO` on its #! line: the docstrings are 1 MB of a sidecar's ~30 MB at rest, and
-# nothing in it reads them (its --help is a constant; its asserts only narrow types). The
-# exec gate's keeper and the apps a sidecar starts run without it (a flag is not inherited).
+# Two levels (one file where both are the same): plain, and -OO's (no docstrings, no asserts)
+# for the sidecar, whose console script gets `-OO` on its #! line: the docstrings are 1 MB of a
+# sidecar's ~30 MB at rest, and nothing in it reads them (its --help is a constant; its asserts
+# only narrow types). The exec gate's keeper and the apps a sidecar starts run without it (a
+# flag is not inherited).
 RUN /opt/singleton/bin/pip install --no-deps --no-compile ./sdk . \
  && /opt/singleton/bin/pip check \
  && /opt/singleton/bin/pip uninstall --yes pip setuptools \
- && /opt/singleton/bin/python -m compileall -f -q -o 0 -o 2 --invalidation-mode unchecked-hash /opt/singleton/lib \
+ && /opt/singleton/bin/python -m compileall -f -q -o 0 -o 2 --hardlink-dupes --invalidation-mode unchecked-hash /opt/singleton/lib \
  && sed -i '1s|^#!\(/[^ ]*/python[0-9.]*\)$|#!\1 -OO|' /opt/singleton/bin/singleton-sidecar \
  && head -n 1 /opt/singleton/bin/singleton-sidecar | grep -qx '#!/opt/singleton/bin/python[0-9.]* -OO' \
  && /opt/singleton/bin/python -c "import singleton_sidecar, singleton_operator, singleton_sdk" \
@@ -80,7 +81,7 @@ RUN groupadd --system --gid 10001 singleton \
  && useradd --system --uid 10001 --gid 10001 --no-create-home --home-dir /nonexistent \
       --shell /usr/sbin/nologin singleton \
  && python -m pip uninstall --yes --no-cache-dir pip setuptools wheel \
- && python -m compileall -f -q -j 0 -o 0 -o 2 --invalidation-mode unchecked-hash \
+ && python -m compileall -f -q -j 0 -o 0 -o 2 --hardlink-dupes --invalidation-mode unchecked-hash \
       -x '/(test|tests|idlelib|tkinter|turtledemo|lib2to3|ensurepip)/' \
       "$(python -c 'import sysconfig; print(sysconfig.get_path("stdlib"))')" \
  && rm -rf /root/.cache /tmp/*

@@ -353,9 +353,11 @@ class Injector:
         record.path = SIGTERM_PATH
         os.kill(self.group.sidecar_pid(record.pod), signal.SIGTERM)  # the container's main process, as the kubelet
 
-    def _ready_standbys(self, leader: str, timeout: float = 5.0) -> list[str]:
+    def _ready_standbys(self, leader: str, timeout: float = 20.0) -> list[str]:
         """Pods other than ``leader`` whose sidecar says standby and whose pod is Ready: what
-        ``singletonctl handover`` accepts as a target."""
+        ``singletonctl handover`` accepts as a target. Waited for up to ``timeout``: after an
+        API server restart the kubelet reports a pod's readiness again only at its next status
+        sync (every 10 s), and CI's quick campaign once found none 5 s after the group settled."""
         path = (f"/api/v1/namespaces/{self.group.namespace}/pods"
                 f"?labelSelector={contract.LABEL_GROUP}%3D{self.group.name}")
         deadline = time.monotonic() + timeout

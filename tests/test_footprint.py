@@ -30,8 +30,8 @@ from tests.kubehelpers import create_pod
 from tests.sidecars import SidecarProcess, one_leader
 
 LIBRARIES = ("asyncio", "h11", "singleton_sidecar.metrics", "pythonjsonlogger.json")
-"""What every sidecar needs: the event loop, HTTP, the metrics (prometheus_client's metric core, as
-the sidecar loads it), the JSON log formatter."""
+"""What every sidecar needs: the event loop, HTTP, the metrics (prometheus_client's metric core,
+loaded as ``run`` loads it: see libraries_rss_mb), the JSON log formatter."""
 LEASE_BUDGET_MB = 8.0
 """RSS at rest of a lease sidecar over ``LIBRARIES``, reading a kubeconfig file (so with PyYAML,
 and tempfile for its inline certificate) and reporting to its pod: measured 6.2 MB with the
@@ -55,6 +55,8 @@ import argparse, json, os, sys
 from singleton_sidecar import cli
 from singleton_sidecar.config import add_run_arguments, load_config
 cli_only = sorted(sys.modules)
+from singleton_sidecar.package_parts import without_init
+without_init("prometheus_client")  # as `run` does
 from singleton_sidecar import app, logs
 parser = argparse.ArgumentParser()
 add_run_arguments(parser)
@@ -79,8 +81,9 @@ NOT_FOR_RUNNING = {"prometheus_client.exposition", "urllib.request", "http.clien
                    "tempfile"}
 """Loaded by no running sidecar until something asks for them (4.6 MB in all): prometheus_client's
 package, with its HTTP server and push-gateway client (only a scraper that does not accept
-OpenMetrics); urllib (only the control commands); importlib.resources and tempfile (only the exec
-gate's folder and a kubeconfig's inline certificates)."""
+OpenMetrics); urllib (only the control commands); importlib.resources (nothing: the package's
+files are found beside its modules); tempfile (only the exec gate's folder and a kubeconfig's
+inline certificates)."""
 
 
 def modules_after_build(env: dict[str, str]) -> dict[str, list[str]]:
@@ -127,7 +130,8 @@ def rss_mb(pid: int) -> float:
 
 def libraries_rss_mb(*extra: str) -> float:
     """RSS of a fresh interpreter of this environment that imported ``LIBRARIES`` and ``extra``."""
-    code = (f"import {', '.join((*LIBRARIES, *extra))}\n"
+    code = ("from singleton_sidecar.package_parts import without_init\nwithout_init('prometheus_client')\n"
+            f"import {', '.join((*LIBRARIES, *extra))}\n"
             "print(next(l.split()[1] for l in open('/proc/self/status') if l.startswith('VmRSS:')))")
     figures = [int(subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
                                   timeout=60).stdout) / 1024 for _ in range(2)]

@@ -234,11 +234,22 @@ def test_the_sidecar_runs_without_docstrings_from_bytecode_compiled_so(run: RunI
     assert any(path.endswith("/__pycache__/argparse.cpython-311.opt-2.pyc") for path in loaded), loaded
     not_opt2 = [path for path in loaded if not path.endswith(".opt-2.pyc")]
     assert not_opt2 == []
+    # What `run` goes on to load (the event loop, TLS, HTTP, PostgreSQL, the metrics, the logs).
+    run_path = run("python", "-OO", "-v", "-c", "import singleton_sidecar.app, singleton_sidecar.kube, "
+                   "singleton_sidecar.backends.both, asyncpg, h11, prometheus_client.metrics, pythonjsonlogger.json",
+                   env={"PYTHONDONTWRITEBYTECODE": ""})
+    assert run_path.returncode == 0, run_path.stderr[-2000:]
+    loaded = re.findall(r"^# code object from '?([^'\n]+)'?$", run_path.stderr, flags=re.MULTILINE)
+    assert f"/{SITE}/asyncpg/__pycache__/connection.cpython-311.opt-2.pyc" in loaded
+    assert any(path.endswith("/asyncio/__pycache__/base_events.cpython-311.opt-2.pyc") for path in loaded), loaded
+    assert [path for path in loaded if not path.endswith(".opt-2.pyc")] == []
+    assert "could not create" not in run_path.stderr
 
 
-def _pyc_flags(path: Path) -> int | None:
-    """The flags word of a .pyc (1: an unchecked hash), None when there is no .pyc."""
-    pyc = path.parent / "__pycache__" / f"{path.stem}.cpython-311.pyc"
+def _pyc_flags(path: Path, level: str = "") -> int | None:
+    """The flags word of a .pyc (1: an unchecked hash), None when there is no .pyc; ``level``:
+    ``".opt-2"`` for -OO's."""
+    pyc = path.parent / "__pycache__" / f"{path.stem}.cpython-311{level}.pyc"
     return int.from_bytes(pyc.read_bytes()[4:8], "little") if pyc.exists() else None
 
 
@@ -248,8 +259,10 @@ def test_every_module_of_the_venv_has_bytecode_valid_whatever_the_file_times(bui
     site = built.rootfs / SITE
     sources = sorted(site.rglob("*.py"))
     assert len(sources) > 100
-    not_unchecked = {str(path.relative_to(site)): flags for path in sources if (flags := _pyc_flags(path)) != 1}
-    assert not_unchecked == {}
+    for level in ("", ".opt-2"):
+        not_unchecked = {str(path.relative_to(site)): flags for path in sources
+                         if (flags := _pyc_flags(path, level)) != 1}
+        assert not_unchecked == {}, level
 
 
 # --- what is not in the image --------------------------------------------------------------

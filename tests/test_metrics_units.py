@@ -62,6 +62,8 @@ def test_a_forgotten_group_loses_its_series() -> None:
     ("application/openmetrics-text;version=1.0.0;escaping=allow-utf-8;q=0.6,text/plain;version=0.0.4;q=0.3,"
      "*/*;q=0.2", True),  # Prometheus 3
     ("Application/OpenMetrics-Text; version=1.0.0", True),
+    ("application/openmetrics-text; q=0.5, text/plain", True),
+    ("application/openmetrics-text;q=0.000,text/plain;version=0.0.4", False),  # q=0: not acceptable
     ("*/*", False),  # curl
     ("text/plain;version=0.0.4", False),
     ("", False),
@@ -78,22 +80,38 @@ def test_openmetrics_is_served_to_whoever_lists_it(accept: str, openmetrics: boo
 
 
 PACKAGE_ON_DEMAND = """
-import sys
+import sys, threading
+from singleton_sidecar.package_parts import without_init
+without_init("prometheus_client")
 from singleton_sidecar.metrics import SidecarMetrics
 metrics = SidecarMetrics("g", "lease")
 metrics.render("application/openmetrics-text")
 heavy = ("prometheus_client.exposition", "urllib.request", "http.server", "wsgiref")
 print(sorted(m for m in heavy if m in sys.modules))
 import prometheus_client
-exposition = prometheus_client.generate_latest(prometheus_client.REGISTRY)
-print(exposition[:6].decode(), "exposition" in dir(prometheus_client))
+print(prometheus_client.parser.__name__, "prometheus_client.exposition" in sys.modules)  # a submodule alone
+found = []
+def use() -> None:
+    from prometheus_client import REGISTRY, generate_latest
+    found.append(generate_latest(REGISTRY)[:6].decode())
+threads = [threading.Thread(target=use) for _ in range(4)]
+for thread in threads:
+    thread.start()
+for thread in threads:
+    thread.join()
+print(found)
 from prometheus_client import Counter
-print(Counter is sys.modules["prometheus_client.metrics"].Counter)
+print(Counter is sys.modules["prometheus_client.metrics"].Counter, prometheus_client.exposition.__name__)
 """
 
 
 def test_the_sidecar_loads_prometheus_clients_core_and_the_package_still_loads_whole_on_demand() -> None:
+    """``singleton-sidecar run``'s way of loading prometheus_client (package_parts): the core
+    alone for the sidecar; the package whole on the first use of a name of it, once, from any
+    number of threads at once; a submodule alone when only that is asked for."""
     result = subprocess.run([sys.executable, "-c", PACKAGE_ON_DEMAND], capture_output=True, text=True, check=False,
                             timeout=60)
     assert result.returncode == 0, result.stderr
-    assert result.stdout.splitlines() == ["[]", "# HELP True", "True"]
+    assert result.stdout.splitlines() == [
+        "[]", "prometheus_client.parser False", "['# HELP', '# HELP', '# HELP', '# HELP']",
+        "True prometheus_client.exposition"]

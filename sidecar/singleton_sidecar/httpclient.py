@@ -45,8 +45,9 @@ so a black-holed one does not hold every connection until its caller's timeout."
 TLS_READ_BUFFER = 16 * 1024
 """Bytes asyncio reads from a TLS connection's socket at once (its default: 256 KiB, allocated
 zero-filled per connection, so resident: 1 MB of a Lease sidecar's memory for its four
-connections to the API server). 16 KiB is a TLS record's most: a smaller buffer only reads a large
-answer in more, smaller steps. See ``use_small_tls_buffers``."""
+connections to the API server). 16 KiB is about a TLS record (16 KiB of data at most, plus a few
+hundred bytes): a record split across reads is put together again, and a large answer is only
+read in more, smaller steps. See ``use_small_tls_buffers``."""
 
 
 def use_small_tls_buffers() -> None:

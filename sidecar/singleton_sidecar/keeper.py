@@ -193,7 +193,9 @@ class Keeper:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="singleton-keeper", description=__doc__.splitlines()[0])
+    # Not the docstring: the image holds -OO bytecode of this file too, which has none.
+    parser = argparse.ArgumentParser(prog="singleton-keeper", description="The exec gate's keeper: runs the app in "
+                                     "a process group of its own and stops it on time, even when the sidecar cannot.")
     parser.add_argument("--deadline", type=float, required=True, help="monotonic time the term may act until")
     parser.add_argument("--kill-grace", type=float, required=True, help="seconds from SIGTERM to SIGKILL")
     parser.add_argument("--control-fd", type=int, required=True, help="the pipe the sidecar writes to")

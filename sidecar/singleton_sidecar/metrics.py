@@ -1,55 +1,23 @@
 """Prometheus metrics of one sidecar, in a registry of its own (no global state).
 
-The metrics are prometheus_client's, loaded without its package ``__init__``
-(:func:`load_metric_core`): that file imports the library's HTTP server, push-gateway client and
-WSGI/ASGI apps whatever one uses, with http.server, urllib.request, email and wsgiref: 2.9 MB of
-a sidecar's ~30 MB budget. ``/metrics`` answers in OpenMetrics (the library's
-``openmetrics.exposition``, light) to a scraper that accepts it, as Prometheus does; only a client
-that does not gets the classic text format, whose encoder lives in that heavy module (loaded then,
-once).
+The metrics are prometheus_client's. ``singleton-sidecar run`` loads them without the package's
+``__init__`` (``singleton_sidecar.package_parts``), which imports the library's HTTP server,
+push-gateway client and WSGI/ASGI apps whatever one uses, with http.server, urllib.request, email
+and wsgiref: 2.9 MB of a sidecar's ~30 MB budget. ``/metrics`` answers in OpenMetrics (the
+library's ``openmetrics.exposition``, light) to a scraper that accepts it, as Prometheus does;
+only a client that does not gets the classic text format, whose encoder lives in that heavy
+module (loaded then, once).
 """
 
 from __future__ import annotations
 
-import importlib.util
-import sys
 from collections.abc import Callable
-from importlib.machinery import PathFinder
 
+from prometheus_client.metrics import Counter, Gauge, Histogram
+from prometheus_client.openmetrics import exposition as openmetrics
+from prometheus_client.registry import CollectorRegistry
 
-def load_metric_core(package: str = "prometheus_client") -> None:
-    """Register ``package`` without running its ``__init__``, so that importing its submodules
-    loads only them; the first use of a name of the package itself runs the ``__init__`` then.
-
-    Nothing changes if the package is already imported (a process that loaded it whole).
-    """
-    if package in sys.modules:
-        return
-    spec = importlib.util.find_spec(package)
-    if spec is None or spec.loader is None or spec.submodule_search_locations is None:
-        raise ImportError(f"{package} is not an installed package")
-    module = importlib.util.module_from_spec(spec)
-    loader = spec.loader
-
-    def load_whole(name: str) -> object:
-        if PathFinder.find_spec(f"{package}.{name}", module.__path__) is not None:
-            # `from . import x` asks for a submodule this way first: let the import load it.
-            raise AttributeError(name)
-        # The real __init__ defines no __getattr__: remove this one first.
-        del module.__dict__["__getattr__"]
-        loader.exec_module(module)
-        return getattr(module, name)
-
-    module.__dict__["__getattr__"] = load_whole
-    sys.modules[package] = module
-
-
-load_metric_core()
-from prometheus_client.metrics import Counter, Gauge, Histogram  # noqa: E402
-from prometheus_client.openmetrics import exposition as openmetrics  # noqa: E402
-from prometheus_client.registry import CollectorRegistry  # noqa: E402
-
-from singleton_sidecar.core.status import ElectionStatus, Role  # noqa: E402
+from singleton_sidecar.core.status import ElectionStatus, Role
 
 OPENMETRICS: str = openmetrics.CONTENT_TYPE_LATEST
 CLASSIC = "text/plain; version=0.0.4; charset=utf-8"
@@ -124,5 +92,17 @@ class SidecarMetrics:
 
 
 def wants_openmetrics(accept: str) -> bool:
-    return any(part.split(";", 1)[0].strip().lower() == "application/openmetrics-text"
-               for part in accept.split(","))
+    """Whether an ``Accept`` header lists OpenMetrics, other than with ``q=0`` (not acceptable)."""
+    for part in accept.split(","):
+        media_type, *parameters = (item.strip().lower() for item in part.split(";"))
+        if media_type == "application/openmetrics-text" and "0" not in (_weight(p) for p in parameters):
+            return True
+    return False
+
+
+def _weight(parameter: str) -> str | None:
+    """``q=0.000`` → ``"0"``; another parameter or weight → something else."""
+    name, _, value = parameter.partition("=")
+    if name.strip() != "q":
+        return None
+    return value.strip().rstrip("0").rstrip(".") or "0"
