@@ -34,9 +34,9 @@ LIBRARIES = ("asyncio", "h11", "singleton_sidecar.metrics", "pythonjsonlogger.js
 loaded as ``run`` loads it: see libraries_rss_mb), the JSON log formatter."""
 LEASE_BUDGET_MB = 8.0
 """RSS at rest of a lease sidecar over ``LIBRARIES``, reading a kubeconfig file (so with PyYAML,
-and tempfile for its inline certificate) and reporting to its pod: measured 6.2 MB with the
-sidecar's bytecode compiled, 6.9 to 7.1 MB without (as in a fresh clone on a machine that sets
-PYTHONDONTWRITEBYTECODE: compiling leaves more behind), so the budget leaves about 1 MB for
+and tempfile for its inline certificate) and reporting to its pod: measured 6.2 MB without the
+sidecar's bytecode compiled (as in a fresh clone on a machine that sets PYTHONDONTWRITEBYTECODE:
+compiling leaves more behind; about 0.8 MB less with it), so the budget leaves more than 1 MB for
 machines; what it is there to catch is bigger: asyncpg loaded for nothing, as it was before the
 backends were imported on demand, is 3.3 MB more, aiohttp 12 MB. (Before the sidecar loaded
 prometheus_client's core only, ``LIBRARIES`` held the whole package, with argparse's shutil and
