@@ -1,12 +1,10 @@
 """Prometheus metrics of one sidecar, in a registry of its own (no global state).
 
-The metrics are prometheus_client's. ``singleton-sidecar run`` loads them without the package's
-``__init__`` (``singleton_sidecar.package_parts``), which imports the library's HTTP server,
-push-gateway client and WSGI/ASGI apps whatever one uses, with http.server, urllib.request, email
-and wsgiref: 2.9 MB of a sidecar's ~30 MB budget. ``/metrics`` answers in OpenMetrics (the
+The metrics are prometheus_client's, which ``singleton-sidecar run`` loads without the package's
+heavy ``__init__`` (``singleton_sidecar.package_parts``). ``/metrics`` answers in OpenMetrics (the
 library's ``openmetrics.exposition``, light) to a scraper that accepts it, as Prometheus does;
-only a client that does not gets the classic text format, whose encoder lives in that heavy
-module (loaded then, once).
+only a client that does not gets the classic text format, whose encoder lives in the module with
+the library's HTTP server (loaded then, once).
 """
 
 from __future__ import annotations
@@ -95,14 +93,18 @@ def wants_openmetrics(accept: str) -> bool:
     """Whether an ``Accept`` header lists OpenMetrics, other than with ``q=0`` (not acceptable)."""
     for part in accept.split(","):
         media_type, *parameters = (item.strip().lower() for item in part.split(";"))
-        if media_type == "application/openmetrics-text" and "0" not in (_weight(p) for p in parameters):
+        if media_type == "application/openmetrics-text" and _weight(parameters) > 0:
             return True
     return False
 
 
-def _weight(parameter: str) -> str | None:
-    """``q=0.000`` → ``"0"``; another parameter or weight → something else."""
-    name, _, value = parameter.partition("=")
-    if name.strip() != "q":
-        return None
-    return value.strip().rstrip("0").rstrip(".") or "0"
+def _weight(parameters: list[str]) -> float:
+    """A media range's ``q`` (1 when absent or unreadable)."""
+    for parameter in parameters:
+        name, _, value = parameter.partition("=")
+        if name.strip() == "q":
+            try:
+                return float(value)
+            except ValueError:
+                return 1.0
+    return 1.0

@@ -29,23 +29,23 @@ def without_init(package: str) -> None:
         raise ImportError(f"{package} is not an installed package")
     module = importlib.util.module_from_spec(spec)
     loader = spec.loader
-    lock = threading.RLock()
-    loading: list[int] = []
-    """The thread running the ``__init__``, while it runs."""
+    lock = threading.RLock()  # reentrant: the __init__ itself may ask for a name of the package
+    loading = False
 
     def load_whole(name: str) -> object:
+        nonlocal loading
         if PathFinder.find_spec(f"{package}.{name}", module.__path__) is not None:
             # A submodule (`from . import x` asks for it this way first): import just that one.
             return importlib.import_module(f"{package}.{name}")
         with lock:
             if "__getattr__" in module.__dict__ and not loading:
-                loading.append(threading.get_ident())
+                loading = True
                 try:
                     loader.exec_module(module)
                     # The real __init__ defines no __getattr__: from now on, the package as usual.
                     del module.__dict__["__getattr__"]
                 finally:
-                    loading.clear()
+                    loading = False
         if name in module.__dict__:
             return module.__dict__[name]
         raise AttributeError(f"module {package!r} has no attribute {name!r}")
