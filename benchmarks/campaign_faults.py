@@ -207,6 +207,14 @@ class Deck:
         return kind
 
 
+HANDOVER_REFUSED_WAIT = 20.0
+"""Seconds a handover refused for want of a ready standby is tried again. After an API server
+restart the kubelet posts the Ready conditions that changed meanwhile at its next status sync
+(every 10 s), so a standby can turn not Ready between the harness's look and singletonctl's
+(CI's quick campaign, 2026-11-28: Ready, then "ready standbys: none" a moment later)."""
+READINESS_REFUSALS = ("is not a ready standby", "has no ready standby")
+
+
 @dataclass
 class Injector:
     bed: Bed
@@ -290,11 +298,23 @@ class Injector:
     def _hold(self, record: FaultRecord) -> None:
         record.hold = self.rng.uniform(LEASE + 0.5, LEASE + 1.5)
 
+    @staticmethod
+    def _begins(record: FaultRecord, what: str) -> None:
+        """The fault takes effect now: its hold and its failover count from here, not from when it
+        was dealt. Finding a pod's processes waits for the API to list its containers, which
+        after an API server restart takes up to the kubelet's next status sync (10 s); CI once
+        froze a pod 27 s after dealing it, leaving the failover 3 of its 30 s."""
+        now = time.time()
+        if now - record.t0 > 1.0:
+            record.detail = f"{record.detail}; {what} {now - record.t0:.1f}s after being dealt".lstrip("; ")
+        record.t0 = now
+
     def _sigstop(self, record: FaultRecord) -> None:
         self._hold(record)
         frozen = self.group.freeze(record.pod)
         try:
             record.detail = f"{frozen.processes} processes"
+            self._begins(record, "frozen")
             self._until(record.t0 + record.hold)
         finally:
             self.group.thaw(frozen)
@@ -303,6 +323,7 @@ class Injector:
         self._hold(record)
         pid = self.group.sidecar_pid(record.pod)
         os.kill(pid, signal.SIGSTOP)
+        self._begins(record, "stopped")
         try:
             self._until(record.t0 + record.hold)
         finally:
@@ -336,6 +357,7 @@ class Injector:
                                           else (bed.api_service_ip, None))
         record.hold = self.rng.uniform(3.0, 4.5)
         found = self.group.partition(record.pod, [target])
+        self._begins(record, "cut off")
         try:
             self._until(record.t0 + record.hold)
         finally:
@@ -387,18 +409,28 @@ class Injector:
     def _handover(self, record: FaultRecord) -> None:
         self._wait_annotated_leader(record.pod)
         standbys = self._ready_standbys(record.pod)
-        argv = ["--kubeconfig", str(self.bed.kubeconfig), "handover", self.group.name, "-n", self.group.namespace,
-                "--timeout", "20"]
         target = self.rng.choice(standbys) if standbys and self.rng.random() < 0.5 else None
-        if target is not None:
-            argv += ["--to", target]
-        record.detail = f"--to {target}" if target else "any standby"
-        record.t0 = time.time()
-        out = io.StringIO()
-        with contextlib.redirect_stdout(out), contextlib.redirect_stderr(out):
-            status = singletonctl.main(argv)
-        if status != 0:
-            raise CampaignError(f"singletonctl handover failed: {out.getvalue().strip()}")
+        deadline = time.monotonic() + HANDOVER_REFUSED_WAIT
+        while True:
+            argv = ["--kubeconfig", str(self.bed.kubeconfig), "handover", self.group.name, "-n",
+                    self.group.namespace, "--timeout", "20"]
+            if target is not None:
+                argv += ["--to", target]
+            record.detail = f"--to {target}" if target else "any standby"
+            record.t0 = time.time()
+            out = io.StringIO()
+            with contextlib.redirect_stdout(out), contextlib.redirect_stderr(out):
+                status = singletonctl.main(argv)
+            if status == 0:
+                return
+            said = out.getvalue().strip()
+            if not any(refusal in said for refusal in READINESS_REFUSALS) or time.monotonic() > deadline:
+                raise CampaignError(f"singletonctl handover failed: {said}")
+            # Refused before asking anything of anyone: the pods' Ready conditions are settling.
+            time.sleep(0.5)
+            standbys = self._ready_standbys(record.pod)
+            if target is not None and target not in standbys:
+                target = standbys[0] if standbys else target
 
     def _step_down(self, record: FaultRecord) -> None:
         try:

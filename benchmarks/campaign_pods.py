@@ -64,14 +64,20 @@ def _signal(pids: tuple[int, ...], signum: int) -> None:
 def freeze_pod(pod: node_pods.Pod, containers: list[str], layout: NodeLayout) -> Frozen:
     """Freeze every process of ``pod``; ``containers``: the containers whose main processes'
     process groups are the gates (thawed last)."""
+    # Found before freezing: a container the API does not list yet (its ID lags after an API
+    # server restart) fails here, not as a freeze undone at once, retried, and undone again.
+    mains = {name: node_pods.container_main_pid(pod, name, layout=layout) for name in containers}
     try:
         node_pods.freeze_pod(pod, layout=layout)
-        groups = {_pgid(node_pods.container_main_pid(pod, name, layout=layout)) for name in containers}
         everything = node_pods.pod_pids(pod, layout=layout)
+        if gone := sorted(name for name, pid in mains.items() if pid not in everything):
+            name = (pod.get("metadata") or {}).get("name")
+            raise node_pods.NotOnThisNode(f"pod {name}: {gone} restarted while being frozen")
     except BaseException:  # never leave it frozen (or stuck FREEZING): a frozen pod cannot end
         with contextlib.suppress(node_pods.NotOnThisNode, TimeoutError, OSError):
             node_pods.thaw_pod(pod, layout=layout)
         raise
+    groups = {_pgid(pid) for pid in mains.values()}
     gates = tuple(pid for pid in everything if _pgid(pid) in groups)
     return Frozen(pod, gates, len(everything))
 

@@ -482,3 +482,22 @@ def test_only_a_deletion_with_time_to_finish_may_not_lose_its_item() -> None:
         result.attribute()
         assert result.paths["drain (pod deleted)"].lost == 1
         assert result.lost_at_graceful_deletion() == lost, (kind, slow)
+
+
+def test_a_fault_counts_from_when_it_took_effect() -> None:
+    """A fault whose pod took long to find (the API's container IDs lag after an API server
+    restart) counts its hold and failover from when it took effect, and the report says how
+    late that was; a prompt one keeps its start and says nothing."""
+    import time
+
+    from benchmarks.campaign_faults import FaultRecord, Injector
+
+    late = FaultRecord("lease", "sigstop", 4, "pod-3", 7, t0=time.time() - 27.0, detail="5 processes")
+    Injector._begins(late, "frozen")
+    assert abs(late.t0 - time.time()) < 1.0
+    assert late.detail.startswith("5 processes; frozen 27.") and late.detail.endswith("s after being dealt")
+
+    prompt_start = time.time() - 0.2
+    prompt = FaultRecord("lease", "sigstop-sidecar", 5, "pod-1", 8, t0=prompt_start)
+    Injector._begins(prompt, "stopped")
+    assert prompt.detail == "" and prompt.t0 > prompt_start
