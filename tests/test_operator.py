@@ -80,6 +80,9 @@ def test_owned_objects_are_created_with_owner_references(cluster: Cluster, names
     status = wait_for(lambda: (cr(cluster, namespace, name).get("status") or {}).get("phase") and
                       cr(cluster, namespace, name)["status"], 10, "a status", 0.2)
     assert status["observedGeneration"] == cr(cluster, namespace, name)["metadata"]["generation"]
+    # kopf's state stays in the operator's memory: nothing of it written on the object.
+    annotations = cr(cluster, namespace, name)["metadata"].get("annotations") or {}
+    assert not [key for key in annotations if key.startswith(f"operator.{contract.API_GROUP}/")], annotations
     # Idempotent: deleting an owned object brings it back.
     cluster.kubectl("delete", "deployment", name, "-n", namespace)
     wait_for(lambda: exists(cluster, namespace, "deployment", name) or None, 20, "the Deployment to return", 0.2)
@@ -252,6 +255,29 @@ def test_one_active_operator_and_fast_takeover_on_sigterm(
              0.2)
     metrics = standby.get("/metrics")[1]
     assert "singleton_operator_is_leader 1.0" in metrics
+
+
+def test_a_new_operator_process_applies_an_edit_made_while_none_ran(
+    cluster: Cluster, namespace: str, operators: Factory
+) -> None:
+    """kopf's state lives in the operator's memory, so a new process sees every group as just
+    created. A group with a status is not new to it: an edit made while no operator ran (the
+    leader Service dropped) is applied, and the Service the group no longer wants is deleted."""
+    first = operators("op-a")
+    name = "again-" + uuid.uuid4().hex[:4]
+    cluster.apply(service(name, service={"ports": [{"port": 80}]}), namespace=namespace)
+    wait_for(lambda: exists(cluster, namespace, "service", f"{name}-leader") or None, 20, "the leader Service", 0.2)
+    wait_for(lambda: (cr(cluster, namespace, name).get("status") or {}).get("observedGeneration"), 10,
+             "a status", 0.2)
+    first.stop()
+    cluster.kubectl("patch", "singletonservice", name, "-n", namespace, "--type=json", "-p",
+                    json.dumps([{"op": "remove", "path": "/spec/service"}]))
+    operators("op-b")
+    wait_for(lambda: not exists(cluster, namespace, "service", f"{name}-leader") or None, 20,
+             "the unwanted leader Service to be deleted by the new operator", 0.2)
+    generation = cr(cluster, namespace, name)["metadata"]["generation"]
+    wait_for(lambda: (cr(cluster, namespace, name).get("status") or {}).get("observedGeneration") == generation
+             or None, 10, "the edit's generation applied", 0.2)
 
 
 def test_bad_flags_exit_2_with_one_line(tmp_path: Path) -> None:

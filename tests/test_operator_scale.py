@@ -6,6 +6,7 @@ event to the event-driven refresher. Access reviews: an ``allowed`` is asked onc
 
 from __future__ import annotations
 
+import asyncio
 import json
 from collections.abc import AsyncIterator, Callable, Mapping
 from pathlib import Path
@@ -13,7 +14,7 @@ from typing import Any
 
 import pytest
 
-from singleton_operator.groups import Groups
+from singleton_operator.groups import RECONCILE_DEFER, Groups
 from singleton_operator.metrics import OperatorMetrics
 from singleton_operator.reconcile import ACCESS_REVIEW_TTL, AccessReviews
 from singleton_sidecar import contract
@@ -119,6 +120,9 @@ async def test_a_group_marked_by_an_event_is_left_to_the_refresher(
     await groups.refresh_scope(namespace)
     assert leader_of(cluster, namespace, "quiet") == "quiet-a"
     assert leader_of(cluster, namespace, "marked") is None
+    # The refresher's turn (after the group's first reconcile: before it ends, a refresh of a
+    # group without a status writes nothing, as the test below shows).
+    await groups.reconcile(get_json(cluster, "singletonservice", "marked", "-n", namespace), new=True)
     await groups.refresh(namespace, "marked")
     assert leader_of(cluster, namespace, "marked") == "marked-a"
 
@@ -227,3 +231,53 @@ async def test_the_pass_leaves_a_re_adoption_to_the_live_refresh(
     await groups.refresh_scope(namespace)
     assert [m for m, _ in calls(groups)] == ["GET"] * 4  # the lists; no apply, no status
     assert (namespace, "adopts") in groups.marked()  # the live refresh decides
+
+
+async def test_groups_reconciled_together_share_one_access_review(cluster: Cluster, namespace: str) -> None:
+    """Sixteen groups of a namespace reconciled at once ask the same question at once: one
+    review goes out and every one of them gets its answer."""
+    client = CountingClient(cluster.kubeconfig)
+    try:
+        access = AccessReviews(client)
+        answers = await asyncio.gather(*(access.allowed(namespace, "apps", "deployments", "create")
+                                         for _ in range(16)))
+        assert answers == [True] * 16
+        assert client.calls == [("POST", REVIEWS)]
+    finally:
+        await client.close()
+
+
+async def test_a_new_group_gets_its_first_status_once_its_first_reconcile_ended(
+    cluster: Cluster, namespace: str, groups: Groups
+) -> None:
+    """A refresh of a group just created, before its first reconcile ended (a pod event marks
+    it first), writes nothing: the status would say "not applied yet" and be written again a
+    moment later. The reconcile's end marks it, and that refresh writes it, applied."""
+    cluster.apply(service("fresh"), namespace=namespace)
+    make_pod(cluster, namespace, "fresh-a", "leader", 3)
+    await groups.refresh(namespace, "fresh")
+    assert not [p for m, p in calls(groups) if m == "PATCH" and p.endswith("/status")]
+    assert leader_of(cluster, namespace, "fresh") is None
+    await groups.reconcile(get_json(cluster, "singletonservice", "fresh", "-n", namespace), new=True)
+    assert groups.marked() == {(namespace, "fresh")}
+    await groups.refresh(namespace, "fresh")
+    body = get_json(cluster, "singletonservice", "fresh", "-n", namespace)
+    assert body["status"]["leader"] == "fresh-a"
+    assert body["status"]["observedGeneration"] == body["metadata"]["generation"]
+
+
+def test_a_group_in_a_reconcile_is_refreshed_after_it_or_within_the_bound(
+    groups: Groups, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    now = [100.0]
+    monkeypatch.setattr("singleton_operator.groups.time.monotonic", lambda: now[0])
+    groups._in_reconcile.add(("ns", "busy"))
+    groups.mark("ns", "busy")
+    groups.mark("ns", "idle")
+    assert groups._due() == {("ns", "idle")}
+    assert groups.marked() == {("ns", "busy")}  # still marked, the refresher kept awake
+    now[0] += RECONCILE_DEFER / 2
+    assert groups._due() == set()
+    now[0] += RECONCILE_DEFER
+    assert groups._due() == {("ns", "busy")}  # a slow reconcile holds it back no longer
+    assert groups.marked() == frozenset()

@@ -624,3 +624,33 @@ def test_the_postgres_mode_reaches_the_sidecar_only_when_pooled(postgres: dict[s
     env = env_of(resources.deployment(spec)["spec"]["template"]["spec"]["initContainers"][0])
     assert env.get(contract.ENV_POSTGRES_MODE) == mode
     assert sidecar_config(spec).postgres_mode == (mode or "session")
+
+
+def test_kopfs_state_is_kept_per_object_in_memory_and_nothing_goes_on_the_object() -> None:
+    import kopf
+
+    from singleton_operator.kopf_state import MemoryDiffBaseStorage, MemoryProgressStorage
+
+    prefix = "operator.singleton.dev"
+    diffbase, progress = MemoryDiffBaseStorage(prefix=prefix), MemoryProgressStorage(prefix=prefix)
+    first = kopf.Body({"metadata": {"uid": "u1", "name": "a"}, "spec": {"replicas": 2}})
+    second = kopf.Body({"metadata": {"uid": "u2", "name": "b"}, "spec": {"replicas": 3}})
+    patch = kopf.Patch()
+    assert diffbase.fetch(body=first) is None  # a new process: every group is new to kopf
+    diffbase.store(body=first, patch=patch, essence=diffbase.build(body=first))
+    record: kopf.ProgressRecord = {"started": "2026-11-28T00:00:00", "retries": 1, "success": False}
+    progress.store(key="reconcile", record=record, body=first, patch=patch)
+    progress.store(key="reconcile", record=record, body=second, patch=patch)
+    assert not patch  # nothing to write on the objects
+    assert diffbase.fetch(body=first) == {"spec": {"replicas": 2}}
+    assert diffbase.fetch(body=second) is None
+    assert progress.fetch(key="reconcile", body=first) == record
+    progress.purge(key="reconcile", body=first, patch=patch)
+    assert progress.fetch(key="reconcile", body=first) is None
+    assert progress.fetch(key="reconcile", body=second) == record
+    progress.forget("u2")
+    diffbase.forget("u1")
+    assert len(progress) == 0 and len(diffbase) == 0
+    # A delayed retry still wakes kopf: its touch is a patch of the object.
+    progress.touch(body=first, patch=patch, value="2026-11-28T00:00:05")
+    assert patch["metadata"]["annotations"][f"{prefix}/touch-dummy"] == "2026-11-28T00:00:05"

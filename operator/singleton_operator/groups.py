@@ -50,6 +50,11 @@ RECONCILE_PARALLEL = 16
 together and no bound, requests queued in the connection pool past their timeout, and kopf
 retried those groups a minute later (measured: the last group applied after 74 s, 28 s once
 bounded)."""
+RECONCILE_DEFER = 1.0
+"""Seconds a refresh of a group waits for the reconcile in flight for it, which marks the group
+again when it ends: refreshed in between, the status says the generation is not applied yet,
+and is written again a moment later. Bounded, so that a slow reconcile does not hold back a
+leader change in the status."""
 REFRESH_PARALLEL = 16
 """Groups refreshed at once: a burst (hundreds of groups created together) is not served one
 group after another, nor with so many requests in flight that each waits on the others."""
@@ -94,6 +99,10 @@ class Groups:
     _refreshing: asyncio.Lock = field(default_factory=asyncio.Lock)
     _forgotten: set[GroupKey] = field(default_factory=set)
     """Groups deleted since the periodic pass began (its listing may still show them)."""
+    _in_reconcile: set[GroupKey] = field(default_factory=set)
+    _attempted: set[GroupKey] = field(default_factory=set)
+    """Groups whose reconcile this process has run (to its end, well or not)."""
+    _deferred_since: dict[GroupKey, float] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         self.access = AccessReviews(self.client)
@@ -120,6 +129,7 @@ class Groups:
     async def _reconcile(self, body: dict[str, Any], *, new: bool) -> None:
         key = (body["metadata"]["namespace"], body["metadata"]["name"])
         self.metrics.reconciles.inc()
+        self._in_reconcile.add(key)
         try:
             try:
                 workload = await read_workload(self.client, body)
@@ -141,6 +151,8 @@ class Groups:
                         extra={"namespace": key[0], "group": key[1], "reason": exc.reason})
             raise
         finally:
+            self._in_reconcile.discard(key)
+            self._attempted.add(key)
             self.mark(*key)
         self.problems.pop(key, None)
         self.applied[key] = spec.generation
@@ -188,6 +200,8 @@ class Groups:
         self._readopted.pop((namespace, name), None)
         self.applied.pop((namespace, name), None)
         self._dirty.discard((namespace, name))
+        self._deferred_since.pop((namespace, name), None)
+        self._attempted.discard((namespace, name))
         self._forgotten.add((namespace, name))
         self.metrics.forget(namespace, name)
 
@@ -207,11 +221,25 @@ class Groups:
             await asyncio.sleep(REFRESH_DELAY)
             self._wake.clear()
             async with self._refreshing:
-                dirty, self._dirty = self._dirty, set()
+                dirty = self._due()
                 gate = asyncio.Semaphore(REFRESH_PARALLEL)
                 failed = await asyncio.gather(*(self._refresh_marked(key, gate) for key in dirty))
             if any(failed):
                 await asyncio.sleep(1.0)
+
+    def _due(self) -> set[GroupKey]:
+        """The marked groups to refresh now; those in a reconcile stay marked (and the
+        refresher awake) for up to ``RECONCILE_DEFER``."""
+        now, due = time.monotonic(), set()
+        for key in self._dirty:
+            if key in self._in_reconcile and now - self._deferred_since.setdefault(key, now) < RECONCILE_DEFER:
+                continue
+            self._deferred_since.pop(key, None)
+            due.add(key)
+        self._dirty -= due
+        if self._dirty:
+            self._wake.set()
+        return due
 
     async def _refresh_marked(self, key: GroupKey, gate: asyncio.Semaphore) -> bool:
         """Refresh one group; a failed one is marked again. Returns whether it failed."""
@@ -275,6 +303,8 @@ class Groups:
         except KubeNotFound:
             self.forget(namespace, name)
             return
+        if not body.get("status") and (namespace, name) not in self._attempted:
+            return  # a new group before the end of its first reconcile, which marks it again
         await self._refresh(body, LiveReads(self.client), live=True)
 
     async def _refresh(self, body: dict[str, Any], reads: GroupReads, *, live: bool) -> None:

@@ -10,6 +10,7 @@ from typing import Any
 import kopf
 
 from singleton_operator.groups import Groups
+from singleton_operator.kopf_state import MemoryDiffBaseStorage, MemoryProgressStorage
 from singleton_operator.reconcile import ReconcileProblem
 from singleton_operator.release import answer_pending
 from singleton_operator.release_request import RELEASE_REQUEST, pending_request
@@ -40,13 +41,14 @@ def registry(kube_config: KubeConfig,
             private_key_path=kube_config.client_key_file, default_namespace=kube_config.namespace,
             proxy_url=kube_config.proxy, expiration=expiration())
     resource = (contract.API_GROUP, contract.API_VERSION, contract.PLURAL)
+    # kopf's state in memory, not in annotations: a write of every group less (kopf_state.py).
+    prefix = f"operator.{contract.API_GROUP}"
+    progress, diffbase = MemoryProgressStorage(prefix=prefix), MemoryDiffBaseStorage(prefix=prefix)
 
     @kopf.on.startup(registry=reg)
     def configure(settings: kopf.OperatorSettings, **_: Any) -> None:
-        prefix = f"operator.{contract.API_GROUP}"
-        settings.persistence.progress_storage = kopf.AnnotationsProgressStorage(prefix=prefix)
-        settings.persistence.diffbase_storage = kopf.AnnotationsDiffBaseStorage(
-            prefix=prefix, key="last-handled-configuration")
+        settings.persistence.progress_storage = progress
+        settings.persistence.diffbase_storage = diffbase
         settings.persistence.finalizer = f"{prefix}/finalizer"
         settings.peering.standalone = True  # one active replica: our own Lease election
         settings.posting.level = logging.WARNING
@@ -60,9 +62,12 @@ def registry(kube_config: KubeConfig,
     @kopf.on.update(*resource, registry=reg)
     async def reconcile(body: kopf.Body, memo: Any, retry: int, reason: str, **_: Any) -> None:
         groups: Groups = memo["groups"]
+        # kopf keeps no state across operator processes, so to a new one every group is a
+        # create: only a group without a status was never reconciled. (A retried create may
+        # follow an attempt that applied objects an edit since unwants.)
+        new = reason == kopf.Reason.CREATE and retry == 0 and not body.get("status")
         try:
-            # A retried create may follow an attempt that applied objects an edit since unwants.
-            await groups.reconcile(dict(body), new=reason == kopf.Reason.CREATE and retry == 0)
+            await groups.reconcile(dict(body), new=new)
         except SpecError as exc:
             raise kopf.PermanentError(str(exc)) from exc
         except ReconcileProblem as exc:
@@ -74,9 +79,13 @@ def registry(kube_config: KubeConfig,
             delay = min(RETRY_DELAY * 2 ** min(retry, 4), 60)
             raise kopf.TemporaryError(f"{type(exc).__name__}: {exc}", delay=delay) from exc
 
-    @kopf.on.delete(*resource, registry=reg, optional=True)
-    async def deleted(namespace: str | None, name: str, memo: Any, **_: Any) -> None:
-        # Owned objects go with their owner (ownerReferences); forget our bookkeeping.
+    @kopf.on.event(*resource, registry=reg, when=lambda event, **_: event.get("type") == "DELETED")
+    async def gone(uid: str | None, namespace: str | None, name: str, memo: Any, **_: Any) -> None:
+        # Owned objects go with their owner (ownerReferences); forget our bookkeeping and
+        # kopf's. On the DELETED event: a delete handler runs only while a finalizer holds it.
+        if uid:
+            progress.forget(uid)
+            diffbase.forget(uid)
         if namespace:
             memo["groups"].forget(namespace, name)
 

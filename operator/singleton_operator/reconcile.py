@@ -153,11 +153,23 @@ class AccessReviews:
     client: KubeClient
     clock: Callable[[], float] = time.monotonic
     _allowed_until: dict[tuple[str, str, str, str], float] = field(default_factory=dict)
+    _asking: dict[tuple[str, str, str, str], asyncio.Task[bool]] = field(default_factory=dict)
+    """Questions in flight: the groups reconciled at once ask the same ones together (148
+    reviews for 500 groups created together, instead of 10), so they share one answer."""
 
     async def allowed(self, namespace: str, group: str, resource: str, verb: str) -> bool:
         key = (namespace, group, resource, verb)
         if self._allowed_until.get(key, 0.0) > self.clock():
             return True
+        asking = self._asking.get(key)
+        if asking is None:
+            asking = self._asking[key] = asyncio.create_task(self._ask(key))
+            asking.add_done_callback(lambda _: self._asking.pop(key, None))
+        # Shielded: a waiter cancelled (its reconcile ended) does not cancel the others' answer.
+        return await asyncio.shield(asking)
+
+    async def _ask(self, key: tuple[str, str, str, str]) -> bool:
+        namespace, group, resource, verb = key
         review = {"apiVersion": "authorization.k8s.io/v1", "kind": "SelfSubjectAccessReview",
                   "spec": {"resourceAttributes": {"namespace": namespace, "group": group,
                                                   "resource": resource, "verb": verb}}}

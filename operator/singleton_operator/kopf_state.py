@@ -1,0 +1,72 @@
+"""kopf's per-object state (the last handled spec, handler progress) kept in the operator's
+memory instead of in annotations on the SingletonService.
+
+kopf's default writes both into annotations: one extra PATCH of the SingletonService for
+every create and change (and a watch event back to every watcher). With hundreds of groups
+created together that was one request in eleven, and among the dearest for the API server,
+which validates the whole custom resource on every write. The state buys nothing here:
+- the handlers apply with server-side apply, so handling a group again is harmless;
+- a new operator process (a restart, or another replica winning the operator's Lease)
+  reconciles every group anyway, and finds no state: kopf sees each group as created,
+  which the handler treats like a resume (``handlers.reconcile``);
+- a retry's count and delay only matter within one process.
+
+What still goes to the object: kopf's "touch" (a dummy annotation patched when a retry's
+delay is over, to wake kopf's processing of that object with a new event); and nothing else.
+Entries are dropped when a handler succeeds (progress) or the object is gone (``forget``).
+"""
+
+from __future__ import annotations
+
+import copy
+from typing import Any
+
+import kopf
+
+
+class MemoryDiffBaseStorage(kopf.AnnotationsDiffBaseStorage):
+    """The last handled essence per object UID. Inherits how the essence is built (kopf's own
+    annotations under ``prefix`` are left out), not where it is kept."""
+
+    def __init__(self, *, prefix: str) -> None:
+        super().__init__(prefix=prefix)
+        self._essences: dict[str, Any] = {}
+
+    def fetch(self, *, body: kopf.Body) -> kopf.BodyEssence | None:
+        essence = self._essences.get(str(body.metadata.uid))
+        return copy.deepcopy(essence) if essence is not None else None
+
+    def store(self, *, body: kopf.Body, patch: kopf.Patch, essence: kopf.BodyEssence) -> None:
+        self._essences[str(body.metadata.uid)] = copy.deepcopy(essence)
+
+    def forget(self, uid: str) -> None:
+        self._essences.pop(uid, None)
+
+    def __len__(self) -> int:
+        return len(self._essences)
+
+
+class MemoryProgressStorage(kopf.AnnotationsProgressStorage):
+    """Handler progress per (object UID, handler id); ``touch`` and ``clear`` are kopf's own
+    (the touch must reach the object: it is what wakes a delayed retry)."""
+
+    def __init__(self, *, prefix: str) -> None:
+        super().__init__(prefix=prefix)
+        self._records: dict[tuple[str, str], kopf.ProgressRecord] = {}
+
+    def fetch(self, *, key: Any, body: kopf.Body) -> kopf.ProgressRecord | None:
+        record = self._records.get((str(body.metadata.uid), str(key)))
+        return copy.deepcopy(record) if record is not None else None
+
+    def store(self, *, key: Any, record: kopf.ProgressRecord, body: kopf.Body, patch: kopf.Patch) -> None:
+        self._records[(str(body.metadata.uid), str(key))] = copy.deepcopy(record)
+
+    def purge(self, *, key: Any, body: kopf.Body, patch: kopf.Patch) -> None:
+        self._records.pop((str(body.metadata.uid), str(key)), None)
+
+    def forget(self, uid: str) -> None:
+        for entry in [entry for entry in self._records if entry[0] == uid]:
+            del self._records[entry]
+
+    def __len__(self) -> int:
+        return len(self._records)
