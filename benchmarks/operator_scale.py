@@ -1,6 +1,6 @@
 """The operator's own work with many SingletonServices (issue 15's "operator at scale").
 
-    .venv/bin/python -m benchmarks.operator_scale --groups 500 [--runs 1] [--rest-seconds 60]
+    .venv/bin/python -m benchmarks.operator_scale --groups 500 [--runs 1] [--rest-seconds 60] [--rate 50]
 
 Starts the test bed's etcd + kube-apiserver (no controllers, no node) and one real operator
 process (``singleton-operator run --kubeconfig``). Each group gets two pods made by this script
@@ -8,9 +8,9 @@ before its SingletonService exists, as a ReplicaSet, a kubelet and the sidecars 
 them: Ready, one saying ``leader`` (token 1), one ``standby``. So the operator's work is all that
 is measured, and the pods "run" from the start. Then:
 - create -> status with a leader: all SingletonServices created at once (``--parallel`` requests
-  in flight); per group, the create's answer -> the watch showing ``status.leader`` with the
-  group's generation applied (``status.observedGeneration``); the
-  operator's requests in that burst; then ``--one-more`` groups created one at a time beside
+  in flight), or ``--rate`` a second as a GitOps tool's client-side rate limit sends them; per
+  group, the create's answer -> the watch showing ``status.leader`` with the group's generation
+  applied (``status.observedGeneration``); the operator's requests in that burst; then ``--one-more`` groups created one at a time beside
   the others (what a user creating a group sees from an operator that carries hundreds);
 - at rest (``--rest-seconds`` after every group has settled): the operator's API requests per
   second (the API server's audit log, by user agent: ours and kopf's), its CPU and RSS;
@@ -58,6 +58,8 @@ CALL_TIMEOUT = 60.0
 @dataclass
 class RunResult:
     groups: int
+    rate: float | None = None
+    """Creates a second in the burst (None: all at once, ``--parallel`` in flight)."""
     create_to_leader: list[float] = field(default_factory=list)
     """Per group: the create's answer -> ``status.leader`` seen (seconds)."""
     all_settled: float = 0.0
@@ -258,8 +260,13 @@ class Bench:
         await self.client.request("POST", CR_PATH, body=cr_body(name), timeout=CALL_TIMEOUT)
         self.created[name] = time.monotonic()
 
-    async def burst(self, names: list[str], parallel: int) -> None:
-        """Every group created at once; each timed until its status names its leader."""
+    async def create_at(self, name: str, moment: float) -> None:
+        await asyncio.sleep(max(moment - time.monotonic(), 0.0))
+        await self.create(name)
+
+    async def burst(self, names: list[str], parallel: int, rate: float | None = None) -> None:
+        """Every group created at once (``rate``: that many creates a second, as a GitOps
+        tool's client-side rate limit sends them); each timed until its status names its leader."""
         offset = self.audit.stat().st_size
         assert self.plane.apiserver is not None and self.plane.etcd is not None
         pids = {"operator": self.operator.popen.pid, "kube-apiserver": self.plane.apiserver.pid,
@@ -267,7 +274,8 @@ class Bench:
         cpu_from = {k: cpu_seconds(pid) for k, pid in pids.items()}
         first = time.monotonic()
         futures = [self.watch.expect(n, f"{n}-a") for n in names]
-        await bounded(parallel, [self.create(n) for n in names])
+        await bounded(parallel, [self.create(n) if rate is None else self.create_at(n, first + i / rate)
+                                 for i, n in enumerate(names)])
         seen = await asyncio.wait_for(asyncio.gather(*futures), timeout=600)
         self.result.create_to_leader = [at - self.created[n] for n, at in zip(names, seen, strict=True)]
         self.result.all_settled = max(seen) - first
@@ -314,8 +322,8 @@ class Bench:
 
 
 async def run_once(plane: ControlPlane, *, groups: int, parallel: int, rest_seconds: float, changes: int,
-                   one_more: int, workdir: Path) -> RunResult:
-    result = RunResult(groups=groups)
+                   one_more: int, workdir: Path, rate: float | None = None) -> RunResult:
+    result = RunResult(groups=groups, rate=rate)
     names = [group_name(i) for i in range(groups)]
     async with KubeClient(load_kube_config(str(plane.info.kubeconfig)), user_agent="bench") as client:
         await bounded(parallel, [make_pod(client, n, s, role, token) for n in names
@@ -331,7 +339,7 @@ async def run_once(plane: ControlPlane, *, groups: int, parallel: int, rest_seco
             async with watching(client) as watch:
                 await asyncio.sleep(1)  # the watch is open
                 bench = Bench(plane, client, operator, watch, result)
-                await bench.burst(names, parallel)
+                await bench.burst(names, parallel, rate)
                 await asyncio.sleep(10)  # kopf's own follow-up patches settle
                 await bench.one_more(one_more)
                 await bench.rest(rest_seconds)
@@ -348,7 +356,9 @@ def line(name: str, values: list[float]) -> str:
 
 def report(results: list[RunResult]) -> None:
     groups = results[0].groups
-    print(f"\nOperator with {groups} SingletonServices ({len(results)} run(s)):")
+    rate = results[0].rate
+    paced = f", created {rate:g} a second" if rate else ", created at once"
+    print(f"\nOperator with {groups} SingletonServices{paced} ({len(results)} run(s)):")
     print(line("create -> status with a leader", [v for r in results for v in r.create_to_leader]))
     print(line("first create -> last group settled", [r.all_settled for r in results]))
     print(line("then one more group: create -> leader", [v for r in results for v in r.create_one_more]))
@@ -370,11 +380,15 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--changes", type=int, default=20, help="leader changes to time (default 20)")
     parser.add_argument("--one-more", type=int, default=20,
                         help="groups then created one at a time beside the others (default 20)")
+    parser.add_argument("--rate", type=float, default=None, metavar="PER_SECOND",
+                        help="create the groups at this many a second (default: all at once)")
     parser.add_argument("--json", type=Path, default=None, metavar="FILE", help="also write every figure here")
     args = parser.parse_args(argv)
     if min(args.groups, args.runs, args.parallel, args.changes, args.one_more) < 1 or args.rest_seconds <= 0:
         parser.error("--groups, --runs, --parallel, --changes and --one-more must be at least 1, "
                      "--rest-seconds above 0")
+    if args.rate is not None and not 0 < args.rate < float("inf"):
+        parser.error(f"--rate must be a number of creates a second above 0, not {args.rate}")
     results = []
     for run in range(args.runs):
         workdir = Path(tempfile.mkdtemp(prefix="operator-scale-"))
@@ -382,8 +396,8 @@ def main(argv: list[str] | None = None) -> int:
         with control_plane() as plane:
             results.append(asyncio.run(run_once(plane, groups=args.groups, parallel=args.parallel,
                                                 rest_seconds=args.rest_seconds, changes=args.changes,
-                                                one_more=args.one_more,
-                                                workdir=workdir)))
+                                                one_more=args.one_more, workdir=workdir,
+                                                rate=args.rate)))
     report(results)
     if args.json:
         args.json.write_text(json.dumps([asdict(r) for r in results], indent=1))
