@@ -10,8 +10,9 @@ is measured, and the pods "run" from the start. Then:
 - create -> status with a leader: all SingletonServices created at once (``--parallel`` requests
   in flight), or ``--rate`` a second as a GitOps tool's client-side rate limit sends them; per
   group, the create's answer -> the watch showing ``status.leader`` with the group's generation
-  applied (``status.observedGeneration``); the operator's requests in that burst; then ``--one-more`` groups created one at a time beside
-  the others (what a user creating a group sees from an operator that carries hundreds);
+  applied (``status.observedGeneration``); the operator's requests in that burst; then
+  ``--one-more`` groups created one at a time beside the others (what a user creating a group
+  sees from an operator that carries hundreds);
 - at rest (``--rest-seconds`` after every group has settled): the operator's API requests per
   second (the API server's audit log, by user agent: ours and kopf's), its CPU and RSS;
 - noticing a leader change on one group while the others idle (``--changes`` times, each on
