@@ -292,22 +292,28 @@ class Injector:
         after = actions[kind](record)
         return record.t0 if after is None else after
 
-    def _sigkill(self, record: FaultRecord) -> None:
-        self.group.kill_sidecar(record.pod)
-
     def _hold(self, record: FaultRecord) -> None:
         record.hold = self.rng.uniform(LEASE + 0.5, LEASE + 1.5)
 
-    @staticmethod
-    def _begins(record: FaultRecord, what: str) -> None:
+    def _begins(self, record: FaultRecord, what: str) -> None:
         """The fault takes effect now: its hold and its failover count from here, not from when it
         was dealt. Finding a pod's processes waits for the API to list its containers, which
         after an API server restart takes up to the kubelet's next status sync (10 s); CI once
-        froze a pod 27 s after dealing it, leaving the failover 3 of its 30 s."""
+        froze a pod 27 s after dealing it, leaving the failover 3 of its 30 s. When it came that
+        late, the report says so, and a leader that changed meanwhile (nothing was done to the
+        group yet) is an error, not a failover."""
         now = time.time()
         if now - record.t0 > 1.0:
             record.detail = f"{record.detail}; {what} {now - record.t0:.1f}s after being dealt".lstrip("; ")
+            newer = {pod: s.token for pod, s in self.poller.latest().items()
+                     if s.token is not None and s.token > record.old_token}
+            if newer:
+                raise CampaignError(f"the leader changed before the fault took effect ({record.detail}): {newer}")
         record.t0 = now
+
+    def _sigkill(self, record: FaultRecord) -> None:
+        self.group.kill_sidecar(record.pod)
+        self._begins(record, "killed")  # t0 a few ms after the signal: it was sent to every process first
 
     def _sigstop(self, record: FaultRecord) -> None:
         self._hold(record)
@@ -323,8 +329,8 @@ class Injector:
         self._hold(record)
         pid = self.group.sidecar_pid(record.pod)
         os.kill(pid, signal.SIGSTOP)
-        self._begins(record, "stopped")
         try:
+            self._begins(record, "stopped")
             self._until(record.t0 + record.hold)
         finally:
             with contextlib.suppress(ProcessLookupError):
@@ -357,8 +363,8 @@ class Injector:
                                           else (bed.api_service_ip, None))
         record.hold = self.rng.uniform(3.0, 4.5)
         found = self.group.partition(record.pod, [target])
-        self._begins(record, "cut off")
         try:
+            self._begins(record, "cut off")
             self._until(record.t0 + record.hold)
         finally:
             self.group.heal(found, [target])
@@ -373,7 +379,9 @@ class Injector:
             return
         record.detail = "SIGTERM"
         record.path = SIGTERM_PATH
-        os.kill(self.group.sidecar_pid(record.pod), signal.SIGTERM)  # the container's main process, as the kubelet
+        pid = self.group.sidecar_pid(record.pod)
+        os.kill(pid, signal.SIGTERM)  # the container's main process, as the kubelet
+        self._begins(record, "signalled")
 
     def _ready_standbys(self, leader: str, timeout: float = 20.0) -> list[str]:
         """Pods other than ``leader`` whose sidecar says standby and whose pod is Ready: what
@@ -428,7 +436,7 @@ class Injector:
                 raise CampaignError(f"singletonctl handover failed: {said}")
             # Refused before asking anything of anyone: the pods' Ready conditions are settling.
             time.sleep(0.5)
-            standbys = self._ready_standbys(record.pod)
+            standbys = self._ready_standbys(record.pod, timeout=max(deadline - time.monotonic(), 0.0))
             if target is not None and target not in standbys:
                 target = standbys[0] if standbys else target
 

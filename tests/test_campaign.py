@@ -487,17 +487,37 @@ def test_only_a_deletion_with_time_to_finish_may_not_lose_its_item() -> None:
 def test_a_fault_counts_from_when_it_took_effect() -> None:
     """A fault whose pod took long to find (the API's container IDs lag after an API server
     restart) counts its hold and failover from when it took effect, and the report says how
-    late that was; a prompt one keeps its start and says nothing."""
+    late that was; a prompt one keeps its start and says nothing; a late one whose group has a
+    new leader already (nothing had been done to it yet) is an error, not a failover."""
+    import random
     import time
+    from typing import Any, cast
 
+    from benchmarks.campaign_bed import CampaignError
     from benchmarks.campaign_faults import FaultRecord, Injector
+    from benchmarks.campaign_poll import Sample
 
+    class Answers:
+        def __init__(self) -> None:
+            self.samples: dict[str, Sample] = {}
+
+        def latest(self) -> dict[str, Sample]:
+            return dict(self.samples)
+
+    answers = Answers()
+    injector = Injector(bed=cast(Any, None), group=cast(Any, None), poller=cast(Any, answers), rng=random.Random(1))
+    answers.samples = {"pod-3": Sample("pod-3", 0.0, 0.0, 200, 7), "pod-1": Sample("pod-1", 0.0, 0.0, 503, None)}
     late = FaultRecord("lease", "sigstop", 4, "pod-3", 7, t0=time.time() - 27.0, detail="5 processes")
-    Injector._begins(late, "frozen")
+    injector._begins(late, "frozen")
     assert abs(late.t0 - time.time()) < 1.0
     assert late.detail.startswith("5 processes; frozen 27.") and late.detail.endswith("s after being dealt")
 
     prompt_start = time.time() - 0.2
-    prompt = FaultRecord("lease", "sigstop-sidecar", 5, "pod-1", 8, t0=prompt_start)
-    Injector._begins(prompt, "stopped")
+    prompt = FaultRecord("lease", "sigstop-sidecar", 5, "pod-3", 7, t0=prompt_start)
+    injector._begins(prompt, "stopped")
     assert prompt.detail == "" and prompt.t0 > prompt_start
+
+    answers.samples["pod-1"] = Sample("pod-1", 0.0, 0.0, 200, 8)
+    changed = FaultRecord("lease", "sigkill", 6, "pod-3", 7, t0=time.time() - 5.0)
+    with pytest.raises(CampaignError, match="the leader changed before the fault took effect"):
+        injector._begins(changed, "killed")

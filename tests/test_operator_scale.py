@@ -281,3 +281,18 @@ def test_a_group_in_a_reconcile_is_refreshed_after_it_or_within_the_bound(
     now[0] += RECONCILE_DEFER
     assert groups._due() == {("ns", "busy")}  # a slow reconcile holds it back no longer
     assert groups.marked() == frozenset()
+
+
+async def test_the_deletion_of_an_older_object_of_the_same_name_keeps_the_new_groups_bookkeeping(
+    cluster: Cluster, namespace: str, groups: Groups
+) -> None:
+    """A group deleted and made again under its name: kopf's worker of the old object may
+    handle its DELETED event after the new one's first reconcile. Forgetting by name alone
+    dropped the new group's bookkeeping; only the UID's own is forgotten."""
+    cluster.apply(service("again"), namespace=namespace)
+    body = get_json(cluster, "singletonservice", "again", "-n", namespace)
+    await groups.reconcile(body, new=True)
+    groups.forget(namespace, "again", uid="the-deleted-objects-uid")
+    assert groups.applied[(namespace, "again")] == body["metadata"]["generation"]
+    groups.forget(namespace, "again", uid=body["metadata"]["uid"])
+    assert (namespace, "again") not in groups.applied

@@ -100,6 +100,8 @@ class Groups:
     _forgotten: set[GroupKey] = field(default_factory=set)
     """Groups deleted since the periodic pass began (its listing may still show them)."""
     _in_reconcile: set[GroupKey] = field(default_factory=set)
+    _uids: dict[GroupKey, str] = field(default_factory=dict)
+    """The UID of the object each group's bookkeeping belongs to (its last reconcile's)."""
     _attempted: set[GroupKey] = field(default_factory=set)
     """Groups whose reconcile this process has run (to its end, well or not)."""
     _deferred_since: dict[GroupKey, float] = field(default_factory=dict)
@@ -129,6 +131,7 @@ class Groups:
     async def _reconcile(self, body: dict[str, Any], *, new: bool) -> None:
         key = (body["metadata"]["namespace"], body["metadata"]["name"])
         self.metrics.reconciles.inc()
+        self._uids[key] = str(body["metadata"].get("uid", ""))
         self._in_reconcile.add(key)
         try:
             try:
@@ -194,7 +197,13 @@ class Groups:
         except (SpecError, ReconcileProblem):
             return
 
-    def forget(self, namespace: str, name: str) -> None:
+    def forget(self, namespace: str, name: str, uid: str | None = None) -> None:
+        """Drop what is kept for the group. ``uid``: only if it is still that object's (a group
+        deleted and made again under its name may be reconciled before kopf's worker of the old
+        object handles its DELETED event)."""
+        if uid is not None and self._uids.get((namespace, name), uid) != uid:
+            return
+        self._uids.pop((namespace, name), None)
         self.problems.pop((namespace, name), None)
         self.adopted.pop((namespace, name), None)
         self._readopted.pop((namespace, name), None)

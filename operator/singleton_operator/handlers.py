@@ -87,7 +87,7 @@ def registry(kube_config: KubeConfig,
             progress.forget(uid)
             diffbase.forget(uid)
         if namespace:
-            memo["groups"].forget(namespace, name)
+            memo["groups"].forget(namespace, name, uid=uid)
 
     # Not optional for adopting groups: kopf keeps its finalizer on them until the adopted
     # workload is given back (the group label off its template), so a deleted group never

@@ -12,7 +12,8 @@ which validates the whole custom resource on every write. The state buys nothing
 - a retry's count and delay only matter within one process.
 
 What still goes to the object: kopf's "touch" (a dummy annotation patched when a retry's
-delay is over, to wake kopf's processing of that object with a new event); and nothing else.
+delay is over, to wake kopf's processing of that object with a new event, with kopf's marker
+annotation), and kopf's finalizer where a delete handler needs one (adopting groups).
 Entries are dropped when a handler succeeds (progress) or the object is gone (``forget``).
 """
 

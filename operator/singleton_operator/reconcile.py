@@ -164,9 +164,14 @@ class AccessReviews:
         asking = self._asking.get(key)
         if asking is None:
             asking = self._asking[key] = asyncio.create_task(self._ask(key))
-            asking.add_done_callback(lambda _: self._asking.pop(key, None))
+            asking.add_done_callback(lambda task: self._asked(key, task))
         # Shielded: a waiter cancelled (its reconcile ended) does not cancel the others' answer.
         return await asyncio.shield(asking)
+
+    def _asked(self, key: tuple[str, str, str, str], task: asyncio.Task[bool]) -> None:
+        self._asking.pop(key, None)
+        if not task.cancelled():
+            task.exception()  # retrieved here too: every waiter may have been cancelled meanwhile
 
     async def _ask(self, key: tuple[str, str, str, str]) -> bool:
         namespace, group, resource, verb = key
