@@ -100,11 +100,13 @@ class Groups:
     _forgotten: set[GroupKey] = field(default_factory=set)
     """Groups deleted since the periodic pass began (its listing may still show them)."""
     _in_reconcile: set[GroupKey] = field(default_factory=set)
+    """Groups whose reconcile runs now (their refresh waits: ``RECONCILE_DEFER``)."""
     _uids: dict[GroupKey, str] = field(default_factory=dict)
     """The UID of the object each group's bookkeeping belongs to (its last reconcile's)."""
     _attempted: set[GroupKey] = field(default_factory=set)
     """Groups whose reconcile this process has run (to its end, well or not)."""
     _deferred_since: dict[GroupKey, float] = field(default_factory=dict)
+    """When the refresh of a group in a reconcile was first put off."""
 
     def __post_init__(self) -> None:
         self.access = AccessReviews(self.client)
