@@ -16,7 +16,7 @@ import pytest
 
 from singleton_operator.groups import RECONCILE_DEFER, Groups
 from singleton_operator.metrics import OperatorMetrics
-from singleton_operator.reconcile import ACCESS_REVIEW_TTL, AccessReviews
+from singleton_operator.reconcile import ACCESS_REVIEW_TTL, AccessReviews, cr_path
 from singleton_sidecar import contract
 from singleton_sidecar.kube import KubeClient, KubeUnavailable, load_kube_config
 from tests.conftest import Cluster
@@ -252,7 +252,8 @@ async def test_a_new_group_gets_its_first_status_once_its_first_reconcile_ended(
 ) -> None:
     """A refresh of a group just created, before its first reconcile ended (a pod event marks
     it first), writes nothing: the status would say "not applied yet" and be written again a
-    moment later. The reconcile's end marks it, and that refresh writes it, applied."""
+    moment later. The reconcile's end marks it, and that refresh writes it, applied, from the
+    body and the Deployment the reconcile had: it lists the pods and reads nothing else."""
     cluster.apply(service("fresh"), namespace=namespace)
     make_pod(cluster, namespace, "fresh-a", "leader", 3)
     await groups.refresh(namespace, "fresh")
@@ -260,10 +261,37 @@ async def test_a_new_group_gets_its_first_status_once_its_first_reconcile_ended(
     assert leader_of(cluster, namespace, "fresh") is None
     await groups.reconcile(get_json(cluster, "singletonservice", "fresh", "-n", namespace), new=True)
     assert groups.marked() == {(namespace, "fresh")}
+    calls(groups).clear()
     await groups.refresh(namespace, "fresh")
+    assert calls(groups) == [("GET", f"/api/v1/namespaces/{namespace}/pods"),
+                             ("PATCH", cr_path(namespace, "fresh") + "/status"),
+                             ("POST", f"/api/v1/namespaces/{namespace}/events")]
     body = get_json(cluster, "singletonservice", "fresh", "-n", namespace)
     assert body["status"]["leader"] == "fresh-a"
     assert body["status"]["observedGeneration"] == body["metadata"]["generation"]
+    # Only that once: a later refresh reads the group, its Deployment and its pods.
+    calls(groups).clear()
+    await groups.refresh(namespace, "fresh")
+    assert sorted(method for method, _ in calls(groups)) == ["GET", "GET", "GET"]
+
+
+async def test_a_reconcile_that_starts_before_the_first_refresh_sends_it_to_the_live_reads(
+    cluster: Cluster, namespace: str, groups: Groups
+) -> None:
+    """The body a first reconcile had is stale once another reconcile of the group started
+    (an edit): that refresh reads the group again."""
+    cluster.apply(service("edited"), namespace=namespace)
+    first = get_json(cluster, "singletonservice", "edited", "-n", namespace)
+    await groups.reconcile(first, new=True)
+    cluster.kubectl("patch", "singletonservice", "edited", "-n", namespace, "--type=merge",
+                    "-p", '{"spec": {"replicas": 3}}')
+    edited = get_json(cluster, "singletonservice", "edited", "-n", namespace)
+    await groups.reconcile(edited)
+    calls(groups).clear()
+    await groups.refresh(namespace, "edited")
+    assert ("GET", cr_path(namespace, "edited")) in calls(groups)
+    status = get_json(cluster, "singletonservice", "edited", "-n", namespace)["status"]
+    assert status["observedGeneration"] == edited["metadata"]["generation"] == 2
 
 
 def test_a_group_in_a_reconcile_is_refreshed_after_it_or_within_the_bound(
@@ -274,13 +302,20 @@ def test_a_group_in_a_reconcile_is_refreshed_after_it_or_within_the_bound(
     groups._in_reconcile.add(("ns", "busy"))
     groups.mark("ns", "busy")
     groups.mark("ns", "idle")
-    assert groups._due() == {("ns", "idle")}
+    assert groups._due() == [("ns", "idle")]
     assert groups.marked() == {("ns", "busy")}  # still marked, the refresher kept awake
     now[0] += RECONCILE_DEFER / 2
-    assert groups._due() == set()
+    assert groups._due() == []
     now[0] += RECONCILE_DEFER
-    assert groups._due() == {("ns", "busy")}  # a slow reconcile holds it back no longer
+    assert groups._due() == [("ns", "busy")]  # a slow reconcile holds it back no longer
     assert groups.marked() == frozenset()
+
+
+def test_marked_groups_are_refreshed_in_the_order_they_were_first_marked(groups: Groups) -> None:
+    """In a burst the groups created first get their status first."""
+    for name in ("c", "a", "b", "a", "c"):
+        groups.mark("ns", name)
+    assert groups._due() == [("ns", "c"), ("ns", "a"), ("ns", "b")]
 
 
 async def test_the_deletion_of_an_older_object_of_the_same_name_keeps_the_new_groups_bookkeeping(

@@ -654,3 +654,30 @@ def test_kopfs_state_is_kept_per_object_in_memory_and_nothing_goes_on_the_object
     # A delayed retry still wakes kopf: its touch is a patch of the object.
     progress.touch(body=first, patch=patch, value="2026-11-28T00:00:05")
     assert patch["metadata"]["annotations"][f"{prefix}/touch-dummy"] == "2026-11-28T00:00:05"
+
+
+def test_the_essence_kopf_diffs_is_the_one_its_own_storage_builds() -> None:
+    """MemoryDiffBaseStorage builds it from the spec, labels and annotations only."""
+    import kopf
+
+    from singleton_operator.kopf_state import MemoryDiffBaseStorage
+
+    prefix = "operator.singleton.dev"
+    body = kopf.Body({
+        "apiVersion": "singleton.dev/v1", "kind": "SingletonService",
+        "metadata": {"uid": "u1", "name": "a", "namespace": "ns", "generation": 3, "resourceVersion": "9",
+                     "labels": {"team": "x"},
+                     "annotations": {"note": "kept", f"{prefix}/touch-dummy": "t", f"{prefix}/kopf-managed": "yes",
+                                     "kubectl.kubernetes.io/last-applied-configuration": "{}"},
+                     "managedFields": [{"manager": "kubectl", "operation": "Apply", "fieldsV1": {"f:spec": {}}}]},
+        "spec": {"replicas": 2, "template": {"spec": {"containers": [{"name": "app", "image": "app:1"}]}}},
+        "status": {"leader": "a-0", "observedGeneration": 3}})
+    ours = MemoryDiffBaseStorage(prefix=prefix).build(body=body)
+    assert ours == kopf.AnnotationsDiffBaseStorage(prefix=prefix).build(body=body)
+    assert ours == {"metadata": {"labels": {"team": "x"}, "annotations": {"note": "kept"}},
+                    "spec": {"replicas": 2, "template": {"spec": {"containers": [{"name": "app", "image": "app:1"}]}}}}
+    ours["spec"]["replicas"] = 5  # a copy: later changes of the body's essence do not reach it
+    assert body["spec"]["replicas"] == 2
+    # A handler on other fields (kopf's extra fields) gets kopf's own build.
+    assert MemoryDiffBaseStorage(prefix=prefix).build(body=body, extra_fields=["status.leader"])["status"] == {
+        "leader": "a-0"}

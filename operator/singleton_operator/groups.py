@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from singleton_operator.inject import is_injected
-from singleton_operator.listing import GroupKey, GroupReads, Listing, LiveReads, scopes
+from singleton_operator.listing import GroupKey, GroupReads, JustApplied, Listing, LiveReads, scopes
 from singleton_operator.metrics import OperatorMetrics
 from singleton_operator.reconcile import (
     AccessReviews,
@@ -94,7 +94,9 @@ class Groups:
     applied: dict[GroupKey, int] = field(default_factory=dict)
     """The newest generation of each group whose objects were all applied (for observedGeneration)."""
     _readopted: dict[GroupKey, float] = field(default_factory=dict)
-    _dirty: set[GroupKey] = field(default_factory=set)
+    _dirty: dict[GroupKey, None] = field(default_factory=dict)
+    """The groups marked for a refresh, in the order they were first marked (served in it:
+    in a burst, the groups created first get their status first)."""
     _wake: asyncio.Event = field(default_factory=asyncio.Event)
     _refreshing: asyncio.Lock = field(default_factory=asyncio.Lock)
     _forgotten: set[GroupKey] = field(default_factory=set)
@@ -107,6 +109,9 @@ class Groups:
     """Groups whose reconcile this process has run (to its end, well or not)."""
     _deferred_since: dict[GroupKey, float] = field(default_factory=dict)
     """When the refresh of a group in a reconcile was first put off."""
+    _just_applied: dict[GroupKey, tuple[dict[str, Any], dict[str, Any]]] = field(default_factory=dict)
+    """New template groups whose first reconcile ended well and whose refresh has not run yet:
+    the body and the Deployment that reconcile had (``listing.JustApplied``)."""
 
     def __post_init__(self) -> None:
         self.access = AccessReviews(self.client)
@@ -135,6 +140,7 @@ class Groups:
         self.metrics.reconciles.inc()
         self._uids[key] = str(body["metadata"].get("uid", ""))
         self._in_reconcile.add(key)
+        self._just_applied.pop(key, None)
         try:
             try:
                 workload = await read_workload(self.client, body)
@@ -144,7 +150,7 @@ class Groups:
                 raise ReconcileProblem("InvalidWorkload", str(exc)) from None
             if workload is not None:
                 await self._check_adoption(spec, workload)
-            await reconcile(self.client, spec, self.access, new=new)
+            deployment = await reconcile(self.client, spec, self.access, new=new)
         except SpecError as exc:
             self.problems[key] = ReconcileProblem("InvalidSpec", str(exc))
             self.metrics.reconcile_failed(*key, "InvalidSpec")
@@ -161,6 +167,8 @@ class Groups:
             self.mark(*key)
         self.problems.pop(key, None)
         self.applied[key] = spec.generation
+        if new and deployment is not None:
+            self._just_applied[key] = (body, deployment)
         if workload is not None:
             self.adopted[key] = wanted_adoption(spec)
 
@@ -210,9 +218,10 @@ class Groups:
         self.adopted.pop((namespace, name), None)
         self._readopted.pop((namespace, name), None)
         self.applied.pop((namespace, name), None)
-        self._dirty.discard((namespace, name))
+        self._dirty.pop((namespace, name), None)
         self._deferred_since.pop((namespace, name), None)
         self._attempted.discard((namespace, name))
+        self._just_applied.pop((namespace, name), None)
         self._forgotten.add((namespace, name))
         self.metrics.forget(namespace, name)
 
@@ -222,7 +231,7 @@ class Groups:
 
     def mark(self, namespace: str, name: str) -> None:
         """Refresh this group's status soon."""
-        self._dirty.add((namespace, name))
+        self._dirty.setdefault((namespace, name))
         self._wake.set()
 
     async def run_refresher(self) -> None:
@@ -238,16 +247,17 @@ class Groups:
             if any(failed):
                 await asyncio.sleep(1.0)
 
-    def _due(self) -> set[GroupKey]:
+    def _due(self) -> list[GroupKey]:
         """The marked groups to refresh now; those in a reconcile stay marked (and the
         refresher awake) for up to ``RECONCILE_DEFER``."""
-        now, due = time.monotonic(), set()
+        now, due = time.monotonic(), []
         for key in self._dirty:
             if key in self._in_reconcile and now - self._deferred_since.setdefault(key, now) < RECONCILE_DEFER:
                 continue
             self._deferred_since.pop(key, None)
-            due.add(key)
-        self._dirty -= due
+            due.append(key)
+        for key in due:
+            del self._dirty[key]
         if self._dirty:
             self._wake.set()
         return due
@@ -309,6 +319,11 @@ class Groups:
                     self.mark(*key)
 
     async def refresh(self, namespace: str, name: str) -> None:
+        just_applied = self._just_applied.pop((namespace, name), None)
+        if just_applied is not None:
+            body, deployment = just_applied
+            await self._refresh(body, JustApplied(self.client, deployment), live=True)
+            return
         try:
             body = await self.client.request("GET", cr_path(namespace, name), timeout=CALL_TIMEOUT)
         except KubeNotFound:

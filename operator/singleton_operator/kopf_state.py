@@ -20,7 +20,8 @@ Entries are dropped when a handler succeeds (progress) or the object is gone (``
 from __future__ import annotations
 
 import copy
-from typing import Any
+from collections.abc import Iterable
+from typing import Any, cast
 
 import kopf
 
@@ -32,6 +33,18 @@ class MemoryDiffBaseStorage(kopf.AnnotationsDiffBaseStorage):
     def __init__(self, *, prefix: str) -> None:
         super().__init__(prefix=prefix)
         self._essences: dict[str, Any] = {}
+
+    def build(self, *, body: kopf.Body, extra_fields: Iterable[Any] | None = None) -> kopf.BodyEssence:
+        # kopf deep-copies the whole body, managedFields and status too, then keeps the spec,
+        # the labels and the annotations: handed only those, it copies a fraction of it
+        # (measured: 10 % of the operator's CPU with 500 groups created together).
+        fields = list(extra_fields or [])
+        if fields:  # a handler watching other fields (none of ours do)
+            return super().build(body=body, extra_fields=fields)
+        metadata = body.get("metadata") or {}
+        kept: dict[str, Any] = {key: value for key, value in body.items() if key not in ("metadata", "status")}
+        kept["metadata"] = {key: metadata[key] for key in ("labels", "annotations") if key in metadata}
+        return super().build(body=kopf.Body(cast(kopf.RawBody, kept)))
 
     def fetch(self, *, body: kopf.Body) -> kopf.BodyEssence | None:
         essence = self._essences.get(str(body.metadata.uid))
