@@ -112,6 +112,9 @@ class Groups:
     _just_applied: dict[GroupKey, tuple[dict[str, Any], dict[str, Any]]] = field(default_factory=dict)
     """New template groups whose first reconcile ended well and whose refresh has not run yet:
     the body and the Deployment that reconcile had (``listing.JustApplied``)."""
+    _status_written: set[GroupKey] = field(default_factory=set)
+    """Groups whose status this process wrote (a new group's body kopf handed over before is
+    stale: the periodic pass may write a status while a burst's reconciles queue)."""
 
     def __post_init__(self) -> None:
         self.access = AccessReviews(self.client)
@@ -167,7 +170,7 @@ class Groups:
             self.mark(*key)
         self.problems.pop(key, None)
         self.applied[key] = spec.generation
-        if new and deployment is not None:
+        if new and deployment is not None and key not in self._status_written:
             self._just_applied[key] = (body, deployment)
         if workload is not None:
             self.adopted[key] = wanted_adoption(spec)
@@ -222,6 +225,7 @@ class Groups:
         self._deferred_since.pop((namespace, name), None)
         self._attempted.discard((namespace, name))
         self._just_applied.pop((namespace, name), None)
+        self._status_written.discard((namespace, name))
         self._forgotten.add((namespace, name))
         self.metrics.forget(namespace, name)
 
@@ -349,6 +353,7 @@ class Groups:
             reason = (exc.reason if isinstance(exc, ReconcileProblem)
                       else "InvalidWorkload" if isinstance(exc, WorkloadSpecError) else "InvalidSpec")
             if await write_spec_error(self.client, body, str(exc), reason):
+                self._status_written.add((namespace, name))
                 self.metrics.status_updates.inc()
             return
         key = (namespace, name)
@@ -368,6 +373,7 @@ class Groups:
         observed = await reads.observed(spec, self.problems.get(key), self.applied.get(key))
         leader_changes = self.metrics.leader_changes.labels(namespace, name)  # exported from 0 on
         if await write_status(self.client, spec, body.get("status") or {}, observed):
+            self._status_written.add(key)
             self.metrics.status_updates.inc()
             # The same rule as write_status's LeaderChanged Event.
             leader = find_leader(observed.pods)
