@@ -1,11 +1,12 @@
 """What each of the operator's requests for a new group costs the API server, in CPU.
 
-    .venv/bin/python -m benchmarks.api_costs [--groups 500] [--runs 3]
+    .venv/bin/python -m benchmarks.api_costs [--groups 500] [--runs 3] [--as-chart-account]
 
 Starts the test bed's etcd and kube-apiserver (no controllers, no node, no operator), creates
 ``--groups`` SingletonServices and a pod for each, then sends, kind after kind, the requests the
 operator makes for a group (built by the operator's own code: its objects, its status, its
-Event), one per group and 16 in flight as the operator sends them, and reads the CPU seconds
+Event), one per group and 16 in flight as the operator sends them (as the admin user, or with
+``--as-chart-account`` as the operator's ServiceAccount with the chart's RBAC), and reads the CPU seconds
 the API server and etcd used for each kind (``/proc/<pid>/stat``). Prints, per kind, the
 median over runs of the API server's CPU milliseconds per request.
 
@@ -27,6 +28,7 @@ from benchmarks.operator_scale import (
     CR_PATH,
     NAMESPACE,
     bounded,
+    chart_account,
     control_plane,
     cr_body,
     group_name,
@@ -81,12 +83,13 @@ def request_kinds(client: KubeClient, specs: dict[str, GroupSpec]) -> list[tuple
     ]
 
 
-async def run_once(plane: ControlPlane, groups: int) -> dict[str, float]:
+async def run_once(plane: ControlPlane, groups: int, as_chart_account: bool = False) -> dict[str, float]:
     """API server CPU milliseconds per request, by kind."""
     assert plane.apiserver is not None
     names = [group_name(i) for i in range(groups)]
     costs: dict[str, float] = {}
-    async with KubeClient(load_kube_config(str(plane.info.kubeconfig)), user_agent="api-costs") as client:
+    kubeconfig = chart_account(plane, plane.workdir) if as_chart_account else plane.info.kubeconfig
+    async with KubeClient(load_kube_config(str(kubeconfig)), user_agent="api-costs") as client:
         await bounded(50, [client.request("POST", CR_PATH, body=cr_body(n), timeout=30) for n in names])
         await bounded(50, [make_pod(client, n, "a", "leader", 1) for n in names])
         specs = {n: read_spec(await client.request("GET", f"{CR_PATH}/{n}", timeout=30),
@@ -103,6 +106,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--groups", type=int, default=500, help="SingletonServices, one request of each kind "
                         "per group (default 500)")
     parser.add_argument("--runs", type=int, default=3, help="runs, each on a fresh control plane (default 3)")
+    parser.add_argument("--as-chart-account", action="store_true",
+                        help="send them as the operator's ServiceAccount with the chart's RBAC "
+                        "(default: the admin user)")
     args = parser.parse_args(argv)
     if args.groups < 1 or args.runs < 1:
         parser.error("--groups and --runs must be at least 1")
@@ -110,9 +116,10 @@ def main(argv: list[str] | None = None) -> int:
     for run in range(args.runs):
         print(f"run {run + 1}/{args.runs}", flush=True)
         with control_plane() as plane:
-            runs.append(asyncio.run(run_once(plane, args.groups)))
-    print(f"\nAPI server CPU per request, ms ({args.groups} of each, {PARALLEL} in flight; median, min, max "
-          f"of {args.runs} run(s)):")
+            runs.append(asyncio.run(run_once(plane, args.groups, args.as_chart_account)))
+    whom = "the operator's ServiceAccount, the chart's RBAC" if args.as_chart_account else "the admin user"
+    print(f"\nAPI server CPU per request, ms ({args.groups} of each, {PARALLEL} in flight, as {whom}; median, "
+          f"min, max of {args.runs} run(s)):")
     for label in runs[0]:
         values = [r[label] for r in runs]
         print(f"  {label:<42} {statistics.median(values):6.2f}  ({min(values):.2f}..{max(values):.2f})")

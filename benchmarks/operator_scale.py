@@ -1,12 +1,14 @@
 """The operator's own work with many SingletonServices (issue 15's "operator at scale").
 
     .venv/bin/python -m benchmarks.operator_scale --groups 500 [--runs 1] [--rest-seconds 60] [--rate 50]
+        [--as-chart-account]
 
 Starts the test bed's etcd + kube-apiserver (no controllers, no node) and one real operator
-process (``singleton-operator run --kubeconfig``). Each group gets two pods made by this script
-before its SingletonService exists, as a ReplicaSet, a kubelet and the sidecars would have left
-them: Ready, one saying ``leader`` (token 1), one ``standby``. So the operator's work is all that
-is measured, and the pods "run" from the start. Then:
+process (``singleton-operator run --kubeconfig``), as the admin user, or with
+``--as-chart-account`` as the ServiceAccount and RBAC the chart makes for it. Each group gets
+two pods made by this script before its SingletonService exists, as a ReplicaSet, a kubelet and
+the sidecars would have left them: Ready, one saying ``leader`` (token 1), one ``standby``. So
+the operator's work is all that is measured, and the pods "run" from the start. Then:
 - create -> status with a leader: all SingletonServices created at once (``--parallel`` requests
   in flight), or ``--rate`` a second as a GitOps tool's client-side rate limit sends them; per
   group, the create's answer -> the watch showing ``status.leader`` with the group's generation
@@ -41,11 +43,13 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+import yaml
+
 from benchmarks.failover import cpu_seconds, percentile, rss_mb
 from singleton_sidecar import contract
 from singleton_sidecar.kube import KubeClient, KubeError, load_kube_config
 from singleton_testbed.binaries import add_to_path, find_all
-from singleton_testbed.controlplane import ControlPlane, wait_established
+from singleton_testbed.controlplane import ControlPlane, wait_established, write_kubeconfig
 from singleton_testbed.procs import free_port
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -172,6 +176,7 @@ class Operator:
     """The operator as a process, as ``tests/operators.py`` runs it."""
 
     def __init__(self, kubeconfig: Path, workdir: Path) -> None:
+        """``kubeconfig``: whom the operator runs as (the admin's, or ``chart_account``'s)."""
         self.port = free_port()
         self.log = workdir / "operator.log"
         argv = [sys.executable, "-m", "singleton_operator.cli", "run", "--kubeconfig", str(kubeconfig),
@@ -230,6 +235,25 @@ def control_plane() -> Iterator[ControlPlane]:
         yield plane
     finally:
         plane.stop()
+
+
+def chart_account(plane: ControlPlane, workdir: Path) -> Path:
+    """A kubeconfig for the operator's ServiceAccount as the chart makes it (its ClusterRole, its
+    Role for the Lease), so that the API server checks the operator's requests as in a cluster:
+    RBAC, and for each Role and RoleBinding it applies, that it holds what it grants (the
+    chart gives it no "escalate" or "bind"). The admin user skips those checks."""
+    rendered = subprocess.run(
+        ["helm", "template", "singleton", str(ROOT / "charts" / "singleton"), "--namespace", NAMESPACE,
+         "--show-only", "templates/serviceaccount.yaml", "--show-only", "templates/clusterrole.yaml",
+         "--show-only", "templates/role.yaml"],
+        capture_output=True, text=True, check=True).stdout
+    plane.kubectl("apply", "-f", "-", input_text=rendered)
+    account = next(d["metadata"]["name"] for d in yaml.safe_load_all(rendered) if d and d["kind"] == "ServiceAccount")
+    token = plane.kubectl("create", "token", account, "-n", NAMESPACE, "--duration", "6h").stdout.strip()
+    path = workdir / "operator.kubeconfig"
+    write_kubeconfig(path, server=plane.info.server, ca_file=plane.info.ca_file, token=token,
+                     user=f"system:serviceaccount:{NAMESPACE}:{account}")
+    return path
 
 
 @contextlib.asynccontextmanager
@@ -323,14 +347,15 @@ class Bench:
 
 
 async def run_once(plane: ControlPlane, *, groups: int, parallel: int, rest_seconds: float, changes: int,
-                   one_more: int, workdir: Path, rate: float | None = None) -> RunResult:
+                   one_more: int, workdir: Path, rate: float | None = None,
+                   as_chart_account: bool = False) -> RunResult:
     result = RunResult(groups=groups, rate=rate)
     names = [group_name(i) for i in range(groups)]
     async with KubeClient(load_kube_config(str(plane.info.kubeconfig)), user_agent="bench") as client:
         await bounded(parallel, [make_pod(client, n, s, role, token) for n in names
                                  for s, role, token in (("a", contract.ROLE_LEADER, 1),
                                                         ("b", contract.ROLE_STANDBY, None))])
-        operator = Operator(plane.info.kubeconfig, workdir)
+        operator = Operator(chart_account(plane, workdir) if as_chart_account else plane.info.kubeconfig, workdir)
         try:
             deadline = time.monotonic() + 60
             while not operator.leading():
@@ -383,6 +408,8 @@ def main(argv: list[str] | None = None) -> int:
                         help="groups then created one at a time beside the others (default 20)")
     parser.add_argument("--rate", type=float, default=None, metavar="PER_SECOND",
                         help="create the groups at this many a second (default: all at once)")
+    parser.add_argument("--as-chart-account", action="store_true",
+                        help="run the operator as the chart's ServiceAccount and RBAC (default: the admin user)")
     parser.add_argument("--json", type=Path, default=None, metavar="FILE", help="also write every figure here")
     args = parser.parse_args(argv)
     if min(args.groups, args.runs, args.parallel, args.changes, args.one_more) < 1 or args.rest_seconds <= 0:
@@ -398,7 +425,7 @@ def main(argv: list[str] | None = None) -> int:
             results.append(asyncio.run(run_once(plane, groups=args.groups, parallel=args.parallel,
                                                 rest_seconds=args.rest_seconds, changes=args.changes,
                                                 one_more=args.one_more, workdir=workdir,
-                                                rate=args.rate)))
+                                                rate=args.rate, as_chart_account=args.as_chart_account)))
     report(results)
     if args.json:
         args.json.write_text(json.dumps([asdict(r) for r in results], indent=1))

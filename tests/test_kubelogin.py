@@ -194,8 +194,7 @@ def test_the_operator_logs_in_through_exec_and_renews_the_token(cluster: Cluster
         second = _token_bound_to_secret(cluster, namespace, account, "second-login")
         token_file, calls_file = tmp_path / "token", tmp_path / "calls"
         token_file.write_text(first)
-        # Within the loader's five minutes of skew: the operator asks the plugin again whenever
-        # it last asked TOKEN_REUSE seconds ago or more.
+        # Within the loader's five minutes of skew: every request asks the plugin again.
         expires = (dt.datetime.now(dt.UTC) + dt.timedelta(minutes=4)).strftime("%Y-%m-%dT%H:%M:%SZ")
         kubeconfig = exec_kubeconfig(cluster, tmp_path / "op.kubeconfig", token_file=token_file,
                                      namespace=namespace, calls_file=calls_file, expires=expires)
@@ -205,11 +204,11 @@ def test_the_operator_logs_in_through_exec_and_renews_the_token(cluster: Cluster
         _apply_group(cluster, namespace, "before")
         wait_for(lambda: _deployment_exists(cluster, namespace, "before"), 30, "the first group reconciled", 0.2)
         # Revoke the first token (its Secret goes) and let the plugin hand out the second.
-        called = calls(calls_file)
         token_file.write_text(second)
         cluster.kubectl("delete", "secret", "first-login", "-n", namespace)
         wait_for(lambda: not _accepted(cluster, first, namespace), 10, "the first token to be refused", 0.2)
         assert _accepted(cluster, second, namespace)
+        called = calls(calls_file)
         _apply_group(cluster, namespace, "after")
         wait_for(lambda: _deployment_exists(cluster, namespace, "after"), 60, "the second group reconciled", 0.2)
         assert calls(calls_file) > called
@@ -264,29 +263,39 @@ def test_the_operator_refuses_an_https_proxy_in_one_line(cluster: Cluster) -> No
         "(the connection to the API server is TLS inside the proxy's tunnel)")
 
 
-def test_a_token_is_asked_of_the_loader_again_only_after_the_reuse_window(
-        monkeypatch: pytest.MonkeyPatch) -> None:
-    """The loader's refresh hook rebuilds its configuration on every call: a token is reused
-    for TOKEN_REUSE seconds, then asked for again (and a renewed one handed out)."""
-    from singleton_operator import kubelogin
+class _Configuration:
+    """The official client's Configuration as far as Resolved asks it: a refresh hook that
+    hands out a new token whenever it is called."""
 
-    class Configuration:
-        def __init__(self) -> None:
-            self.calls = 0
+    def __init__(self) -> None:
+        self.calls = 0
 
-        def get_api_key_with_prefix(self, key: str) -> str:
-            assert key == "BearerToken"
-            self.calls += 1
-            return f"Bearer token-{self.calls}"
+    def get_api_key_with_prefix(self, key: str) -> str:
+        assert key == "BearerToken"
+        self.calls += 1
+        return f"Bearer token-{self.calls}"
 
-    clock = [100.0]
-    monkeypatch.setattr(kubelogin.time, "monotonic", lambda: clock[0])
-    configuration = Configuration()
-    resolved = kubelogin.Resolved(configuration=configuration, namespace="default", context="test")
+
+class _Loader:
+    pass
+
+
+def test_a_token_the_loader_never_renews_is_asked_for_once() -> None:
+    """The refresh hook rebuilds the loader's configuration on every call, and renews only a
+    token with an expiry: one without is kept; one with is asked for every time (so kopf,
+    logging in again on a 401, gets what the loader has now)."""
+    from singleton_operator.kubelogin import Resolved
+
+    static = _Configuration()
+    resolved = Resolved(configuration=static, namespace="default", context="test", loader=_Loader())
     assert [resolved.bearer_token() for _ in range(3)] == ["token-1"] * 3
-    clock[0] += kubelogin.TOKEN_REUSE - 0.01
-    assert resolved.bearer_token() == "token-1"
-    assert configuration.calls == 1
-    clock[0] += 0.01
-    assert resolved.bearer_token() == "token-2"
-    assert configuration.calls == 2
+    assert static.calls == 1
+
+    expiring, loader = _Configuration(), _Loader()
+    loader.expiry = dt.datetime.now(dt.UTC) + dt.timedelta(minutes=4)  # type: ignore[attr-defined]
+    resolved = Resolved(configuration=expiring, namespace="default", context="test", loader=loader)
+    assert [resolved.bearer_token() for _ in range(3)] == ["token-1", "token-2", "token-3"]
+
+    in_a_pod = _Configuration()  # the official client re-reads the projected token file itself
+    resolved = Resolved(configuration=in_a_pod, namespace="default", context=None)
+    assert [resolved.bearer_token() for _ in range(2)] == ["token-1", "token-2"]

@@ -16,7 +16,7 @@ import pytest
 
 from singleton_operator.groups import RECONCILE_DEFER, Groups
 from singleton_operator.metrics import OperatorMetrics
-from singleton_operator.reconcile import ACCESS_REVIEW_TTL, AccessReviews, cr_path
+from singleton_operator.reconcile import ACCESS_REVIEW_TTL, AccessReviews
 from singleton_sidecar import contract
 from singleton_sidecar.kube import KubeClient, KubeUnavailable, load_kube_config
 from tests.conftest import Cluster
@@ -252,8 +252,7 @@ async def test_a_new_group_gets_its_first_status_once_its_first_reconcile_ended(
 ) -> None:
     """A refresh of a group just created, before its first reconcile ended (a pod event marks
     it first), writes nothing: the status would say "not applied yet" and be written again a
-    moment later. The reconcile's end marks it, and that refresh writes it, applied, from the
-    body and the Deployment the reconcile had: it lists the pods and reads nothing else."""
+    moment later. The reconcile's end marks it, and that refresh writes it, applied."""
     cluster.apply(service("fresh"), namespace=namespace)
     make_pod(cluster, namespace, "fresh-a", "leader", 3)
     await groups.refresh(namespace, "fresh")
@@ -261,58 +260,10 @@ async def test_a_new_group_gets_its_first_status_once_its_first_reconcile_ended(
     assert leader_of(cluster, namespace, "fresh") is None
     await groups.reconcile(get_json(cluster, "singletonservice", "fresh", "-n", namespace), new=True)
     assert groups.marked() == {(namespace, "fresh")}
-    calls(groups).clear()
     await groups.refresh(namespace, "fresh")
-    assert calls(groups) == [("GET", f"/api/v1/namespaces/{namespace}/pods"),
-                             ("PATCH", cr_path(namespace, "fresh") + "/status"),
-                             ("POST", f"/api/v1/namespaces/{namespace}/events")]
     body = get_json(cluster, "singletonservice", "fresh", "-n", namespace)
     assert body["status"]["leader"] == "fresh-a"
     assert body["status"]["observedGeneration"] == body["metadata"]["generation"]
-    # Only that once: a later refresh reads the group, its Deployment and its pods (and writes
-    # the status again if the Deployment's controller has changed its status since).
-    calls(groups).clear()
-    await groups.refresh(namespace, "fresh")
-    assert sorted(path for method, path in calls(groups) if method == "GET") == sorted([
-        cr_path(namespace, "fresh"), f"/api/v1/namespaces/{namespace}/pods",
-        f"/apis/apps/v1/namespaces/{namespace}/deployments/fresh"])
-
-
-async def test_a_reconcile_that_starts_before_the_first_refresh_sends_it_to_the_live_reads(
-    cluster: Cluster, namespace: str, groups: Groups
-) -> None:
-    """The body a first reconcile had is stale once another reconcile of the group started
-    (an edit): that refresh reads the group again."""
-    cluster.apply(service("edited"), namespace=namespace)
-    first = get_json(cluster, "singletonservice", "edited", "-n", namespace)
-    await groups.reconcile(first, new=True)
-    cluster.kubectl("patch", "singletonservice", "edited", "-n", namespace, "--type=merge",
-                    "-p", '{"spec": {"replicas": 3}}')
-    edited = get_json(cluster, "singletonservice", "edited", "-n", namespace)
-    await groups.reconcile(edited)
-    calls(groups).clear()
-    await groups.refresh(namespace, "edited")
-    assert ("GET", cr_path(namespace, "edited")) in calls(groups)
-    status = get_json(cluster, "singletonservice", "edited", "-n", namespace)["status"]
-    assert status["observedGeneration"] == edited["metadata"]["generation"] == 2
-
-
-async def test_a_status_the_pass_wrote_during_the_first_reconcile_sends_its_refresh_to_the_live_reads(
-    cluster: Cluster, namespace: str, groups: Groups
-) -> None:
-    """The body kopf handed the first reconcile has no status; once the periodic pass wrote one
-    (a burst's reconciles queue for seconds), that body is stale: written again from it, the
-    status would lose its transition times and the group would get a second LeaderChanged."""
-    cluster.apply(service("passed"), namespace=namespace)
-    make_pod(cluster, namespace, "passed-a", "leader", 4)
-    body = get_json(cluster, "singletonservice", "passed", "-n", namespace)
-    await groups.refresh_scope(namespace)
-    assert leader_of(cluster, namespace, "passed") == "passed-a"
-    await groups.reconcile(body, new=True)
-    calls(groups).clear()
-    await groups.refresh(namespace, "passed")
-    assert ("GET", cr_path(namespace, "passed")) in calls(groups)
-    assert not [p for m, p in calls(groups) if m == "POST" and p.endswith("/events")]
 
 
 def test_a_group_in_a_reconcile_is_refreshed_after_it_or_within_the_bound(

@@ -6,7 +6,7 @@ import argparse
 import datetime as dt
 import decimal
 import re
-from typing import Any
+from typing import Any, cast
 
 import pytest
 
@@ -657,13 +657,13 @@ def test_kopfs_state_is_kept_per_object_in_memory_and_nothing_goes_on_the_object
 
 
 def test_the_essence_kopf_diffs_is_the_one_its_own_storage_builds() -> None:
-    """MemoryDiffBaseStorage builds it from the spec, labels and annotations only."""
+    """MemoryDiffBaseStorage builds it from the spec, labels, annotations and owner references only."""
     import kopf
 
     from singleton_operator.kopf_state import MemoryDiffBaseStorage
 
     prefix = "operator.singleton.dev"
-    body = kopf.Body({
+    raw: dict[str, Any] = {
         "apiVersion": "singleton.dev/v1", "kind": "SingletonService",
         "metadata": {"uid": "u1", "name": "a", "namespace": "ns", "generation": 3, "resourceVersion": "9",
                      "labels": {"team": "x"},
@@ -671,13 +671,24 @@ def test_the_essence_kopf_diffs_is_the_one_its_own_storage_builds() -> None:
                                      "kubectl.kubernetes.io/last-applied-configuration": "{}"},
                      "managedFields": [{"manager": "kubectl", "operation": "Apply", "fieldsV1": {"f:spec": {}}}]},
         "spec": {"replicas": 2, "template": {"spec": {"containers": [{"name": "app", "image": "app:1"}]}}},
-        "status": {"leader": "a-0", "observedGeneration": 3}})
+        "status": {"leader": "a-0", "observedGeneration": 3}}
+    body = kopf.Body(cast(kopf.RawBody, raw))
     ours = MemoryDiffBaseStorage(prefix=prefix).build(body=body)
     assert ours == kopf.AnnotationsDiffBaseStorage(prefix=prefix).build(body=body)
     assert ours == {"metadata": {"labels": {"team": "x"}, "annotations": {"note": "kept"}},
                     "spec": {"replicas": 2, "template": {"spec": {"containers": [{"name": "app", "image": "app:1"}]}}}}
     ours["spec"]["replicas"] = 5  # a copy: later changes of the body's essence do not reach it
     assert body["spec"]["replicas"] == 2
+    # kopf names its annotations after the owner of a Deployment's ReplicaSet.
+    owned: dict[str, Any] = {
+        "apiVersion": "apps/v1", "kind": "ReplicaSet",
+        "metadata": {"name": "rs", "ownerReferences": [{"kind": "Deployment", "name": "d", "uid": "u"}],
+                     "annotations": {f"{prefix}/last-handled-configuration": "{}",
+                                     f"{prefix}/last-handled-configuration-ofDRS": "{}"}},
+        "spec": {"replicas": 1}}
+    replica_set = kopf.Body(cast(kopf.RawBody, owned))
+    assert MemoryDiffBaseStorage(prefix=prefix).build(body=replica_set) == kopf.AnnotationsDiffBaseStorage(
+        prefix=prefix).build(body=replica_set)
     # A handler on other fields (kopf's extra fields) gets kopf's own build.
     assert MemoryDiffBaseStorage(prefix=prefix).build(body=body, extra_fields=["status.leader"])["status"] == {
         "leader": "a-0"}

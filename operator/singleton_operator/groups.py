@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from singleton_operator.inject import is_injected
-from singleton_operator.listing import GroupKey, GroupReads, JustApplied, Listing, LiveReads, scopes
+from singleton_operator.listing import GroupKey, GroupReads, Listing, LiveReads, scopes
 from singleton_operator.metrics import OperatorMetrics
 from singleton_operator.reconcile import (
     AccessReviews,
@@ -109,12 +109,6 @@ class Groups:
     """Groups whose reconcile this process has run (to its end, well or not)."""
     _deferred_since: dict[GroupKey, float] = field(default_factory=dict)
     """When the refresh of a group in a reconcile was first put off."""
-    _just_applied: dict[GroupKey, tuple[dict[str, Any], dict[str, Any]]] = field(default_factory=dict)
-    """New template groups whose first reconcile ended well and whose refresh has not run yet:
-    the body and the Deployment that reconcile had (``listing.JustApplied``)."""
-    _status_written: set[GroupKey] = field(default_factory=set)
-    """Groups whose status this process wrote (a new group's body kopf handed over before is
-    stale: the periodic pass may write a status while a burst's reconciles queue)."""
 
     def __post_init__(self) -> None:
         self.access = AccessReviews(self.client)
@@ -143,7 +137,6 @@ class Groups:
         self.metrics.reconciles.inc()
         self._uids[key] = str(body["metadata"].get("uid", ""))
         self._in_reconcile.add(key)
-        self._just_applied.pop(key, None)
         try:
             try:
                 workload = await read_workload(self.client, body)
@@ -153,7 +146,7 @@ class Groups:
                 raise ReconcileProblem("InvalidWorkload", str(exc)) from None
             if workload is not None:
                 await self._check_adoption(spec, workload)
-            deployment = await reconcile(self.client, spec, self.access, new=new)
+            await reconcile(self.client, spec, self.access, new=new)
         except SpecError as exc:
             self.problems[key] = ReconcileProblem("InvalidSpec", str(exc))
             self.metrics.reconcile_failed(*key, "InvalidSpec")
@@ -170,8 +163,6 @@ class Groups:
             self.mark(*key)
         self.problems.pop(key, None)
         self.applied[key] = spec.generation
-        if new and deployment is not None and key not in self._status_written:
-            self._just_applied[key] = (body, deployment)
         if workload is not None:
             self.adopted[key] = wanted_adoption(spec)
 
@@ -224,8 +215,6 @@ class Groups:
         self._dirty.pop((namespace, name), None)
         self._deferred_since.pop((namespace, name), None)
         self._attempted.discard((namespace, name))
-        self._just_applied.pop((namespace, name), None)
-        self._status_written.discard((namespace, name))
         self._forgotten.add((namespace, name))
         self.metrics.forget(namespace, name)
 
@@ -323,11 +312,6 @@ class Groups:
                     self.mark(*key)
 
     async def refresh(self, namespace: str, name: str) -> None:
-        just_applied = self._just_applied.pop((namespace, name), None)
-        if just_applied is not None:
-            body, deployment = just_applied
-            await self._refresh(body, JustApplied(self.client, deployment), live=True)
-            return
         try:
             body = await self.client.request("GET", cr_path(namespace, name), timeout=CALL_TIMEOUT)
         except KubeNotFound:
@@ -353,7 +337,6 @@ class Groups:
             reason = (exc.reason if isinstance(exc, ReconcileProblem)
                       else "InvalidWorkload" if isinstance(exc, WorkloadSpecError) else "InvalidSpec")
             if await write_spec_error(self.client, body, str(exc), reason):
-                self._status_written.add((namespace, name))
                 self.metrics.status_updates.inc()
             return
         key = (namespace, name)
@@ -373,7 +356,6 @@ class Groups:
         observed = await reads.observed(spec, self.problems.get(key), self.applied.get(key))
         leader_changes = self.metrics.leader_changes.labels(namespace, name)  # exported from 0 on
         if await write_status(self.client, spec, body.get("status") or {}, observed):
-            self._status_written.add(key)
             self.metrics.status_updates.inc()
             # The same rule as write_status's LeaderChanged Event.
             leader = find_leader(observed.pods)

@@ -36,14 +36,16 @@ class MemoryDiffBaseStorage(kopf.AnnotationsDiffBaseStorage):
 
     def build(self, *, body: kopf.Body, extra_fields: Iterable[Any] | None = None) -> kopf.BodyEssence:
         # kopf deep-copies the whole body, managedFields and status too, then keeps the spec,
-        # the labels and the annotations: handed only those, it copies a fraction of it
+        # the labels and the annotations: handed little more than those, it copies a fraction
         # (measured: 10 % of the operator's CPU with 500 groups created together).
         fields = list(extra_fields or [])
         if fields:  # a handler watching other fields (none of ours do)
             return super().build(body=body, extra_fields=fields)
         metadata = body.get("metadata") or {}
         kept: dict[str, Any] = {key: value for key, value in body.items() if key not in ("metadata", "status")}
-        kept["metadata"] = {key: metadata[key] for key in ("labels", "annotations") if key in metadata}
+        # Owner references: kopf names its annotations after them (a Deployment's ReplicaSet).
+        kept["metadata"] = {key: metadata[key] for key in ("labels", "annotations", "ownerReferences")
+                            if key in metadata}
         return super().build(body=kopf.Body(cast(kopf.RawBody, kept)))
 
     def fetch(self, *, body: kopf.Body) -> kopf.BodyEssence | None:

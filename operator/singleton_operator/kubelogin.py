@@ -11,9 +11,9 @@ operator's own aiohttp client (a ``KubeConfig`` whose token comes from here) sha
 Expiring credentials (an exec plugin's ``expirationTimestamp``, an OIDC ``id-token``) are
 renewed by the loader's refresh hook whenever a token is asked for after they expired (it
 counts a token as expired five minutes early), so every caller asks for the token per request.
-``Resolved`` hands out the token it last got for up to ``TOKEN_REUSE`` seconds: the hook
+A token without an expiry never changes (the hook renews only expiring ones), but the hook
 rebuilds the loader's whole configuration on every call (measured: 7 % of the operator's CPU
-with 500 groups created together), and a token within minutes of its expiry is still good.
+with 500 groups created together): ``Resolved`` keeps such a token after the first ask.
 """
 
 from __future__ import annotations
@@ -22,7 +22,6 @@ import collections
 import datetime as dt
 import logging
 import os
-import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -35,9 +34,6 @@ from kubernetes.config import kube_config as k8s_kube_config
 from singleton_sidecar.kube import SERVICE_ACCOUNT_DIR, KubeConfig
 
 __all__ = ["ConfigException", "KubeLoginError", "Resolved", "resolve"]
-
-TOKEN_REUSE = 5.0
-"""Seconds a token is handed out again without asking the loader (see the module docstring)."""
 
 
 class KubeLoginError(Exception):
@@ -77,18 +73,21 @@ class Resolved:
     """The kubeconfig context used; None in a pod."""
     loader: Any = field(default=None, repr=False)
     """The ``KubeConfigLoader`` (for the credential's expiry), None in a pod."""
-    _token: tuple[float, str | None] | None = field(default=None, init=False, repr=False)
-    """When the loader last gave a token, and that token."""
+    _unchanging: tuple[str | None] | None = field(default=None, init=False, repr=False, compare=False)
+    """The token, once known never to change (the kubeconfig's loader, no expiry)."""
 
     def bearer_token(self) -> str | None:
         """The current bearer token, renewed first if it expired; None without one."""
-        now = time.monotonic()
-        if self._token is not None and now - self._token[0] < TOKEN_REUSE:
-            return self._token[1]
+        if self._unchanging is not None:
+            return self._unchanging[0]
         header = self.configuration.get_api_key_with_prefix("BearerToken")
-        scheme, _, token = str(header or "").partition(" ")
-        self._token = (now, token if scheme.lower() == "bearer" and token else None)
-        return self._token[1]
+        scheme, _, found = str(header or "").partition(" ")
+        token = found if scheme.lower() == "bearer" and found else None
+        # The loader's hook renews a token only once its expiry is near; in a pod (no loader),
+        # the official client re-reads the projected token file now and then.
+        if self.loader is not None and "expiry" not in vars(self.loader):
+            self._unchanging = (token,)
+        return token
 
     def expiration(self) -> dt.datetime | None:
         """When the current credential expires, if the kubeconfig says so."""

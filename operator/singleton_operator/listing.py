@@ -1,9 +1,7 @@
-"""What a group's status is computed from, read three ways behind one small interface.
+"""What a group's status is computed from, read two ways behind one small interface.
 
 ``LiveReads`` asks the API server about one group (three requests): what a refresh after an
-event of that group uses. ``JustApplied`` is a new group's first refresh, right after its
-first reconcile: its body and Deployment as that reconcile had them, its pods listed (one
-request, two less for each group of a burst). ``Listing`` reads every group of a scope with one request per kind
+event of that group uses. ``Listing`` reads every group of a scope with one request per kind
 (SingletonServices, their pods, the Deployments the operator made, and the adopted workloads'
 kinds per namespace): what the periodic pass over all groups uses, so that an operator with
 hundreds of idle groups makes a handful of requests per pass instead of three per group.
@@ -19,7 +17,6 @@ from singleton_operator.reconcile import (
     CALL_TIMEOUT,
     ReconcileProblem,
     get_or_none,
-    list_pods,
     object_path,
     observe,
     observed_from,
@@ -55,22 +52,6 @@ class LiveReads:
     async def observed(self, spec: GroupSpec, problem: ReconcileProblem | None,
                        applied_generation: int | None) -> Observed:
         return await observe(self.client, spec, problem, applied_generation)
-
-
-@dataclass
-class JustApplied:
-    """A new template group right after its first reconcile (see the module docstring)."""
-
-    client: KubeClient
-    deployment: dict[str, Any]
-    """The Deployment as the API server answered that reconcile's apply."""
-
-    async def workload(self, body: dict[str, Any]) -> dict[str, Any] | None:
-        return None
-
-    async def observed(self, spec: GroupSpec, problem: ReconcileProblem | None,
-                       applied_generation: int | None) -> Observed:
-        return observed_from(await list_pods(self.client, spec), self.deployment, problem, applied_generation)
 
 
 def _collection(namespace: str | None, group_version: str, plural: str) -> str:

@@ -219,9 +219,8 @@ def desired_objects(spec: GroupSpec) -> list[dict[str, Any]]:
 
 
 async def reconcile(client: KubeClient, spec: GroupSpec, access: AccessReviews | None = None, *,
-                    new: bool = False) -> dict[str, Any] | None:
-    """Make the owned objects match ``spec``; returns the Deployment as the API server
-    answered its apply (None for an adopting group). Inputs are checked first and nothing is
+                    new: bool = False) -> None:
+    """Make the owned objects match ``spec``. Inputs are checked first and nothing is
     applied while one is wrong: a new group gets no pods stuck on a missing Secret, and a
     running one keeps its pods (they hold their DSN) until the problem is fixed. ``new``: the
     group's first reconcile since its creation, so nothing can be owned by it yet and there is
@@ -230,13 +229,11 @@ async def reconcile(client: KubeClient, spec: GroupSpec, access: AccessReviews |
         await check_postgres(client, spec)
     objects = desired_objects(spec)
     await check_access(access or AccessReviews(client), spec, objects)
-    current, deployment = "the workload", None
+    current = "the workload"
     try:
         for obj in objects:
             current = f"{obj['kind']} {obj['metadata']['name']}"
-            answer = await apply(client, obj)
-            if obj["kind"] == "Deployment":
-                deployment = answer
+            await apply(client, obj)
         if resources.leader_service(spec) is None and not new:
             await delete_if_owned(client, "v1", "Service", spec, resources.leader_service_name(spec))
         if resources.pod_disruption_budget(spec) is None and not new:
@@ -247,21 +244,17 @@ async def reconcile(client: KubeClient, spec: GroupSpec, access: AccessReviews |
         if is_refused_object(exc):
             raise ReconcileProblem("InvalidTemplate", f"the API server refused {current}: {exc.message}") from None
         raise
-    return deployment
 
 
 async def observe(client: KubeClient, spec: GroupSpec, problem: ReconcileProblem | None = None,
                   applied_generation: int | None = None) -> Observed:
-    pods, deployment = await asyncio.gather(list_pods(client, spec), get_or_none(client, workload_path(spec)))
-    return observed_from(pods, deployment, problem, applied_generation)
-
-
-async def list_pods(client: KubeClient, spec: GroupSpec) -> list[dict[str, Any]]:
-    """The group's pods (its selector's)."""
     selector = ",".join(f"{k}={v}" for k, v in resources.selector_labels(spec).items())
-    pods = await client.request("GET", f"/api/v1/namespaces/{spec.namespace}/pods",
-                                params={"labelSelector": selector}, timeout=CALL_TIMEOUT)
-    return list(pods.get("items") or [])
+    pods, deployment = await asyncio.gather(
+        client.request("GET", f"/api/v1/namespaces/{spec.namespace}/pods", params={"labelSelector": selector},
+                       timeout=CALL_TIMEOUT),
+        get_or_none(client, workload_path(spec)),
+    )
+    return observed_from(pods.get("items") or [], deployment, problem, applied_generation)
 
 
 def observed_from(pods: list[dict[str, Any]], workload: dict[str, Any] | None, problem: ReconcileProblem | None,
