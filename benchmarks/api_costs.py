@@ -88,12 +88,13 @@ async def run_once(plane: ControlPlane, groups: int, as_chart_account: bool = Fa
     assert plane.apiserver is not None
     names = [group_name(i) for i in range(groups)]
     costs: dict[str, float] = {}
+    async with KubeClient(load_kube_config(str(plane.info.kubeconfig)), user_agent="api-costs") as admin:
+        await bounded(50, [admin.request("POST", CR_PATH, body=cr_body(n), timeout=30) for n in names])
+        await bounded(50, [make_pod(admin, n, "a", "leader", 1) for n in names])
+        specs = {n: read_spec(await admin.request("GET", f"{CR_PATH}/{n}", timeout=30),
+                              default_sidecar_image="example.invalid/sidecar:1") for n in names}
     kubeconfig = chart_account(plane, plane.workdir) if as_chart_account else plane.info.kubeconfig
     async with KubeClient(load_kube_config(str(kubeconfig)), user_agent="api-costs") as client:
-        await bounded(50, [client.request("POST", CR_PATH, body=cr_body(n), timeout=30) for n in names])
-        await bounded(50, [make_pod(client, n, "a", "leader", 1) for n in names])
-        specs = {n: read_spec(await client.request("GET", f"{CR_PATH}/{n}", timeout=30),
-                              default_sidecar_image="example.invalid/sidecar:1") for n in names}
         for label, one in request_kinds(client, specs):
             before = cpu_seconds(plane.apiserver.pid)
             await bounded(PARALLEL, [one(n) for n in names])

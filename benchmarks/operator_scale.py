@@ -242,8 +242,10 @@ def chart_account(plane: ControlPlane, workdir: Path) -> Path:
     Role for the Lease), so that the API server checks the operator's requests as in a cluster:
     RBAC, and for each Role and RoleBinding it applies, that it holds what it grants (the
     chart gives it no "escalate" or "bind"). The admin user skips those checks."""
+    version = json.loads(plane.kubectl("version", "-o", "json").stdout)["serverVersion"]["gitVersion"]
     rendered = subprocess.run(
         ["helm", "template", "singleton", str(ROOT / "charts" / "singleton"), "--namespace", NAMESPACE,
+         "--kube-version", version,
          "--show-only", "templates/serviceaccount.yaml", "--show-only", "templates/clusterrole.yaml",
          "--show-only", "templates/role.yaml"],
         capture_output=True, text=True, check=True).stdout

@@ -303,3 +303,21 @@ async def test_the_deletion_of_an_older_object_of_the_same_name_keeps_the_new_gr
     assert groups.applied[(namespace, "again")] == body["metadata"]["generation"]
     groups.forget(namespace, "again", uid=body["metadata"]["uid"])
     assert (namespace, "again") not in groups.applied
+
+
+async def test_a_group_made_again_under_its_name_is_not_said_applied_before_its_reconcile(
+    cluster: Cluster, namespace: str, groups: Groups
+) -> None:
+    """Deleted and created again before kopf handled the old object's DELETED event: what the
+    operator applied for the old one is not the new one's observedGeneration."""
+    cluster.apply(service("again"), namespace=namespace)
+    make_pod(cluster, namespace, "again-a", "leader", 2)
+    await groups.reconcile(get_json(cluster, "singletonservice", "again", "-n", namespace), new=True)
+    cluster.kubectl("delete", "singletonservice", "again", "-n", namespace, "--wait=true")
+    cluster.apply(service("again"), namespace=namespace)
+    await groups.refresh(namespace, "again")
+    status = get_json(cluster, "singletonservice", "again", "-n", namespace)["status"]
+    assert status["leader"] == "again-a"
+    assert status.get("observedGeneration") is None
+    reconciling = next(c for c in status["conditions"] if c["type"] == "Reconciling")
+    assert (reconciling["status"], reconciling["reason"]) == ("True", "Applying")

@@ -353,7 +353,10 @@ class Groups:
             # has not applied it yet. Applied again, so new pods keep getting the sidecar.
             with contextlib.suppress(SpecError, ReconcileProblem):  # kept in self.problems: the status says it
                 await self.reconcile(body)
-        observed = await reads.observed(spec, self.problems.get(key), self.applied.get(key))
+        # What was applied for this very object: one deleted and made again under its name,
+        # before kopf handled the old one's DELETED event, has had nothing applied yet.
+        applied = self.applied.get(key) if self._uids.get(key) == body["metadata"].get("uid") else None
+        observed = await reads.observed(spec, self.problems.get(key), applied)
         leader_changes = self.metrics.leader_changes.labels(namespace, name)  # exported from 0 on
         if await write_status(self.client, spec, body.get("status") or {}, observed):
             self.metrics.status_updates.inc()
