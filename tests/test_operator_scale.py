@@ -321,3 +321,11 @@ async def test_a_group_made_again_under_its_name_is_not_said_applied_before_its_
     assert status.get("observedGeneration") is None
     reconciling = next(c for c in status["conditions"] if c["type"] == "Reconciling")
     assert (reconciling["status"], reconciling["reason"]) == ("True", "Applying")
+    # Nor while its own first reconcile runs.
+    body = get_json(cluster, "singletonservice", "again", "-n", namespace)
+    assert isinstance(groups.client, CountingClient)
+    during: list[int | None] = []  # at each of the reconcile's requests
+    groups.client.before = lambda method, path: during.append(groups.applied.get((namespace, "again")))
+    await groups.reconcile(body, new=True)
+    assert during and set(during) == {None}
+    assert groups.applied[(namespace, "again")] == body["metadata"]["generation"]

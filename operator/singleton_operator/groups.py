@@ -135,7 +135,10 @@ class Groups:
     async def _reconcile(self, body: dict[str, Any], *, new: bool) -> None:
         key = (body["metadata"]["namespace"], body["metadata"]["name"])
         self.metrics.reconciles.inc()
-        self._uids[key] = str(body["metadata"].get("uid", ""))
+        uid = str(body["metadata"].get("uid", ""))
+        if self._uids.get(key, uid) != uid:
+            self.applied.pop(key, None)  # the old object's (made again under its name)
+        self._uids[key] = uid
         self._in_reconcile.add(key)
         try:
             try:
