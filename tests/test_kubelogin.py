@@ -299,3 +299,27 @@ def test_a_token_the_loader_never_renews_is_asked_for_once() -> None:
     in_a_pod = _Configuration()  # the official client re-reads the projected token file itself
     resolved = Resolved(configuration=in_a_pod, namespace="default", context=None)
     assert [resolved.bearer_token() for _ in range(2)] == ["token-1", "token-2"]
+
+
+def test_the_official_loaders_hook_runs_once_for_a_static_token(tmp_path: Path) -> None:
+    """The same against the official client's own loader (a client upgrade that renewed such
+    tokens differently would show here)."""
+    from singleton_operator.kubelogin import resolve
+
+    path = tmp_path / "kubeconfig"
+    path.write_text(json.dumps({
+        "apiVersion": "v1", "kind": "Config", "current-context": "c",
+        "clusters": [{"name": "k", "cluster": {"server": "https://127.0.0.1:6443"}}],
+        "users": [{"name": "u", "user": {"token": "static-token"}}],
+        "contexts": [{"name": "c", "context": {"cluster": "k", "user": "u"}}]}))
+    resolved = resolve(str(path))
+    hook = resolved.configuration.refresh_api_key_hook
+    ran: list[None] = []
+
+    def counting(configuration: Any) -> None:
+        ran.append(None)
+        hook(configuration)
+
+    resolved.configuration.refresh_api_key_hook = counting
+    assert [resolved.bearer_token() for _ in range(3)] == ["static-token"] * 3
+    assert len(ran) == 1

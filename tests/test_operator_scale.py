@@ -305,27 +305,52 @@ async def test_the_deletion_of_an_older_object_of_the_same_name_keeps_the_new_gr
     assert (namespace, "again") not in groups.applied
 
 
-async def test_a_group_made_again_under_its_name_is_not_said_applied_before_its_reconcile(
+async def test_a_group_made_again_under_its_name_gets_its_status_after_its_own_reconcile(
     cluster: Cluster, namespace: str, groups: Groups
 ) -> None:
     """Deleted and created again before kopf handled the old object's DELETED event: what the
-    operator applied for the old one is not the new one's observedGeneration."""
+    operator kept for the old object (attempted, applied) is not the new one's."""
     cluster.apply(service("again"), namespace=namespace)
     make_pod(cluster, namespace, "again-a", "leader", 2)
     await groups.reconcile(get_json(cluster, "singletonservice", "again", "-n", namespace), new=True)
     cluster.kubectl("delete", "singletonservice", "again", "-n", namespace, "--wait=true")
     cluster.apply(service("again"), namespace=namespace)
     await groups.refresh(namespace, "again")
-    status = get_json(cluster, "singletonservice", "again", "-n", namespace)["status"]
-    assert status["leader"] == "again-a"
-    assert status.get("observedGeneration") is None
-    reconciling = next(c for c in status["conditions"] if c["type"] == "Reconciling")
-    assert (reconciling["status"], reconciling["reason"]) == ("True", "Applying")
-    # Nor while its own first reconcile runs.
+    assert "status" not in get_json(cluster, "singletonservice", "again", "-n", namespace)
     body = get_json(cluster, "singletonservice", "again", "-n", namespace)
-    assert isinstance(groups.client, CountingClient)
     during: list[int | None] = []  # at each of the reconcile's requests
+    assert isinstance(groups.client, CountingClient)
     groups.client.before = lambda method, path: during.append(groups.applied.get((namespace, "again")))
     await groups.reconcile(body, new=True)
     assert during and set(during) == {None}
-    assert groups.applied[(namespace, "again")] == body["metadata"]["generation"]
+    await groups.refresh(namespace, "again")
+    status = get_json(cluster, "singletonservice", "again", "-n", namespace)["status"]
+    assert (status["leader"], status["observedGeneration"]) == ("again-a", body["metadata"]["generation"])
+
+
+async def test_an_older_objects_reconcile_ending_late_leaves_the_new_ones_bookkeeping(
+    groups: Groups, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """kopf runs one worker per object: the deleted object's reconcile may end after the one of
+    the object made again under its name has begun."""
+    release_old = asyncio.Event()
+
+    async def slow_for_the_old(client: KubeClient, spec: Any, access: Any, *, new: bool = False) -> None:
+        if spec.uid == "old":
+            await release_old.wait()
+
+    monkeypatch.setattr("singleton_operator.groups.reconcile", slow_for_the_old)
+
+    def body(uid: str, generation: int) -> dict[str, Any]:
+        obj: dict[str, Any] = json.loads(service("late"))
+        obj["metadata"].update(namespace="ns", uid=uid, generation=generation)
+        return obj
+
+    old = asyncio.create_task(groups.reconcile(body("old", 4)))
+    await asyncio.sleep(0.05)
+    assert ("ns", "late") in groups._in_reconcile
+    await groups.reconcile(body("new", 1), new=True)
+    release_old.set()
+    await old
+    assert groups.applied[("ns", "late")] == 1
+    assert ("ns", "late") in groups._attempted and ("ns", "late") not in groups._in_reconcile

@@ -66,6 +66,10 @@ AdoptionState = tuple[str | None, str | None, str]
 digest, and the service account its pods run as (the RoleBinding's subject)."""
 
 
+def _uid(body: dict[str, Any]) -> str:
+    return str(body["metadata"].get("uid", ""))
+
+
 def adoption_state(workload: dict[str, Any]) -> AdoptionState:
     template = (workload.get("spec") or {}).get("template") or {}
     annotations = (template.get("metadata") or {}).get("annotations") or {}
@@ -135,9 +139,13 @@ class Groups:
     async def _reconcile(self, body: dict[str, Any], *, new: bool) -> None:
         key = (body["metadata"]["namespace"], body["metadata"]["name"])
         self.metrics.reconciles.inc()
-        uid = str(body["metadata"].get("uid", ""))
+        uid = _uid(body)
         if self._uids.get(key, uid) != uid:
-            self.applied.pop(key, None)  # the old object's (made again under its name)
+            # Deleted and made again under its name, before kopf handled the old object's
+            # DELETED event: what is kept under the name is the old object's.
+            for kept in (self.applied, self.problems, self.adopted):
+                kept.pop(key, None)
+            self._attempted.discard(key)
         self._uids[key] = uid
         self._in_reconcile.add(key)
         try:
@@ -151,19 +159,25 @@ class Groups:
                 await self._check_adoption(spec, workload)
             await reconcile(self.client, spec, self.access, new=new)
         except SpecError as exc:
-            self.problems[key] = ReconcileProblem("InvalidSpec", str(exc))
+            if self._uids.get(key) == uid:
+                self.problems[key] = ReconcileProblem("InvalidSpec", str(exc))
             self.metrics.reconcile_failed(*key, "InvalidSpec")
             raise
         except ReconcileProblem as exc:
-            self.problems[key] = exc
+            if self._uids.get(key) == uid:
+                self.problems[key] = exc
             self.metrics.reconcile_failed(*key, exc.reason)
             log.warning("reconcile failed: %s", exc.message,
                         extra={"namespace": key[0], "group": key[1], "reason": exc.reason})
             raise
         finally:
-            self._in_reconcile.discard(key)
-            self._attempted.add(key)
+            # An older object's reconcile ending after a newer one's began leaves its bookkeeping.
+            if self._uids.get(key) == uid:
+                self._in_reconcile.discard(key)
+                self._attempted.add(key)
             self.mark(*key)
+        if self._uids.get(key) != uid:
+            return
         self.problems.pop(key, None)
         self.applied[key] = spec.generation
         if workload is not None:
@@ -220,6 +234,10 @@ class Groups:
         self._attempted.discard((namespace, name))
         self._forgotten.add((namespace, name))
         self.metrics.forget(namespace, name)
+
+    def _kept_for(self, body: dict[str, Any]) -> bool:
+        """Whether what is kept under the group's name (applied, problems) is this object's."""
+        return self._uids.get((body["metadata"]["namespace"], body["metadata"]["name"])) == _uid(body)
 
     def marked(self) -> frozenset[GroupKey]:
         """The groups the refresher refreshes next."""
@@ -320,7 +338,7 @@ class Groups:
         except KubeNotFound:
             self.forget(namespace, name)
             return
-        if not body.get("status") and (namespace, name) not in self._attempted:
+        if not body.get("status") and not ((namespace, name) in self._attempted and self._kept_for(body)):
             return  # a new group before the end of its first reconcile, which marks it again
         await self._refresh(body, LiveReads(self.client), live=True)
 
@@ -356,10 +374,11 @@ class Groups:
             # has not applied it yet. Applied again, so new pods keep getting the sidecar.
             with contextlib.suppress(SpecError, ReconcileProblem):  # kept in self.problems: the status says it
                 await self.reconcile(body)
-        # What was applied for this very object: one deleted and made again under its name,
-        # before kopf handled the old one's DELETED event, has had nothing applied yet.
-        applied = self.applied.get(key) if self._uids.get(key) == body["metadata"].get("uid") else None
-        observed = await reads.observed(spec, self.problems.get(key), applied)
+        # What was kept for this very object: one deleted and made again under its name, before
+        # kopf handled the old one's DELETED event, has had nothing applied and no problem yet.
+        kept = self._kept_for(body)
+        observed = await reads.observed(spec, self.problems.get(key) if kept else None,
+                                        self.applied.get(key) if kept else None)
         leader_changes = self.metrics.leader_changes.labels(namespace, name)  # exported from 0 on
         if await write_status(self.client, spec, body.get("status") or {}, observed):
             self.metrics.status_updates.inc()
