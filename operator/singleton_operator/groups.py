@@ -159,12 +159,12 @@ class Groups:
                 await self._check_adoption(spec, workload)
             await reconcile(self.client, spec, self.access, new=new)
         except SpecError as exc:
-            if self._uids.get(key) == uid:
+            if self._kept_for(body):
                 self.problems[key] = ReconcileProblem("InvalidSpec", str(exc))
             self.metrics.reconcile_failed(*key, "InvalidSpec")
             raise
         except ReconcileProblem as exc:
-            if self._uids.get(key) == uid:
+            if self._kept_for(body):
                 self.problems[key] = exc
             self.metrics.reconcile_failed(*key, exc.reason)
             log.warning("reconcile failed: %s", exc.message,
@@ -172,11 +172,11 @@ class Groups:
             raise
         finally:
             # An older object's reconcile ending after a newer one's began leaves its bookkeeping.
-            if self._uids.get(key) == uid:
+            if self._kept_for(body):
                 self._in_reconcile.discard(key)
                 self._attempted.add(key)
             self.mark(*key)
-        if self._uids.get(key) != uid:
+        if not self._kept_for(body):
             return
         self.problems.pop(key, None)
         self.applied[key] = spec.generation
