@@ -1,7 +1,7 @@
 """The operator's own work with many SingletonServices (issue 15's "operator at scale").
 
-    .venv/bin/python -m benchmarks.operator_scale --groups 500 [--runs 1] [--rest-seconds 60] [--rate 50]
-        [--as-admin]
+    .venv/bin/python -m benchmarks.operator_scale --groups 500 [--runs 1] [--rest-seconds 60]
+        [--rate 50 | --kubectl client-side|server-side] [--as-admin]
 
 Starts the test bed's etcd + kube-apiserver (no controllers, no node) and one real operator
 process (``singleton-operator run --kubeconfig``) as the ServiceAccount and RBAC the chart makes
@@ -12,7 +12,9 @@ the operator's work is all that is measured, and the pods "run" from the start. 
 - create -> status with a leader: all SingletonServices created at once (``--parallel`` requests
   in flight), or ``--rate`` a second as a GitOps tool's client-side rate limit sends them; per
   group, the create's answer -> the watch showing ``status.leader`` with the group's generation
-  applied (``status.observedGeneration``); the operator's requests in that burst; then
+  applied (``status.observedGeneration``); or with ``--kubectl`` by one ``kubectl apply -f`` of a
+  file holding them all, as a user applies a folder (kubectl makes one object after another,
+  each timed from kubectl's line saying it was made); the operator's requests in that burst; then
   ``--one-more`` groups created one at a time beside the others (what a user creating a group
   sees from an operator that carries hundreds);
 - at rest (``--rest-seconds`` after every group has settled): the operator's API requests per
@@ -57,6 +59,8 @@ NAMESPACE = "bench"
 CR_PATH = f"/apis/{contract.API_GROUP}/{contract.API_VERSION}/namespaces/{NAMESPACE}/{contract.PLURAL}"
 PODS_PATH = f"/api/v1/namespaces/{NAMESPACE}/pods"
 OPERATOR_AGENTS = ("singleton-operator", "kopf")
+KUBECTL_APPLY = {"client-side": ((), "created"), "server-side": (("--server-side",), "serverside-applied")}
+"""``--kubectl``: kubectl apply's extra arguments, and the word it prints after each object it made."""
 CALL_TIMEOUT = 60.0
 
 
@@ -65,6 +69,8 @@ class RunResult:
     groups: int
     rate: float | None = None
     """Creates a second in the burst (None: all at once, ``--parallel`` in flight)."""
+    kubectl: str | None = None
+    """The burst was one ``kubectl apply -f`` of every group, this way (``KUBECTL_APPLY``)."""
     create_to_leader: list[float] = field(default_factory=list)
     """Per group: the create's answer -> ``status.leader`` seen (seconds)."""
     all_settled: float = 0.0
@@ -131,6 +137,8 @@ class LeaderWatch:
     def __init__(self, client: KubeClient) -> None:
         self.client = client
         self.leaders: dict[str, str | None] = {}
+        self.first_seen: dict[str, float] = {}
+        """When the watch first showed each SingletonService."""
         self.waiting: dict[str, tuple[str, asyncio.Future[float]]] = {}
 
     def expect(self, name: str, pod: str) -> asyncio.Future[float]:
@@ -159,6 +167,7 @@ class LeaderWatch:
 
     def _seen(self, obj: dict[str, Any]) -> None:
         name = obj["metadata"]["name"]
+        self.first_seen.setdefault(name, time.monotonic())
         status = obj.get("status") or {}
         # Reconciled too: the refresher may name the leader (from the pods) before the group's
         # objects are applied, and that work is part of what is measured.
@@ -294,22 +303,67 @@ class Bench:
     async def burst(self, names: list[str], parallel: int, rate: float | None = None) -> None:
         """Every group created at once (``rate``: that many creates a second, as a GitOps
         tool's client-side rate limit sends them); each timed until its status names its leader."""
+        futures = [self.watch.expect(n, f"{n}-a") for n in names]
+        first = time.monotonic()
+        with self.measured() as measured:
+            await bounded(parallel, [self.create(n) if rate is None else self.create_at(n, first + i / rate)
+                                     for i, n in enumerate(names)])
+            seen = await asyncio.wait_for(asyncio.gather(*futures), timeout=600)
+        self.settled(names, seen, first, measured)
+
+    @contextlib.contextmanager
+    def measured(self) -> Iterator[dict[str, Any]]:
+        """The operator's requests (the audit log) and each process's CPU while the block runs."""
         offset = self.audit.stat().st_size
         assert self.plane.apiserver is not None and self.plane.etcd is not None
         pids = {"operator": self.operator.popen.pid, "kube-apiserver": self.plane.apiserver.pid,
                 "etcd": self.plane.etcd.pid}
         cpu_from = {k: cpu_seconds(pid) for k, pid in pids.items()}
-        first = time.monotonic()
-        futures = [self.watch.expect(n, f"{n}-a") for n in names]
-        await bounded(parallel, [self.create(n) if rate is None else self.create_at(n, first + i / rate)
-                                 for i, n in enumerate(names)])
-        seen = await asyncio.wait_for(asyncio.gather(*futures), timeout=600)
+        measured: dict[str, Any] = {}
+        yield measured
+        measured["requests"] = audit_requests(self.audit, offset)
+        measured["cpu"] = {k: cpu_seconds(pid) - cpu_from[k] for k, pid in pids.items()}
+
+    def settled(self, names: list[str], seen: list[float], first: float, measured: dict[str, Any]) -> None:
         self.result.create_to_leader = [at - self.created[n] for n, at in zip(names, seen, strict=True)]
         self.result.all_settled = max(seen) - first
-        self.result.burst_requests = audit_requests(self.audit, offset)
-        self.result.burst_cpu = {k: cpu_seconds(pid) - cpu_from[k] for k, pid in pids.items()}
+        self.result.burst_requests = measured["requests"]
+        self.result.burst_cpu = measured["cpu"]
         print(f"  {len(names)} groups: every status names its leader {self.result.all_settled:.1f} s after the "
               f"first create; {sum(self.result.burst_requests.values())} operator requests", flush=True)
+
+    async def burst_kubectl(self, names: list[str], way: str) -> None:
+        """Every group in one file given to ``kubectl apply -f``, as the admin applies it: kubectl
+        creates one object after another, each after the last one's answer, and prints each
+        one's "created" line as it goes. A group's create moment is that line's arrival or,
+        if sooner, the watch's first sight of it (so that a late read of kubectl's output never
+        shortens what is measured)."""
+        manifest = self.plane.workdir / "groups.yaml"
+        manifest.write_text(yaml.safe_dump_all([cr_body(n) for n in names]))
+        futures = [self.watch.expect(n, f"{n}-a") for n in names]
+        arguments, made = KUBECTL_APPLY[way]
+        wanted = set(names)
+        first = time.monotonic()
+        with self.measured() as measured:
+            kubectl = await asyncio.create_subprocess_exec(
+                "kubectl", "--kubeconfig", str(self.plane.info.kubeconfig), "apply", *arguments, "-f", str(manifest),
+                stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE)
+            assert kubectl.stdout is not None and kubectl.stderr is not None
+            errors = asyncio.create_task(kubectl.stderr.read())
+            async for raw in kubectl.stdout:
+                # "singletonservice.singleton.dev/g0000 created"
+                words = raw.decode().split()
+                name = words[0].rsplit("/", 1)[-1] if len(words) == 2 and words[1] == made else None
+                if name not in wanted:
+                    raise RuntimeError(f"kubectl apply printed an unexpected line: {raw.decode().strip()!r}")
+                self.created[name] = time.monotonic()
+            if await kubectl.wait() != 0 or len(self.created) < len(names):
+                raise RuntimeError(f"kubectl apply created {len(self.created)} of {len(names)}: "
+                                   f"{(await errors).decode()}")
+            seen = await asyncio.wait_for(asyncio.gather(*futures), timeout=600)
+        for name in names:
+            self.created[name] = min(self.created[name], self.watch.first_seen[name])
+        self.settled(names, seen, first, measured)
 
     async def one_more(self, count: int) -> None:
         """Groups created one at a time beside the others."""
@@ -349,9 +403,9 @@ class Bench:
 
 
 async def run_once(plane: ControlPlane, *, groups: int, parallel: int, rest_seconds: float, changes: int,
-                   one_more: int, workdir: Path, rate: float | None = None,
+                   one_more: int, workdir: Path, rate: float | None = None, kubectl: str | None = None,
                    as_admin: bool = False) -> RunResult:
-    result = RunResult(groups=groups, rate=rate)
+    result = RunResult(groups=groups, rate=rate, kubectl=kubectl)
     names = [group_name(i) for i in range(groups)]
     async with KubeClient(load_kube_config(str(plane.info.kubeconfig)), user_agent="bench") as client:
         await bounded(parallel, [make_pod(client, n, s, role, token) for n in names
@@ -367,7 +421,10 @@ async def run_once(plane: ControlPlane, *, groups: int, parallel: int, rest_seco
             async with watching(client) as watch:
                 await asyncio.sleep(1)  # the watch is open
                 bench = Bench(plane, client, operator, watch, result)
-                await bench.burst(names, parallel, rate)
+                if kubectl is not None:
+                    await bench.burst_kubectl(names, kubectl)
+                else:
+                    await bench.burst(names, parallel, rate)
                 await asyncio.sleep(10)  # kopf's own follow-up patches settle
                 await bench.one_more(one_more)
                 await bench.rest(rest_seconds)
@@ -385,7 +442,8 @@ def line(name: str, values: list[float]) -> str:
 def report(results: list[RunResult]) -> None:
     groups = results[0].groups
     rate = results[0].rate
-    paced = f", created {rate:g} a second" if rate else ", created at once"
+    paced = (f", created by one kubectl apply ({results[0].kubectl})" if results[0].kubectl
+             else f", created {rate:g} a second" if rate else ", created at once")
     print(f"\nOperator with {groups} SingletonServices{paced} ({len(results)} run(s)):")
     print(line("create -> status with a leader", [v for r in results for v in r.create_to_leader]))
     print(line("first create -> last group settled", [r.all_settled for r in results]))
@@ -410,6 +468,10 @@ def main(argv: list[str] | None = None) -> int:
                         help="groups then created one at a time beside the others (default 20)")
     parser.add_argument("--rate", type=float, default=None, metavar="PER_SECOND",
                         help="create the groups at this many a second (default: all at once)")
+    parser.add_argument("--kubectl", choices=sorted(KUBECTL_APPLY), default=None,
+                        help="create the groups with one `kubectl apply -f` of a file holding them all, as "
+                        "the test bed's admin: kubectl's default (client-side) apply, or --server-side "
+                        "(default: --parallel create requests in flight)")
     parser.add_argument("--as-admin", action="store_true",
                         help="run the operator as the test bed's admin, whose requests skip RBAC and its "
                         "escalation checks (default: the chart's ServiceAccount and RBAC)")
@@ -420,6 +482,8 @@ def main(argv: list[str] | None = None) -> int:
                      "--rest-seconds above 0")
     if args.rate is not None and not 0 < args.rate < float("inf"):
         parser.error(f"--rate must be a number of creates a second above 0, not {args.rate}")
+    if args.rate is not None and args.kubectl is not None:
+        parser.error("--rate and --kubectl are two ways to create the groups: give one of them")
     results = []
     for run in range(args.runs):
         workdir = Path(tempfile.mkdtemp(prefix="operator-scale-"))
@@ -428,7 +492,8 @@ def main(argv: list[str] | None = None) -> int:
             results.append(asyncio.run(run_once(plane, groups=args.groups, parallel=args.parallel,
                                                 rest_seconds=args.rest_seconds, changes=args.changes,
                                                 one_more=args.one_more, workdir=workdir,
-                                                rate=args.rate, as_admin=args.as_admin)))
+                                                rate=args.rate, kubectl=args.kubectl,
+                                                as_admin=args.as_admin)))
     report(results)
     if args.json:
         args.json.write_text(json.dumps([asdict(r) for r in results], indent=1))
