@@ -41,7 +41,7 @@ from singleton_operator.status import compute_status
 from singleton_sidecar.kube import KubeClient, load_kube_config
 from singleton_testbed.controlplane import ControlPlane
 
-PARALLEL = 16  # the operator's RECONCILE_PARALLEL and REFRESH_PARALLEL
+PARALLEL = 16  # requests in flight, as the operator's REFRESH_PARALLEL (its figures in the README were measured so)
 
 
 def request_kinds(client: KubeClient, specs: dict[str, GroupSpec]) -> list[tuple[str, Callable[[str], Awaitable[Any]]]]:
