@@ -343,27 +343,31 @@ class Bench:
         futures = [self.watch.expect(n, f"{n}-a") for n in names]
         arguments, made = KUBECTL_APPLY[way]
         wanted = set(names)
-        first = time.monotonic()
         with self.measured() as measured:
             kubectl = await asyncio.create_subprocess_exec(
                 "kubectl", "--kubeconfig", str(self.plane.info.kubeconfig), "apply", *arguments, "-f", str(manifest),
                 stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE)
-            assert kubectl.stdout is not None and kubectl.stderr is not None
-            errors = asyncio.create_task(kubectl.stderr.read())
-            async for raw in kubectl.stdout:
-                # "singletonservice.singleton.dev/g0000 created"
-                words = raw.decode().split()
-                name = words[0].rsplit("/", 1)[-1] if len(words) == 2 and words[1] == made else None
-                if name not in wanted:
-                    raise RuntimeError(f"kubectl apply printed an unexpected line: {raw.decode().strip()!r}")
-                self.created[name] = time.monotonic()
-            if await kubectl.wait() != 0 or len(self.created) < len(names):
-                raise RuntimeError(f"kubectl apply created {len(self.created)} of {len(names)}: "
-                                   f"{(await errors).decode()}")
+            try:
+                assert kubectl.stdout is not None and kubectl.stderr is not None
+                errors = asyncio.create_task(kubectl.stderr.read())
+                async for raw in kubectl.stdout:
+                    # "singletonservice.singleton.dev/g0000 created"
+                    words = raw.decode().split()
+                    name = words[0].rsplit("/", 1)[-1] if len(words) == 2 and words[1] == made else None
+                    if name not in wanted:
+                        raise RuntimeError(f"kubectl apply printed an unexpected line: {raw.decode().strip()!r}")
+                    self.created[name] = time.monotonic()
+                if await kubectl.wait() != 0 or len(self.created) < len(names):
+                    raise RuntimeError(f"kubectl apply created {len(self.created)} of {len(names)}: "
+                                       f"{(await errors).decode()}")
+            finally:
+                if kubectl.returncode is None:
+                    kubectl.kill()
+                    await kubectl.wait()
             seen = await asyncio.wait_for(asyncio.gather(*futures), timeout=600)
         for name in names:
             self.created[name] = min(self.created[name], self.watch.first_seen[name])
-        self.settled(names, seen, first, measured)
+        self.settled(names, seen, min(self.created.values()), measured)
 
     async def one_more(self, count: int) -> None:
         """Groups created one at a time beside the others."""
