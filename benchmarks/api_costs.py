@@ -41,7 +41,9 @@ from singleton_operator.status import compute_status
 from singleton_sidecar.kube import KubeClient, load_kube_config
 from singleton_testbed.controlplane import ControlPlane
 
-PARALLEL = 16  # requests in flight, as the operator's REFRESH_PARALLEL (its figures in the README were measured so)
+PARALLEL = 16
+"""Requests in flight: the operator's REFRESH_PARALLEL, and its RECONCILE_PARALLEL when the
+README's figures were measured."""
 
 
 def request_kinds(client: KubeClient, specs: dict[str, GroupSpec]) -> list[tuple[str, Callable[[str], Awaitable[Any]]]]:

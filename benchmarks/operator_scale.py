@@ -1,14 +1,16 @@
 """The operator's own work with many SingletonServices (issue 15's "operator at scale").
 
     .venv/bin/python -m benchmarks.operator_scale --groups 500 [--runs 1] [--rest-seconds 60]
-        [--rate 50 | --kubectl client-side|server-side] [--as-admin]
+        [--rate 50 | --kubectl client-side|server-side] [--namespaces 50] [--as-admin]
 
 Starts the test bed's etcd + kube-apiserver (no controllers, no node) and one real operator
 process (``singleton-operator run --kubeconfig``) as the ServiceAccount and RBAC the chart makes
 for it (``chart_account``), or with ``--as-admin`` as the test bed's admin. Each group gets
 two pods made by this script before its SingletonService exists, as a ReplicaSet, a kubelet and
 the sidecars would have left them: Ready, one saying ``leader`` (token 1), one ``standby``. So
-the operator's work is all that is measured, and the pods "run" from the start. Then:
+the operator's work is all that is measured, and the pods "run" from the start. The groups are
+in one namespace, or with ``--namespaces`` spread over that many, as teams each in their own
+would put them (the operator's access reviews are shared per namespace only). Then:
 - create -> status with a leader: all SingletonServices created at once (``--parallel`` requests
   in flight), or ``--rate`` a second as a GitOps tool's client-side rate limit sends them; per
   group, the create's answer -> the watch showing ``status.leader`` with the group's generation
@@ -56,12 +58,24 @@ from singleton_testbed.procs import free_port
 
 ROOT = Path(__file__).resolve().parent.parent
 NAMESPACE = "bench"
-CR_PATH = f"/apis/{contract.API_GROUP}/{contract.API_VERSION}/namespaces/{NAMESPACE}/{contract.PLURAL}"
-PODS_PATH = f"/api/v1/namespaces/{NAMESPACE}/pods"
+ALL_CRS_PATH = f"/apis/{contract.API_GROUP}/{contract.API_VERSION}/{contract.PLURAL}"
 OPERATOR_AGENTS = ("singleton-operator", "kopf")
 KUBECTL_APPLY = {"client-side": ((), "created"), "server-side": (("--server-side",), "serverside-applied")}
 """``--kubectl``: kubectl apply's extra arguments, and the word it prints after each object it made."""
 CALL_TIMEOUT = 60.0
+KUBECTL_TIMEOUT = 600.0
+"""Seconds ``--kubectl``'s apply may take in all (each of its requests: ``CALL_TIMEOUT``)."""
+
+
+def crs_path(namespace: str) -> str:
+    return f"/apis/{contract.API_GROUP}/{contract.API_VERSION}/namespaces/{namespace}/{contract.PLURAL}"
+
+
+def pods_path(namespace: str) -> str:
+    return f"/api/v1/namespaces/{namespace}/pods"
+
+
+CR_PATH = crs_path(NAMESPACE)
 
 
 @dataclass
@@ -71,6 +85,8 @@ class RunResult:
     """Creates a second in the burst (None: all at once, ``--parallel`` in flight)."""
     kubectl: str | None = None
     """The burst was one ``kubectl apply -f`` of every group, this way (``KUBECTL_APPLY``)."""
+    namespaces: int = 1
+    """The groups were spread over this many namespaces."""
     create_to_leader: list[float] = field(default_factory=list)
     """Per group: the create's answer -> ``status.leader`` seen (seconds)."""
     all_settled: float = 0.0
@@ -93,9 +109,16 @@ def group_name(index: int) -> str:
     return f"g{index:04d}"
 
 
-def cr_body(name: str) -> dict[str, Any]:
+def group_namespaces(names: list[str], namespaces: int) -> dict[str, str]:
+    """Each group's namespace: ``NAMESPACE`` for one, else spread in turn over ``bench-000``..."""
+    if namespaces == 1:
+        return dict.fromkeys(names, NAMESPACE)
+    return {name: f"{NAMESPACE}-{i % namespaces:03d}" for i, name in enumerate(names)}
+
+
+def cr_body(name: str, namespace: str = NAMESPACE) -> dict[str, Any]:
     return {"apiVersion": f"{contract.API_GROUP}/{contract.API_VERSION}", "kind": contract.KIND,
-            "metadata": {"name": name, "namespace": NAMESPACE},
+            "metadata": {"name": name, "namespace": namespace},
             "spec": {"replicas": 2, "backend": "lease", "template": {"spec": {"containers": [
                 {"name": "app", "image": "example.invalid/app:1", "command": ["sleep", "infinity"]}]}}}}
 
@@ -105,7 +128,8 @@ def pod_annotations(name: str, role: str, token: int | None) -> dict[str, str | 
             contract.ANNOTATION_IDENTITY: f"{name}/bench", contract.ANNOTATION_GROUP: name.rsplit("-", 1)[0]}
 
 
-async def make_pod(client: KubeClient, group: str, suffix: str, role: str, token: int | None) -> None:
+async def make_pod(client: KubeClient, group: str, suffix: str, role: str, token: int | None, *,
+                   namespace: str = NAMESPACE) -> None:
     """A pod as the group's ReplicaSet, the kubelet and its sidecar would have left it."""
     name = f"{group}-{suffix}"
     body = {"apiVersion": "v1", "kind": "Pod",
@@ -114,9 +138,9 @@ async def make_pod(client: KubeClient, group: str, suffix: str, role: str, token
             "spec": {"initContainers": [{"name": "singleton-sidecar", "image": "example.invalid/sidecar:1",
                                          "restartPolicy": "Always"}],
                      "containers": [{"name": "app", "image": "example.invalid/app:1"}]}}
-    await client.request("POST", PODS_PATH, body=body, timeout=CALL_TIMEOUT)
+    await client.request("POST", pods_path(namespace), body=body, timeout=CALL_TIMEOUT)
     ready = {"status": {"phase": "Running", "conditions": [{"type": "Ready", "status": "True"}]}}
-    await client.request("PATCH", f"{PODS_PATH}/{name}/status", body=ready,
+    await client.request("PATCH", f"{pods_path(namespace)}/{name}/status", body=ready,
                          content_type="application/merge-patch+json", timeout=CALL_TIMEOUT)
 
 
@@ -131,8 +155,8 @@ async def bounded(parallel: int, jobs: list[Any]) -> list[Any]:
 
 
 class LeaderWatch:
-    """One watch on every SingletonService: when each first shows the leader we wait for, with
-    its generation applied."""
+    """One watch on every SingletonService of every namespace (their names differ): when each
+    first shows the leader we wait for, with its generation applied."""
 
     def __init__(self, client: KubeClient) -> None:
         self.client = client
@@ -150,12 +174,12 @@ class LeaderWatch:
         return future
 
     async def run(self) -> None:
-        version = (await self.client.request("GET", CR_PATH, params={"limit": "1"},
+        version = (await self.client.request("GET", ALL_CRS_PATH, params={"limit": "1"},
                                              timeout=CALL_TIMEOUT))["metadata"]["resourceVersion"]
         while True:
             try:
                 async with contextlib.aclosing(self.client.watch(
-                        CR_PATH, params={"resourceVersion": version, "allowWatchBookmarks": "true"},
+                        ALL_CRS_PATH, params={"resourceVersion": version, "allowWatchBookmarks": "true"},
                         timeout=120)) as events:
                     async for kind, obj in events:
                         version = obj["metadata"]["resourceVersion"]
@@ -230,6 +254,13 @@ def audit_requests(path: Path, offset: int) -> dict[str, int]:
     return {k: len(v) for k, v in sorted(kinds.items())}
 
 
+async def make_namespace(client: KubeClient, name: str) -> None:
+    """A namespace and its ``default`` ServiceAccount (no controller makes it here; pods need it)."""
+    await client.request("POST", "/api/v1/namespaces", body={"metadata": {"name": name}}, timeout=CALL_TIMEOUT)
+    await client.request("POST", f"/api/v1/namespaces/{name}/serviceaccounts", body={"metadata": {"name": "default"}},
+                         timeout=CALL_TIMEOUT)
+
+
 @contextlib.contextmanager
 def control_plane() -> Iterator[ControlPlane]:
     binaries = find_all()
@@ -286,14 +317,20 @@ class Bench:
     operator: Operator
     watch: LeaderWatch
     result: RunResult
+    homes: dict[str, str] = field(default_factory=dict)
+    """Each group's namespace (``NAMESPACE`` if not here)."""
     created: dict[str, float] = field(default_factory=dict)
 
     @property
     def audit(self) -> Path:
         return self.plane.workdir / "audit.log"
 
+    def home(self, name: str) -> str:
+        return self.homes.get(name, NAMESPACE)
+
     async def create(self, name: str) -> None:
-        await self.client.request("POST", CR_PATH, body=cr_body(name), timeout=CALL_TIMEOUT)
+        namespace = self.home(name)
+        await self.client.request("POST", crs_path(namespace), body=cr_body(name, namespace), timeout=CALL_TIMEOUT)
         self.created[name] = time.monotonic()
 
     async def create_at(self, name: str, moment: float) -> None:
@@ -339,31 +376,39 @@ class Bench:
         if sooner, the watch's first sight of it (so that a late read of kubectl's output never
         shortens what is measured)."""
         manifest = self.plane.workdir / "groups.yaml"
-        manifest.write_text(yaml.safe_dump_all([cr_body(n) for n in names]))
+        manifest.write_text(yaml.safe_dump_all([cr_body(n, self.home(n)) for n in names]))
         futures = [self.watch.expect(n, f"{n}-a") for n in names]
         arguments, made = KUBECTL_APPLY[way]
         wanted = set(names)
         with self.measured() as measured:
             kubectl = await asyncio.create_subprocess_exec(
-                "kubectl", "--kubeconfig", str(self.plane.info.kubeconfig), "apply", *arguments, "-f", str(manifest),
+                "kubectl", "--kubeconfig", str(self.plane.info.kubeconfig), "apply", *arguments,
+                f"--request-timeout={CALL_TIMEOUT:g}s", "-f", str(manifest),
                 stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE)
+            assert kubectl.stdout is not None and kubectl.stderr is not None
+            errors = asyncio.create_task(kubectl.stderr.read())
+            problem = None
             try:
-                assert kubectl.stdout is not None and kubectl.stderr is not None
-                errors = asyncio.create_task(kubectl.stderr.read())
-                async for raw in kubectl.stdout:
-                    # "singletonservice.singleton.dev/g0000 created"
-                    words = raw.decode().split()
-                    name = words[0].rsplit("/", 1)[-1] if len(words) == 2 and words[1] == made else None
-                    if name not in wanted:
-                        raise RuntimeError(f"kubectl apply printed an unexpected line: {raw.decode().strip()!r}")
-                    self.created[name] = time.monotonic()
-                if await kubectl.wait() != 0 or len(self.created) < len(names):
-                    raise RuntimeError(f"kubectl apply created {len(self.created)} of {len(names)}: "
-                                       f"{(await errors).decode()}")
+                async with asyncio.timeout(KUBECTL_TIMEOUT):
+                    async for raw in kubectl.stdout:
+                        # "singletonservice.singleton.dev/g0000 created"
+                        words = raw.decode().split()
+                        name = words[0].rsplit("/", 1)[-1] if len(words) == 2 and words[1] == made else None
+                        if name not in wanted:
+                            problem = f"printed an unexpected line: {raw.decode().strip()!r}"
+                            break
+                        self.created[name] = time.monotonic()
+                    else:
+                        if await kubectl.wait() != 0 or len(self.created) < len(names):
+                            problem = f"created {len(self.created)} of {len(names)}"
+            except TimeoutError:
+                problem = f"took more than {KUBECTL_TIMEOUT:g} s"
             finally:
                 if kubectl.returncode is None:
                     kubectl.kill()
                     await kubectl.wait()
+            if problem is not None:
+                raise RuntimeError(f"kubectl apply {problem}; its errors: {(await errors).decode().strip()}")
             seen = await asyncio.wait_for(asyncio.gather(*futures), timeout=600)
         for name in names:
             self.created[name] = min(self.created[name], self.watch.first_seen[name])
@@ -397,7 +442,7 @@ class Bench:
             arrived = self.watch.expect(name, new)
             patched = time.monotonic()
             await asyncio.gather(*(
-                self.client.request("PATCH", f"{PODS_PATH}/{pod}",
+                self.client.request("PATCH", f"{pods_path(self.home(name))}/{pod}",
                                     body={"metadata": {"annotations": pod_annotations(pod, role, token)}},
                                     content_type="application/merge-patch+json", timeout=CALL_TIMEOUT)
                 for pod, role, token in ((f"{name}-a", contract.ROLE_STANDBY, None),
@@ -408,11 +453,13 @@ class Bench:
 
 async def run_once(plane: ControlPlane, *, groups: int, parallel: int, rest_seconds: float, changes: int,
                    one_more: int, workdir: Path, rate: float | None = None, kubectl: str | None = None,
-                   as_admin: bool = False) -> RunResult:
-    result = RunResult(groups=groups, rate=rate, kubectl=kubectl)
+                   as_admin: bool = False, namespaces: int = 1) -> RunResult:
+    result = RunResult(groups=groups, rate=rate, kubectl=kubectl, namespaces=namespaces)
     names = [group_name(i) for i in range(groups)]
+    homes = group_namespaces(names, namespaces)
     async with KubeClient(load_kube_config(str(plane.info.kubeconfig)), user_agent="bench") as client:
-        await bounded(parallel, [make_pod(client, n, s, role, token) for n in names
+        await bounded(parallel, [make_namespace(client, n) for n in sorted(set(homes.values()) - {NAMESPACE})])
+        await bounded(parallel, [make_pod(client, n, s, role, token, namespace=homes[n]) for n in names
                                  for s, role, token in (("a", contract.ROLE_LEADER, 1),
                                                         ("b", contract.ROLE_STANDBY, None))])
         operator = Operator(plane.info.kubeconfig if as_admin else chart_account(plane, workdir), workdir)
@@ -424,7 +471,7 @@ async def run_once(plane: ControlPlane, *, groups: int, parallel: int, rest_seco
                 await asyncio.sleep(0.1)
             async with watching(client) as watch:
                 await asyncio.sleep(1)  # the watch is open
-                bench = Bench(plane, client, operator, watch, result)
+                bench = Bench(plane, client, operator, watch, result, homes)
                 if kubectl is not None:
                     await bench.burst_kubectl(names, kubectl)
                 else:
@@ -448,6 +495,8 @@ def report(results: list[RunResult]) -> None:
     rate = results[0].rate
     paced = (f", created by one kubectl apply ({results[0].kubectl})" if results[0].kubectl
              else f", created {rate:g} a second" if rate else ", created at once")
+    if results[0].namespaces > 1:
+        paced += f", in {results[0].namespaces} namespaces"
     print(f"\nOperator with {groups} SingletonServices{paced} ({len(results)} run(s)):")
     print(line("create -> status with a leader", [v for r in results for v in r.create_to_leader]))
     print(line("first create -> last group settled", [r.all_settled for r in results]))
@@ -465,7 +514,12 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--groups", type=int, default=500, help="SingletonServices (default 500)")
     parser.add_argument("--runs", type=int, default=1, help="runs, each on a fresh control plane (default 1)")
-    parser.add_argument("--parallel", type=int, default=50, help="create requests in flight (default 50)")
+    parser.add_argument("--parallel", type=int, default=50,
+                        help="create requests in flight (default 50; with --kubectl, for the pods only: "
+                        "kubectl makes one group after another)")
+    parser.add_argument("--namespaces", type=int, default=1,
+                        help=f"spread the groups over this many namespaces, {NAMESPACE}-000 and on, as "
+                        f"teams each in their own would (default 1: all in {NAMESPACE})")
     parser.add_argument("--rest-seconds", type=float, default=60.0, help="the at-rest window (default 60)")
     parser.add_argument("--changes", type=int, default=20, help="leader changes to time (default 20)")
     parser.add_argument("--one-more", type=int, default=20,
@@ -481,9 +535,12 @@ def main(argv: list[str] | None = None) -> int:
                         "escalation checks (default: the chart's ServiceAccount and RBAC)")
     parser.add_argument("--json", type=Path, default=None, metavar="FILE", help="also write every figure here")
     args = parser.parse_args(argv)
-    if min(args.groups, args.runs, args.parallel, args.changes, args.one_more) < 1 or args.rest_seconds <= 0:
-        parser.error("--groups, --runs, --parallel, --changes and --one-more must be at least 1, "
+    if min(args.groups, args.runs, args.parallel, args.changes, args.one_more, args.namespaces) < 1 \
+            or args.rest_seconds <= 0:
+        parser.error("--groups, --runs, --parallel, --changes, --one-more and --namespaces must be at least 1, "
                      "--rest-seconds above 0")
+    if args.namespaces > args.groups:
+        parser.error(f"--namespaces ({args.namespaces}) must not exceed --groups ({args.groups})")
     if args.rate is not None and not 0 < args.rate < float("inf"):
         parser.error(f"--rate must be a number of creates a second above 0, not {args.rate}")
     if args.rate is not None and args.kubectl is not None:
@@ -497,7 +554,7 @@ def main(argv: list[str] | None = None) -> int:
                                                 rest_seconds=args.rest_seconds, changes=args.changes,
                                                 one_more=args.one_more, workdir=workdir,
                                                 rate=args.rate, kubectl=args.kubectl,
-                                                as_admin=args.as_admin)))
+                                                as_admin=args.as_admin, namespaces=args.namespaces)))
     report(results)
     if args.json:
         args.json.write_text(json.dumps([asdict(r) for r in results], indent=1))

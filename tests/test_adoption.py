@@ -295,6 +295,15 @@ def bare_pod(name: str, group: str | None, **container: Any) -> str:
                                                 **container}]}})
 
 
+def webhook_reads(audit: Path, namespace: str, group: str) -> int:
+    """The SingletonService's reads by the webhook's own client, in the API server's audit log."""
+    entries = [json.loads(line) for line in audit.read_text().splitlines() if "singleton-operator-webhook" in line]
+    return len({e["auditID"] for e in entries
+                if e["userAgent"].startswith("singleton-operator-webhook") and e["verb"] == "get"
+                and e["objectRef"].get("resource") == "singletonservices"
+                and (e["objectRef"].get("namespace"), e["objectRef"].get("name")) == (namespace, group)})
+
+
 def test_the_webhook_injects_adopted_pods_and_refuses_them_while_no_operator_answers(
         cluster: Cluster, namespace: str, operators: Factory, tmp_path: Path) -> None:  # noqa: F811
     port = free_port()
@@ -322,6 +331,9 @@ def test_the_webhook_injects_adopted_pods_and_refuses_them_while_no_operator_ans
         assert (sidecar["name"], sidecar["image"]) == ("singleton-sidecar", IMAGE)
         assert pod["spec"]["containers"][0]["command"][-1] == "/poll"
         assert pod["metadata"]["labels"] == {"app": "x", contract.LABEL_GROUP: "poller"}
+        if cluster.control_plane is not None:  # the audit log is the test bed's
+            # The webhook read the group on connections of its own, never queued behind reconciles.
+            assert webhook_reads(cluster.control_plane.workdir / "audit.log", namespace, "poller") >= 1
         # The sidecar gets the service account token like every container (the API server
         # runs its ServiceAccount admission again after a webhook changed the pod).
         assert any(m["mountPath"] == "/var/run/secrets/kubernetes.io/serviceaccount"

@@ -16,7 +16,7 @@ import pytest
 
 from singleton_operator.groups import RECONCILE_DEFER, Groups
 from singleton_operator.metrics import OperatorMetrics
-from singleton_operator.reconcile import ACCESS_REVIEW_TTL, AccessReviews
+from singleton_operator.reconcile import ACCESS_REVIEW_TTL, ACCESS_REVIEWS_IN_FLIGHT, AccessReviews
 from singleton_sidecar import contract
 from singleton_sidecar.kube import KubeClient, KubeUnavailable, load_kube_config
 from tests.conftest import Cluster
@@ -243,6 +243,38 @@ async def test_groups_reconciled_together_share_one_access_review(cluster: Clust
                                          for _ in range(16)))
         assert answers == [True] * 16
         assert client.calls == [("POST", REVIEWS)]
+    finally:
+        await client.close()
+
+
+class InFlightClient(CountingClient):
+    """A real client that notes the most requests it had in flight at once."""
+
+    def __init__(self, kubeconfig: Path) -> None:
+        super().__init__(kubeconfig)
+        self.in_flight = self.most_in_flight = 0
+
+    async def request(self, method: str, path: str, **kwargs: Any) -> dict[str, Any]:
+        self.in_flight += 1
+        self.most_in_flight = max(self.most_in_flight, self.in_flight)
+        try:
+            await asyncio.sleep(0.01)  # all that are let through are in flight together
+            return await super().request(method, path, **kwargs)
+        finally:
+            self.in_flight -= 1
+
+
+async def test_access_reviews_in_flight_are_bounded_across_namespaces(cluster: Cluster) -> None:
+    """Answers are shared within a namespace only: new groups in many namespaces ask many
+    questions at once, and no more than ACCESS_REVIEWS_IN_FLIGHT go out together (the rest
+    would queue for the client's connections, their timeouts running)."""
+    client = InFlightClient(cluster.kubeconfig)
+    try:
+        access = AccessReviews(client)
+        questions = [(f"team-{i:02d}", "apps", "deployments", verb) for i in range(30) for verb in ("create", "patch")]
+        assert await asyncio.gather(*(access.allowed(*q) for q in questions)) == [True] * len(questions)
+        assert client.calls == [("POST", REVIEWS)] * len(questions)
+        assert client.most_in_flight == ACCESS_REVIEWS_IN_FLIGHT
     finally:
         await client.close()
 

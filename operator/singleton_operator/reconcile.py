@@ -141,6 +141,12 @@ async def check_postgres(client: KubeClient, spec: GroupSpec) -> None:
 ACCESS_REVIEW_TTL = 60.0
 """How long an ``allowed`` answer of a SelfSubjectAccessReview is taken as still true."""
 
+ACCESS_REVIEWS_IN_FLIGHT = 16
+"""Access reviews sent at once, whatever the namespaces: answers are shared per namespace only,
+and each reconcile asks about ten, so 48 new groups in 48 namespaces would otherwise queue
+about 480 requests on the client's 100 connections, where time queued counts against each
+request's timeout."""
+
 
 @dataclass
 class AccessReviews:
@@ -156,6 +162,7 @@ class AccessReviews:
     _asking: dict[tuple[str, str, str, str], asyncio.Task[bool]] = field(default_factory=dict)
     """Questions in flight: the groups reconciled at once ask the same ones together (148
     reviews for 500 groups created together, instead of 10), so they share one answer."""
+    _sending: asyncio.Semaphore = field(default_factory=lambda: asyncio.Semaphore(ACCESS_REVIEWS_IN_FLIGHT))
 
     async def allowed(self, namespace: str, group: str, resource: str, verb: str) -> bool:
         key = (namespace, group, resource, verb)
@@ -178,8 +185,9 @@ class AccessReviews:
         review = {"apiVersion": "authorization.k8s.io/v1", "kind": "SelfSubjectAccessReview",
                   "spec": {"resourceAttributes": {"namespace": namespace, "group": group,
                                                   "resource": resource, "verb": verb}}}
-        answer = await self.client.request("POST", "/apis/authorization.k8s.io/v1/selfsubjectaccessreviews",
-                                           body=review, timeout=CALL_TIMEOUT)
+        async with self._sending:
+            answer = await self.client.request("POST", "/apis/authorization.k8s.io/v1/selfsubjectaccessreviews",
+                                               body=review, timeout=CALL_TIMEOUT)
         allowed = bool((answer.get("status") or {}).get("allowed"))
         if allowed:
             self._allowed_until[key] = self.clock() + ACCESS_REVIEW_TTL

@@ -150,7 +150,7 @@ async def run_operator(config: OperatorConfig) -> int:
     for signum in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(signum, stopping.set)
     # Every replica answers the webhook, leading or not (webhook.py); not Ready until it does.
-    webhook = PodWebhook(config, client, metrics) if config.webhook else None
+    webhook = PodWebhook(config, kube_config, metrics) if config.webhook else None
     health = web.AppRunner(health_app(elector, metrics, webhook.not_ready if webhook else lambda: None),
                            access_log=None)
     await health.setup()
@@ -194,10 +194,12 @@ class PodWebhook:
     RETRY_FIRST = 1.0
     RETRY_MAX = 30.0
 
-    def __init__(self, config: OperatorConfig, client: KubeClient, metrics: OperatorMetrics) -> None:
+    def __init__(self, config: OperatorConfig, kube_config: KubeConfig, metrics: OperatorMetrics) -> None:
         assert config.webhook is not None
         self.hook = config.webhook
-        self.client = client
+        # Connections of its own: an admission has 5 s and, timed out, refuses the pod
+        # (failurePolicy Fail), so its reads must never queue behind a burst of reconciles.
+        self.client = client = KubeClient(kube_config, user_agent="singleton-operator-webhook")
         self.source: certs.CertificateSource
         if self.hook.cert_dir is not None:
             self.source = certs.DirectorySource(Path(self.hook.cert_dir))
@@ -245,6 +247,7 @@ class PodWebhook:
             await asyncio.gather(self.task, return_exceptions=True)
         if self.runner is not None:
             await self.runner.cleanup()
+        await self.client.close()
 
 
 async def _first(*events: asyncio.Event) -> asyncio.Event:
