@@ -247,9 +247,8 @@ def audit_requests(path: Path, offset: int) -> dict[str, int]:
             if not entry.get("userAgent", "").startswith(OPERATOR_AGENTS):
                 continue
             ref = entry.get("objectRef", {})
-            watch = "watch " if (entry.get("requestURI") or "").find("watch=") >= 0 else ""
             sub = f"/{ref['subresource']}" if "subresource" in ref else ""
-            kind = f"{watch}{entry['verb']} {ref.get('resource')}{sub}"
+            kind = f"{entry['verb']} {ref.get('resource')}{sub}"
             kinds.setdefault(kind, set()).add(entry["auditID"])
     return {k: len(v) for k, v in sorted(kinds.items())}
 
