@@ -325,7 +325,9 @@ class Bench:
         return self.plane.workdir / "audit.log"
 
     def home(self, name: str) -> str:
-        return self.homes.get(name, NAMESPACE)
+        """The group's namespace; a group created later joins the first group's (so that it
+        finds the answers of that namespace's access reviews as a user's new group would)."""
+        return self.homes.get(name) or self.homes.get(group_name(0), NAMESPACE)
 
     async def create(self, name: str) -> None:
         namespace = self.home(name)
@@ -398,8 +400,9 @@ class Bench:
                             break
                         self.created[name] = time.monotonic()
                     else:
-                        if await kubectl.wait() != 0 or len(self.created) < len(names):
-                            problem = f"created {len(self.created)} of {len(names)}"
+                        code = await kubectl.wait()
+                        if code != 0 or len(self.created) < len(names):
+                            problem = f"exited {code} having created {len(self.created)} of {len(names)}"
             except TimeoutError:
                 problem = f"took more than {KUBECTL_TIMEOUT:g} s"
             finally:
@@ -417,8 +420,9 @@ class Bench:
         """Groups created one at a time beside the others."""
         for i in range(count):
             name = f"more-{i:03d}"
-            await bounded(2, [make_pod(self.client, name, s, role, token) for s, role, token in (
-                ("a", contract.ROLE_LEADER, 1), ("b", contract.ROLE_STANDBY, None))])
+            pods = (("a", contract.ROLE_LEADER, 1), ("b", contract.ROLE_STANDBY, None))
+            await bounded(2, [make_pod(self.client, name, s, role, token, namespace=self.home(name))
+                              for s, role, token in pods])
             arrived = self.watch.expect(name, f"{name}-a")
             await self.create(name)
             self.result.create_one_more.append(await asyncio.wait_for(arrived, timeout=120) - self.created[name])

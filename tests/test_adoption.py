@@ -297,11 +297,15 @@ def bare_pod(name: str, group: str | None, **container: Any) -> str:
 
 def webhook_reads(audit: Path, namespace: str, group: str) -> int:
     """The SingletonService's reads by the webhook's own client, in the API server's audit log."""
-    entries = [json.loads(line) for line in audit.read_text().splitlines() if "singleton-operator-webhook" in line]
+    # Whole lines only (the API server may be writing the last one); the TLS Secret's name
+    # holds the same words, so the user agent is checked on each entry.
+    lines = audit.read_text().split("\n")[:-1]
+    entries = [json.loads(line) for line in lines if "singleton-operator-webhook" in line]
     return len({e["auditID"] for e in entries
-                if e["userAgent"].startswith("singleton-operator-webhook") and e["verb"] == "get"
-                and e["objectRef"].get("resource") == "singletonservices"
-                and (e["objectRef"].get("namespace"), e["objectRef"].get("name")) == (namespace, group)})
+                if e.get("userAgent", "").startswith("singleton-operator-webhook") and e["verb"] == "get"
+                and (e.get("objectRef") or {}).get("resource") == "singletonservices"
+                and ((e.get("objectRef") or {}).get("namespace"), (e.get("objectRef") or {}).get("name"))
+                == (namespace, group)})
 
 
 def test_the_webhook_injects_adopted_pods_and_refuses_them_while_no_operator_answers(

@@ -14,6 +14,7 @@ from typing import Any
 
 import pytest
 
+from singleton_operator import reconcile as reconcile_module
 from singleton_operator.groups import RECONCILE_DEFER, Groups
 from singleton_operator.metrics import OperatorMetrics
 from singleton_operator.reconcile import ACCESS_REVIEW_TTL, ACCESS_REVIEWS_IN_FLIGHT, AccessReviews
@@ -277,6 +278,39 @@ async def test_access_reviews_in_flight_are_bounded_across_namespaces(cluster: C
         assert client.most_in_flight == ACCESS_REVIEWS_IN_FLIGHT
     finally:
         await client.close()
+
+
+class Silent:
+    """An API server that takes access reviews and never answers (a real one would, in time)."""
+
+    def __init__(self) -> None:
+        self.asked = 0
+
+    async def request(self, method: str, path: str, **_: Any) -> dict[str, Any]:
+        assert (method, path) == ("POST", REVIEWS)
+        self.asked += 1
+        await asyncio.Event().wait()
+        raise AssertionError("unreachable")
+
+
+async def test_a_review_waiting_too_long_for_its_turn_fails_as_a_busy_api_server(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """A review queued behind the ones in flight gives up after CALL_TIMEOUT as a request would
+    (KubeUnavailable: the reconcile is retried later), and close() cancels those in flight."""
+    monkeypatch.setattr(reconcile_module, "CALL_TIMEOUT", 0.3)
+    client = Silent()
+    access = AccessReviews(client)  # type: ignore[arg-type]
+    in_flight = [asyncio.create_task(access.allowed(f"team-{i:02d}", "", "services", "create"))
+                 for i in range(ACCESS_REVIEWS_IN_FLIGHT)]
+    await asyncio.sleep(0.05)
+    assert client.asked == ACCESS_REVIEWS_IN_FLIGHT
+    with pytest.raises(KubeUnavailable, match=r"waited 0\.3 s behind 16 others"):
+        await access.allowed("team-late", "", "services", "create")
+    assert client.asked == ACCESS_REVIEWS_IN_FLIGHT  # the late one never went out
+    await access.close()
+    for task in in_flight:
+        with pytest.raises(asyncio.CancelledError):
+            await task
 
 
 async def test_a_new_group_gets_its_first_status_once_its_first_reconcile_ended(

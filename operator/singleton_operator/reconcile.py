@@ -22,7 +22,15 @@ from singleton_operator import resources
 from singleton_operator.spec import GroupSpec, WorkloadRef, workload_ref
 from singleton_operator.status import Observed, compute_status, spec_error_status, status_changed
 from singleton_sidecar import contract
-from singleton_sidecar.kube import KubeClient, KubeConflict, KubeError, KubeForbidden, KubeNotFound, event_body
+from singleton_sidecar.kube import (
+    KubeClient,
+    KubeConflict,
+    KubeError,
+    KubeForbidden,
+    KubeNotFound,
+    KubeUnavailable,
+    event_body,
+)
 
 log = logging.getLogger(__name__)
 
@@ -145,7 +153,7 @@ ACCESS_REVIEWS_IN_FLIGHT = 16
 """Access reviews sent at once, whatever the namespaces: answers are shared per namespace only,
 and each reconcile asks about ten, so 48 new groups in 48 namespaces would otherwise queue
 about 480 requests on the client's 100 connections, where time queued counts against each
-request's timeout."""
+request's timeout. A review waits for its turn at most ``CALL_TIMEOUT``, as for an answer."""
 
 
 @dataclass
@@ -162,7 +170,8 @@ class AccessReviews:
     _asking: dict[tuple[str, str, str, str], asyncio.Task[bool]] = field(default_factory=dict)
     """Questions in flight: the groups reconciled at once ask the same ones together (148
     reviews for 500 groups created together, instead of 10), so they share one answer."""
-    _sending: asyncio.Semaphore = field(default_factory=lambda: asyncio.Semaphore(ACCESS_REVIEWS_IN_FLIGHT))
+    _sending: asyncio.Semaphore = field(default_factory=lambda: asyncio.Semaphore(ACCESS_REVIEWS_IN_FLIGHT),
+                                        repr=False, compare=False)
 
     async def allowed(self, namespace: str, group: str, resource: str, verb: str) -> bool:
         key = (namespace, group, resource, verb)
@@ -175,6 +184,13 @@ class AccessReviews:
         # Shielded: a waiter cancelled (its reconcile ended) does not cancel the others' answer.
         return await asyncio.shield(asking)
 
+    async def close(self) -> None:
+        """Cancel the reviews in flight (their reconciles have stopped: kopf is stopping)."""
+        asking = list(self._asking.values())
+        for task in asking:
+            task.cancel()
+        await asyncio.gather(*asking, return_exceptions=True)
+
     def _asked(self, key: tuple[str, str, str, str], task: asyncio.Task[bool]) -> None:
         self._asking.pop(key, None)
         if not task.cancelled():
@@ -185,9 +201,18 @@ class AccessReviews:
         review = {"apiVersion": "authorization.k8s.io/v1", "kind": "SelfSubjectAccessReview",
                   "spec": {"resourceAttributes": {"namespace": namespace, "group": group,
                                                   "resource": resource, "verb": verb}}}
-        async with self._sending:
+        try:
+            async with asyncio.timeout(CALL_TIMEOUT):
+                await self._sending.acquire()
+        except TimeoutError:
+            # As a request timed out: the reconcile is retried as for a busy API server.
+            raise KubeUnavailable(0, "Timeout", f"access review ({verb} {resource} in {namespace}) waited "
+                                  f"{CALL_TIMEOUT:g} s behind {ACCESS_REVIEWS_IN_FLIGHT} others") from None
+        try:
             answer = await self.client.request("POST", "/apis/authorization.k8s.io/v1/selfsubjectaccessreviews",
                                                body=review, timeout=CALL_TIMEOUT)
+        finally:
+            self._sending.release()
         allowed = bool((answer.get("status") or {}).get("allowed"))
         if allowed:
             self._allowed_until[key] = self.clock() + ACCESS_REVIEW_TTL

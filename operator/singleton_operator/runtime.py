@@ -173,7 +173,8 @@ async def run_operator(config: OperatorConfig) -> int:
                 kopf_stopped.set()
     finally:
         elector.request_drain()
-        with contextlib.suppress(asyncio.CancelledError):
+        # Past 10 s wait_for cancels the election and raises: the clean-up below runs still.
+        with contextlib.suppress(asyncio.CancelledError, TimeoutError):
             await asyncio.wait_for(election, timeout=10)
         for signum in (signal.SIGTERM, signal.SIGINT):
             loop.remove_signal_handler(signum)
@@ -198,7 +199,7 @@ class PodWebhook:
         assert config.webhook is not None
         self.hook = config.webhook
         # Connections of its own: an admission has 5 s and, timed out, refuses the pod
-        # (failurePolicy Fail), so its reads must never queue behind a burst of reconciles.
+        # (failurePolicy Fail), so its reads must not queue in the pool behind a burst of reconciles.
         self.client = client = KubeClient(kube_config, user_agent="singleton-operator-webhook")
         self.source: certs.CertificateSource
         if self.hook.cert_dir is not None:
@@ -306,6 +307,7 @@ async def _run_kopf_while_leading(config: OperatorConfig, client: KubeClient, me
         for task in (*helpers, kopf_task):
             task.cancel()
         await asyncio.gather(*helpers, kopf_task, return_exceptions=True)
+        await groups.access.close()
 
 
 def _future_event(future: asyncio.Future[None]) -> asyncio.Event:
