@@ -166,20 +166,24 @@ async def test_an_allowed_access_review_is_asked_once_per_ttl(cluster: Cluster, 
         await client.close()
 
 
-class Refusing:
-    """An API server that refuses every access review (a real one needs a refused account)."""
+class Reviewer:
+    """An API server that refuses every access review (a real one needs a refused account), or
+    with ``answers=False`` takes them and never answers (a real one would, in time)."""
 
-    def __init__(self) -> None:
+    def __init__(self, *, answers: bool = True) -> None:
+        self.answers = answers
         self.asked = 0
 
     async def request(self, method: str, path: str, **_: Any) -> dict[str, Any]:
         assert (method, path) == ("POST", REVIEWS)
         self.asked += 1
+        if not self.answers:
+            await asyncio.Event().wait()
         return {"status": {"allowed": False}}
 
 
 async def test_a_refused_access_review_is_asked_again_at_once() -> None:
-    client = Refusing()
+    client = Reviewer()
     access = AccessReviews(client, clock=lambda: 0.0)  # type: ignore[arg-type]
     assert not await access.allowed("ns", "", "services", "create")
     assert not await access.allowed("ns", "", "services", "create")
@@ -280,25 +284,12 @@ async def test_access_reviews_in_flight_are_bounded_across_namespaces(cluster: C
         await client.close()
 
 
-class Silent:
-    """An API server that takes access reviews and never answers (a real one would, in time)."""
-
-    def __init__(self) -> None:
-        self.asked = 0
-
-    async def request(self, method: str, path: str, **_: Any) -> dict[str, Any]:
-        assert (method, path) == ("POST", REVIEWS)
-        self.asked += 1
-        await asyncio.Event().wait()
-        raise AssertionError("unreachable")
-
-
 async def test_a_review_waiting_too_long_for_its_turn_fails_as_a_busy_api_server(
         monkeypatch: pytest.MonkeyPatch) -> None:
     """A review queued behind the ones in flight gives up after CALL_TIMEOUT as a request would
     (KubeUnavailable: the reconcile is retried later), and close() cancels those in flight."""
     monkeypatch.setattr(reconcile_module, "CALL_TIMEOUT", 0.3)
-    client = Silent()
+    client = Reviewer(answers=False)
     access = AccessReviews(client)  # type: ignore[arg-type]
     in_flight = [asyncio.create_task(access.allowed(f"team-{i:02d}", "", "services", "create"))
                  for i in range(ACCESS_REVIEWS_IN_FLIGHT)]
