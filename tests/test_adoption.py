@@ -299,8 +299,8 @@ def webhook_reads(audit: Path, namespace: str, group: str) -> int:
     """The SingletonService's reads by the webhook's own client, in the API server's audit log."""
     # Whole lines only (the API server may be writing the last one); the TLS Secret's name
     # holds the same words, so the user agent is checked on each entry.
-    lines = audit.read_text().split("\n")[:-1]
-    entries = [json.loads(line) for line in lines if "singleton-operator-webhook" in line]
+    lines = audit.read_bytes().split(b"\n")[:-1]
+    entries = [json.loads(line) for line in lines if b"singleton-operator-webhook" in line]
     return len({e["auditID"] for e in entries
                 if e.get("userAgent", "").startswith("singleton-operator-webhook") and e["verb"] == "get"
                 and (e.get("objectRef") or {}).get("resource") == "singletonservices"

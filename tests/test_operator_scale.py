@@ -14,6 +14,7 @@ from typing import Any
 
 import pytest
 
+from singleton_operator import groups as groups_module
 from singleton_operator import reconcile as reconcile_module
 from singleton_operator.groups import RECONCILE_DEFER, Groups
 from singleton_operator.metrics import OperatorMetrics
@@ -295,13 +296,38 @@ async def test_a_review_waiting_too_long_for_its_turn_fails_as_a_busy_api_server
                  for i in range(ACCESS_REVIEWS_IN_FLIGHT)]
     await asyncio.sleep(0.05)
     assert client.asked == ACCESS_REVIEWS_IN_FLIGHT
-    with pytest.raises(KubeUnavailable, match=r"waited 0\.3 s behind 16 others"):
+    with pytest.raises(KubeUnavailable, match=rf"waited 0\.3 s for one of {ACCESS_REVIEWS_IN_FLIGHT} turns"):
         await access.allowed("team-late", "", "services", "create")
     assert client.asked == ACCESS_REVIEWS_IN_FLIGHT  # the late one never went out
     await access.close()
     for task in in_flight:
         with pytest.raises(asyncio.CancelledError):
             await task
+    client.answers = True  # every turn was given back: the next review goes out at once
+    assert not await asyncio.wait_for(access.allowed("team-after", "", "services", "create"), timeout=1)
+    assert client.asked == ACCESS_REVIEWS_IN_FLIGHT + 1
+
+
+async def test_a_deleted_deployment_is_put_back_after_the_api_server_failed_the_first_try(
+        cluster: Cluster, namespace: str, groups: Groups, monkeypatch: pytest.MonkeyPatch) -> None:
+    """kopf retries no event handler: the repair of a deleted Deployment retries by itself."""
+    monkeypatch.setattr(groups_module, "REPAIR_RETRY_FIRST", 0.1)
+    cluster.apply(service("mended"), namespace=namespace)
+    await groups.reconcile(get_json(cluster, "singletonservice", "mended", "-n", namespace), new=True)
+    cluster.kubectl("delete", "deployment", "mended", "-n", namespace)
+    failed = []
+
+    def fail_first_read(method: str, path: str) -> None:
+        if method == "GET" and path.endswith("/singletonservices/mended") and not failed:
+            failed.append(path)
+            raise KubeUnavailable(0, "Timeout", "no answer")
+
+    assert isinstance(groups.client, CountingClient)
+    groups.client.before = fail_first_read
+    await asyncio.wait_for(groups.repair(namespace, "mended"), timeout=30)
+    assert failed
+    assert get_json(cluster, "deployment", "mended", "-n", namespace)["metadata"]["labels"][contract.LABEL_GROUP] \
+        == "mended"
 
 
 async def test_a_new_group_gets_its_first_status_once_its_first_reconcile_ended(

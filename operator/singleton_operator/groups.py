@@ -58,6 +58,10 @@ RECONCILE_DEFER = 1.0
 again when it ends: refreshed in between, the status says the generation is not applied yet,
 and is written again a moment later. Bounded, so that a slow reconcile does not hold back a
 leader change in the status."""
+REPAIR_RETRY_FIRST = 5.0
+REPAIR_RETRY_MAX = 60.0
+"""Seconds before re-applying a group whose owned object was deleted is tried again after the
+API server failed it (doubling up to the most), as kopf retries a failed reconcile."""
 REFRESH_PARALLEL = 16
 """Groups refreshed at once: a burst (hundreds of groups created together) is not served one
 group after another, nor with so many requests in flight that each waits on the others."""
@@ -209,17 +213,29 @@ class Groups:
         await release(self.client, body)
 
     async def repair(self, namespace: str, name: str) -> None:
-        """Re-apply a group whose owned object vanished (if the group still exists)."""
+        """Re-apply a group whose owned object vanished (if the group still exists). An API
+        server busy or away is tried again, backing off, until the group is repaired or gone:
+        kopf retries no event handler, and nothing else would bring the object back."""
+        delay = REPAIR_RETRY_FIRST
+        while True:
+            try:
+                await self._repair_once(namespace, name)
+                return
+            except KubeError as exc:
+                log.warning("re-applying a group whose object was deleted failed; retrying",
+                            extra={"namespace": namespace, "group": name, "error": exc, "retry_seconds": delay})
+            await asyncio.sleep(delay)
+            delay = min(delay * 2, REPAIR_RETRY_MAX)
+
+    async def _repair_once(self, namespace: str, name: str) -> None:
         try:
             body = await self.client.request("GET", cr_path(namespace, name), timeout=CALL_TIMEOUT)
         except KubeNotFound:
             return
         if body["metadata"].get("deletionTimestamp"):
             return
-        try:
+        with contextlib.suppress(SpecError, ReconcileProblem):  # kept in self.problems: the status says it
             await self.reconcile(body)
-        except (SpecError, ReconcileProblem):
-            return
 
     def forget(self, namespace: str, name: str, uid: str | None = None) -> None:
         """Drop what is kept for the group. ``uid``: only if it is still that object's (a group

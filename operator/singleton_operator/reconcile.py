@@ -207,7 +207,7 @@ class AccessReviews:
         except TimeoutError:
             # As a request timed out: the reconcile is retried as for a busy API server.
             raise KubeUnavailable(0, "Timeout", f"access review ({verb} {resource} in {namespace}) waited "
-                                  f"{CALL_TIMEOUT:g} s behind {ACCESS_REVIEWS_IN_FLIGHT} others") from None
+                                  f"{CALL_TIMEOUT:g} s for one of {ACCESS_REVIEWS_IN_FLIGHT} turns") from None
         try:
             answer = await self.client.request("POST", "/apis/authorization.k8s.io/v1/selfsubjectaccessreviews",
                                                body=review, timeout=CALL_TIMEOUT)

@@ -173,9 +173,7 @@ async def run_operator(config: OperatorConfig) -> int:
                 kopf_stopped.set()
     finally:
         elector.request_drain()
-        # Past 10 s wait_for cancels the election and raises: the clean-up below runs still.
-        with contextlib.suppress(asyncio.CancelledError, TimeoutError):
-            await asyncio.wait_for(election, timeout=10)
+        await _election_ended(election)
         for signum in (signal.SIGTERM, signal.SIGINT):
             loop.remove_signal_handler(signum)
         if webhook is not None:
@@ -249,6 +247,17 @@ class PodWebhook:
         if self.runner is not None:
             await self.runner.cleanup()
         await self.client.close()
+
+
+async def _election_ended(election: asyncio.Task[None]) -> None:
+    """Wait up to 10 s for the draining election (then cancelled); whatever ended it, the
+    caller's clean-up runs next."""
+    try:
+        await asyncio.wait_for(election, timeout=10)
+    except (asyncio.CancelledError, TimeoutError):
+        pass
+    except Exception:
+        log.exception("the operator's election ended with an error")
 
 
 async def _first(*events: asyncio.Event) -> asyncio.Event:
