@@ -317,7 +317,7 @@ class Bench:
     watch: LeaderWatch
     result: RunResult
     homes: dict[str, str] = field(default_factory=dict)
-    """Each group's namespace (``NAMESPACE`` if not here)."""
+    """The namespace of each group of the burst (a group not here: see ``home``)."""
     created: dict[str, float] = field(default_factory=dict)
 
     @property
