@@ -141,6 +141,7 @@ def test_the_clientgo_worker_logs_its_acts_as_ours_does(cluster: Cluster, namesp
                                kubeconfig=cluster.kubeconfig, namespace=namespace, lease=lease,
                                identity=f"w{i}-{uuid.uuid4().hex[:6]}", timings=FAST, ledger_dsn=pg_dsn,
                                fence=fenced).start() for i in range(2)]
+    leader: ClientGoProcess | None = None
     try:
         wait_serving(list[SidecarProcess](members), 10)
         leader = one_clientgo_leader(members, timeout=15)
@@ -152,7 +153,9 @@ def test_the_clientgo_worker_logs_its_acts_as_ours_does(cluster: Cluster, namesp
 
         wait_for(lambda: acts() >= 10, 20, "the leader's worker to act", interval=0.2)
     finally:
-        for member in members:
+        # The standby first: the leader releases the Lease as it stops, and a standby still
+        # running would take it at once and act under a second term.
+        for member in sorted(members, key=lambda m: m is leader):
             member.stop()
     judged = asyncio.run(check_ledger(pg_dsn, lease))
     assert judged.acts_checked and judged.safe, judged.summary()
