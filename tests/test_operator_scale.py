@@ -311,7 +311,7 @@ async def test_a_review_waiting_too_long_for_its_turn_fails_as_a_busy_api_server
 async def test_a_deleted_deployment_is_put_back_after_the_api_server_failed_the_first_try(
         cluster: Cluster, namespace: str, groups: Groups, monkeypatch: pytest.MonkeyPatch) -> None:
     """kopf retries no event handler: the repair of a deleted Deployment retries by itself."""
-    monkeypatch.setattr(groups_module, "REPAIR_RETRY_FIRST", 0.1)
+    monkeypatch.setattr(groups_module, "RETRY_FIRST", 0.1)
     cluster.apply(service("mended"), namespace=namespace)
     await groups.reconcile(get_json(cluster, "singletonservice", "mended", "-n", namespace), new=True)
     cluster.kubectl("delete", "deployment", "mended", "-n", namespace)

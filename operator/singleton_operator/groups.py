@@ -58,10 +58,15 @@ RECONCILE_DEFER = 1.0
 again when it ends: refreshed in between, the status says the generation is not applied yet,
 and is written again a moment later. Bounded, so that a slow reconcile does not hold back a
 leader change in the status."""
-REPAIR_RETRY_FIRST = 5.0
-REPAIR_RETRY_MAX = 60.0
-"""Seconds before re-applying a group whose owned object was deleted is tried again after the
-API server failed it (doubling up to the most), as kopf retries a failed reconcile."""
+RETRY_FIRST = 5.0
+RETRY_MAX = 60.0
+"""Seconds before work the API server failed (busy or away) is tried again: a reconcile (kopf's
+retry) or the repair of a deleted object; doubling with each failure, up to the most."""
+
+
+def retry_delay(failures: int) -> float:
+    """Seconds to wait after ``failures`` (0: the first) failed tries in a row."""
+    return min(RETRY_FIRST * (1 << min(failures, 8)), RETRY_MAX)
 REFRESH_PARALLEL = 16
 """Groups refreshed at once: a burst (hundreds of groups created together) is not served one
 group after another, nor with so many requests in flight that each waits on the others."""
@@ -216,16 +221,17 @@ class Groups:
         """Re-apply a group whose owned object vanished (if the group still exists). An API
         server busy or away is tried again, backing off, until the group is repaired or gone:
         kopf retries no event handler, and nothing else would bring the object back."""
-        delay = REPAIR_RETRY_FIRST
+        failures = 0
         while True:
             try:
                 await self._repair_once(namespace, name)
                 return
             except KubeError as exc:
+                delay = retry_delay(failures)
                 log.warning("re-applying a group whose object was deleted failed; retrying",
                             extra={"namespace": namespace, "group": name, "error": exc, "retry_seconds": delay})
             await asyncio.sleep(delay)
-            delay = min(delay * 2, REPAIR_RETRY_MAX)
+            failures += 1
 
     async def _repair_once(self, namespace: str, name: str) -> None:
         try:

@@ -9,7 +9,7 @@ from typing import Any
 
 import kopf
 
-from singleton_operator.groups import Groups
+from singleton_operator.groups import RETRY_FIRST, Groups, retry_delay
 from singleton_operator.kopf_state import MemoryDiffBaseStorage, MemoryProgressStorage
 from singleton_operator.reconcile import ReconcileProblem
 from singleton_operator.release import answer_pending
@@ -19,7 +19,6 @@ from singleton_operator.spec import SpecError
 from singleton_sidecar import contract
 from singleton_sidecar.kube import KubeConfig, KubeError
 
-RETRY_DELAY = 5
 OWNED = {LABEL_MANAGED_BY: MANAGED_BY}
 
 
@@ -72,12 +71,11 @@ def registry(kube_config: KubeConfig,
             raise kopf.PermanentError(str(exc)) from exc
         except ReconcileProblem as exc:
             # The user may fix it at any time (create the Secret, grant RBAC): try again.
-            raise kopf.TemporaryError(f"{exc.reason}: {exc.message}", delay=RETRY_DELAY) from exc
+            raise kopf.TemporaryError(f"{exc.reason}: {exc.message}", delay=RETRY_FIRST) from exc
         except KubeError as exc:
             # The API server busy or away (timeouts, 429, 5xx, a conflict): soon again, not
             # after kopf's default minute for an unexpected error; backing off to that minute.
-            delay = min(RETRY_DELAY * 2 ** min(retry, 4), 60)
-            raise kopf.TemporaryError(f"{type(exc).__name__}: {exc}", delay=delay) from exc
+            raise kopf.TemporaryError(f"{type(exc).__name__}: {exc}", delay=retry_delay(retry)) from exc
 
     @kopf.on.event(*resource, registry=reg, when=lambda event, **_: event.get("type") == "DELETED")
     async def gone(uid: str | None, namespace: str | None, name: str, memo: Any, **_: Any) -> None:
