@@ -1,0 +1,182 @@
+"""The floor of a burst of new groups: the fastest any operator could give 500 new
+SingletonServices their status, on this machine, if it made the same objects.
+
+    .venv/bin/python -m benchmarks.burst_floor [--groups 500] [--runs 2] [--status-only] [--as-admin]
+
+``benchmarks/operator_scale.py`` times the real operator. This times a stand-in that does only
+what no operator making a group's objects can leave out, with none of an operator's own work:
+no kopf, no reads, no Events, no access reviews, no retries, no refreshes. For each
+SingletonService its watch shows as ADDED, it applies the group's objects (built by the
+operator's own code, ``desired_objects``, in the operator's order: the RoleBinding needs its
+Role) and then patches the status naming the leader, which it knows beforehand (the pods are
+made by this script, as in operator_scale). ``--in-flight`` groups at once (the operator's
+``RECONCILE_PARALLEL``), as the operator's ServiceAccount with the chart's RBAC (or
+``--as-admin``). ``--status-only`` leaves the objects out too: the status write alone.
+
+The SingletonServices are created as operator_scale's default burst creates them (all at once,
+``--parallel`` in flight) and timed the same way: the create's answer -> the watch showing
+``status.leader`` with the generation applied. Prints medians and p99 over the runs, and the CPU
+seconds the API server, etcd and this process (creates, watches and the stand-in) used.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import os
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+from benchmarks.failover import cpu_seconds
+from benchmarks.operator_scale import (
+    ALL_CRS_PATH,
+    CALL_TIMEOUT,
+    CR_PATH,
+    bounded,
+    chart_account,
+    control_plane,
+    cr_body,
+    group_name,
+    line,
+    make_pod,
+    pod_annotations,
+    watching,
+)
+from singleton_operator import groups as operator_groups
+from singleton_operator.reconcile import apply, cr_path, desired_objects, observed_from
+from singleton_operator.spec import read_spec
+from singleton_operator.status import compute_status
+from singleton_sidecar import contract
+from singleton_sidecar.kube import KubeClient, KubeError, load_kube_config
+from singleton_testbed.controlplane import ControlPlane
+
+
+class LeastOperator:
+    """Per new SingletonService: its objects, then its status. Nothing else."""
+
+    def __init__(self, client: KubeClient, in_flight: int, *, objects: bool) -> None:
+        self.client = client
+        self.objects = objects
+        self.gate = asyncio.Semaphore(in_flight)
+        self.tasks: set[asyncio.Task[None]] = set()
+        self.failures: list[str] = []
+
+    async def run(self) -> None:
+        version = None
+        while True:
+            try:
+                if version is None:
+                    version = (await self.client.request("GET", ALL_CRS_PATH, params={"limit": "1"},
+                                                         timeout=CALL_TIMEOUT))["metadata"]["resourceVersion"]
+                async with contextlib.aclosing(self.client.watch(
+                        ALL_CRS_PATH, params={"resourceVersion": version}, timeout=600)) as events:
+                    async for kind, body in events:
+                        version = body["metadata"]["resourceVersion"]
+                        if kind == "ADDED":
+                            task = asyncio.create_task(self.handle(body))
+                            self.tasks.add(task)
+                            task.add_done_callback(self.tasks.discard)
+            except KubeError as exc:  # the custom resource's storage may still be starting
+                print(f"  (stand-in's watch: {exc}; watching again)", file=sys.stderr)
+                await asyncio.sleep(0.2)
+
+    async def handle(self, body: dict[str, Any]) -> None:
+        async with self.gate:
+            try:
+                spec = read_spec(body, default_sidecar_image="example.invalid/sidecar:1")
+                if self.objects:
+                    for obj in desired_objects(spec):
+                        await apply(self.client, obj)
+                leader = f"{spec.name}-a"
+                pod = {"metadata": {"name": leader, "annotations": pod_annotations(leader, contract.ROLE_LEADER, 1)},
+                       "status": {"phase": "Running", "conditions": [{"type": "Ready", "status": "True"}]}}
+                observed = observed_from([pod], None, None, spec.generation)
+                await self.client.request("PATCH", cr_path(spec.namespace, spec.name) + "/status",
+                                          body={"status": compute_status(spec, observed, {})},
+                                          content_type="application/merge-patch+json", timeout=CALL_TIMEOUT)
+            except Exception as exc:  # reported: a failed group would otherwise only time out
+                self.failures.append(f"{body['metadata']['name']}: {exc!r}")
+                raise
+
+
+async def run_once(plane: ControlPlane, *, groups: int, parallel: int, in_flight: int, objects: bool,
+                   as_admin: bool, workdir: Path) -> tuple[list[float], float, dict[str, float]]:
+    """Per group create -> status with a leader; the first create -> the last one done; CPU seconds."""
+    assert plane.apiserver is not None and plane.etcd is not None
+    names = [group_name(i) for i in range(groups)]
+    async with KubeClient(load_kube_config(str(plane.info.kubeconfig)), user_agent="bench") as client:
+        await bounded(parallel, [make_pod(client, n, s, role, token) for n in names
+                                 for s, role, token in (("a", contract.ROLE_LEADER, 1),
+                                                        ("b", contract.ROLE_STANDBY, None))])
+        account = plane.info.kubeconfig if as_admin else chart_account(plane, workdir)
+        async with KubeClient(load_kube_config(str(account)), user_agent="least-operator") as operator_client, \
+                watching(client) as watch:
+            least = LeastOperator(operator_client, in_flight, objects=objects)
+            stand_in = asyncio.create_task(least.run())
+            await asyncio.sleep(1)  # both watches are open
+            pids = {"kube-apiserver": plane.apiserver.pid, "etcd": plane.etcd.pid, "this process": os.getpid()}
+            cpu_from = {k: cpu_seconds(pid) for k, pid in pids.items()}
+            futures = [watch.expect(n, f"{n}-a") for n in names]
+            created: dict[str, float] = {}
+
+            async def create(name: str) -> None:
+                await client.request("POST", CR_PATH, body=cr_body(name), timeout=CALL_TIMEOUT)
+                created[name] = time.monotonic()
+
+            first = time.monotonic()
+            await bounded(parallel, [create(n) for n in names])
+            try:
+                seen = await asyncio.wait_for(asyncio.gather(*futures), timeout=600)
+            finally:
+                stand_in.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await stand_in
+            if least.failures:
+                raise RuntimeError(f"{len(least.failures)} groups failed, the first: {least.failures[0]}")
+            cpu = {k: cpu_seconds(pid) - cpu_from[k] for k, pid in pids.items()}
+    latencies = [at - created[n] for n, at in zip(names, seen, strict=True)]
+    return latencies, max(seen) - first, cpu
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--groups", type=int, default=500, help="SingletonServices (default 500)")
+    parser.add_argument("--runs", type=int, default=2, help="runs, each on a fresh control plane (default 2)")
+    parser.add_argument("--parallel", type=int, default=50, help="create requests in flight (default 50, "
+                        "as operator_scale's burst)")
+    parser.add_argument("--in-flight", type=int, default=operator_groups.RECONCILE_PARALLEL,
+                        help="groups the stand-in handles at once (default "
+                        f"{operator_groups.RECONCILE_PARALLEL}, the operator's RECONCILE_PARALLEL)")
+    parser.add_argument("--status-only", action="store_true",
+                        help="write the status only, without the group's objects")
+    parser.add_argument("--as-admin", action="store_true",
+                        help="send the stand-in's requests as the test bed's admin, whose requests skip RBAC "
+                        "and its escalation checks (default: the chart's ServiceAccount and RBAC)")
+    args = parser.parse_args(argv)
+    if min(args.groups, args.runs, args.parallel, args.in_flight) < 1:
+        parser.error("--groups, --runs, --parallel and --in-flight must be at least 1")
+    latencies: list[float] = []
+    for run in range(args.runs):
+        workdir = Path(tempfile.mkdtemp(prefix="burst-floor-"))
+        print(f"run {run + 1}/{args.runs} (work folder {workdir})", flush=True)
+        with control_plane() as plane:
+            run_latencies, last, cpu = asyncio.run(run_once(
+                plane, groups=args.groups, parallel=args.parallel, in_flight=args.in_flight,
+                objects=not args.status_only, as_admin=args.as_admin, workdir=workdir))
+        latencies += run_latencies
+        print(f"  every status names its leader {last:.1f} s after the first create; CPU seconds "
+              + ", ".join(f"{k} {v:.1f}" for k, v in cpu.items()), flush=True)
+    what = "the status only" if args.status_only else "the objects and the status"
+    whom = "the admin" if args.as_admin else "the chart's ServiceAccount"
+    print(f"\nA stand-in writing {what} of {args.groups} SingletonServices created at once "
+          f"({args.in_flight} groups in flight, as {whom}; {args.runs} run(s)):")
+    print(line("create -> status with a leader", latencies))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
