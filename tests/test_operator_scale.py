@@ -366,6 +366,37 @@ def test_a_group_in_a_reconcile_is_refreshed_after_it_or_within_the_bound(
     assert groups.marked() == frozenset()
 
 
+async def test_a_new_group_is_refreshed_only_once_its_first_reconcile_has_ended(
+    groups: Groups, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Before that, its refresh would read it to write nothing (in a burst, a wasted read for
+    about half the new groups). A group with a status, in its first reconcile of this process
+    (after a restart), is only held back: its refresh may carry a leader change."""
+    release = asyncio.Event()
+
+    async def slow(client: KubeClient, spec: Any, access: Any, *, new: bool = False) -> None:
+        await release.wait()
+
+    monkeypatch.setattr("singleton_operator.groups.reconcile", slow)
+
+    def body(name: str, status: dict[str, Any] | None) -> dict[str, Any]:
+        obj: dict[str, Any] = json.loads(service(name))
+        obj["metadata"].update(namespace="ns", uid=f"uid-{name}", generation=1)
+        return {**obj, "status": status} if status else obj
+
+    reconciles = [asyncio.create_task(groups.reconcile(body("fresh", None), new=True)),
+                  asyncio.create_task(groups.reconcile(body("known", {"leader": "known-a"})))]
+    await asyncio.sleep(0.05)
+    groups.mark("ns", "fresh")  # a pod or Deployment event meanwhile
+    groups.mark("ns", "known")
+    assert groups._due() == []
+    assert groups.marked() == {("ns", "known")}  # held back, not dropped
+    release.set()
+    await asyncio.gather(*reconciles)
+    # "known" kept its place; "fresh" was marked again by its reconcile's end.
+    assert groups._due() == [("ns", "known"), ("ns", "fresh")]
+
+
 def test_marked_groups_are_refreshed_in_the_order_they_were_first_marked(groups: Groups) -> None:
     """In a burst the groups created first get their status first."""
     for name in ("c", "a", "b", "a", "c"):

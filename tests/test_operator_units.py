@@ -692,3 +692,29 @@ def test_the_essence_kopf_diffs_is_the_one_its_own_storage_builds() -> None:
     # A handler on other fields (kopf's extra fields) gets kopf's own build.
     assert MemoryDiffBaseStorage(prefix=prefix).build(body=body, extra_fields=["status.leader"])["status"] == {
         "leader": "a-0"}
+
+
+def test_kopfs_own_annotations_are_cleared_from_an_essence_as_kopf_clears_them() -> None:
+    """MemoryProgressStorage.clear copies only the dicts on the way to the annotations."""
+    import copy
+
+    import kopf
+
+    from singleton_operator.kopf_state import MemoryProgressStorage
+
+    prefix = "operator.singleton.dev"
+    template = {"spec": {"containers": [{"name": "app", "image": "app:1"}]}}
+    essences: list[dict[str, Any]] = [
+        {"metadata": {"labels": {"team": "x"}, "annotations": {"note": "kept", f"{prefix}/touch-dummy": "t"}},
+         "spec": {"replicas": 2, "template": template}},
+        {"metadata": {"annotations": {f"{prefix}/reconcile": "{}"}}, "spec": {"replicas": 1}},
+        {"metadata": {"labels": {}, "annotations": {}}, "spec": {}, "status": {}},
+        {"spec": {"replicas": 3}},
+        {"metadata": {"annotations": {"other.dev/x": "y"}}},
+    ]
+    for essence in essences:
+        before = copy.deepcopy(essence)
+        ours = MemoryProgressStorage(prefix=prefix).clear(essence=cast(kopf.BodyEssence, essence))
+        assert ours == kopf.AnnotationsProgressStorage(prefix=prefix).clear(
+            essence=cast(kopf.BodyEssence, copy.deepcopy(essence)))
+        assert essence == before  # the essence handed in is left as it was

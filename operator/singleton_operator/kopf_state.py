@@ -70,6 +70,20 @@ class MemoryProgressStorage(kopf.AnnotationsProgressStorage):
         super().__init__(prefix=prefix)
         self._records: dict[tuple[str, str], kopf.ProgressRecord] = {}
 
+    def clear(self, *, essence: kopf.BodyEssence) -> kopf.BodyEssence:
+        # kopf deep-copies the whole essence (the pod template too) to drop its own
+        # annotations from the copy. Copying the dicts on the way to them is enough: nothing
+        # changes the rest, and the essences kopf hands here are its own copies already
+        # (measured: 3.5 % of the operator's CPU with 500 groups created together).
+        copied = cast(dict[str, Any], dict(essence))  # kopf's removals replace the annotations
+        if isinstance(copied.get("metadata"), dict):  # and delete stanzas: no deeper change
+            copied["metadata"] = dict(copied["metadata"])
+        annotations = (copied.get("metadata") or {}).get("annotations") or {}
+        cleared = cast(kopf.BodyEssence, copied)
+        self.remove_annotations(cleared, {key for key in annotations if key.startswith(f"{self.prefix}/")})
+        self.remove_empty_stanzas(cleared)
+        return cleared
+
     def fetch(self, *, key: Any, body: kopf.Body) -> kopf.ProgressRecord | None:
         record = self._records.get((str(body.metadata.uid), str(key)))
         return copy.deepcopy(record) if record is not None else None
