@@ -1,7 +1,8 @@
 """The floor of a burst of new groups: the fastest any operator could give 500 new
 SingletonServices their status, on this machine, if it made the same objects.
 
-    .venv/bin/python -m benchmarks.burst_floor [--groups 500] [--runs 2] [--status-only] [--as-admin]
+    .venv/bin/python -m benchmarks.burst_floor [--groups 500 ...] [--runs 2] [--status-only] [--as-admin]
+        [--operator] [--plot [PNG]]
 
 ``benchmarks/operator_scale.py`` times the real operator. This times a stand-in that does only
 what no operator making a group's objects can leave out, with none of an operator's own work:
@@ -16,7 +17,9 @@ made by this script, as in operator_scale). ``--in-flight`` groups at once (the 
 The SingletonServices are created as operator_scale's default burst creates them (all at once,
 ``--parallel`` in flight) and timed the same way: the create's answer -> the watch showing
 ``status.leader`` with the generation applied. Prints medians and p99 over the runs, and the CPU
-seconds the API server, etcd and this process (creates, watches and the stand-in) used.
+seconds the API server, etcd and this process (creates, watches and the stand-in) used. With
+``--operator``, the real operator's burst (operator_scale's) is timed at each size too, and
+``--plot`` draws both against the size.
 """
 
 from __future__ import annotations
@@ -24,14 +27,17 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import importlib.util
 import os
+import statistics
 import sys
 import tempfile
 import time
 from pathlib import Path
 from typing import Any
 
-from benchmarks.failover import cpu_seconds
+from benchmarks import operator_scale
+from benchmarks.failover import cpu_seconds, percentile
 from benchmarks.operator_scale import (
     ALL_CRS_PATH,
     CALL_TIMEOUT,
@@ -53,6 +59,10 @@ from singleton_operator.status import compute_status
 from singleton_sidecar import contract
 from singleton_sidecar.kube import KubeClient, KubeError, load_kube_config
 from singleton_testbed.controlplane import ControlPlane
+
+GOAL_SECONDS = 5.0
+"""Issue 15's goal for 500 groups: create -> status with a leader, p99."""
+PLOT = Path(__file__).resolve().parent / "plots" / "burst-floor.png"
 
 
 class LeastOperator:
@@ -142,10 +152,66 @@ async def run_once(plane: ControlPlane, *, groups: int, parallel: int, in_flight
     return latencies, max(seen) - first, cpu
 
 
+def stand_in_runs(args: argparse.Namespace, groups: int) -> list[float]:
+    latencies: list[float] = []
+    for run in range(args.runs):
+        workdir = Path(tempfile.mkdtemp(prefix="burst-floor-"))
+        print(f"{groups} groups, the stand-in, run {run + 1}/{args.runs} (work folder {workdir})", flush=True)
+        with control_plane() as plane:
+            run_latencies, last, cpu = asyncio.run(run_once(
+                plane, groups=groups, parallel=args.parallel, in_flight=args.in_flight,
+                objects=not args.status_only, as_admin=args.as_admin, workdir=workdir))
+        latencies += run_latencies
+        print(f"  every status names its leader {last:.1f} s after the first create; CPU seconds "
+              + ", ".join(f"{k} {v:.1f}" for k, v in cpu.items()), flush=True)
+    return latencies
+
+
+def operator_runs(args: argparse.Namespace, groups: int) -> list[float]:
+    """The real operator's burst, as ``operator_scale`` times it (its other phases kept short)."""
+    latencies: list[float] = []
+    for run in range(args.runs):
+        workdir = Path(tempfile.mkdtemp(prefix="burst-floor-operator-"))
+        print(f"{groups} groups, the operator, run {run + 1}/{args.runs} (work folder {workdir})", flush=True)
+        with control_plane() as plane:
+            result = asyncio.run(operator_scale.run_once(
+                plane, groups=groups, parallel=args.parallel, rest_seconds=1, changes=1, one_more=1,
+                workdir=workdir, as_admin=args.as_admin))
+        latencies += result.create_to_leader
+    return latencies
+
+
+def plot(path: Path, sizes: list[int], figures: dict[str, dict[int, list[float]]], title: str) -> None:
+    """p99 and median against the burst's size, per contender, with the goal."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 4.2), dpi=100)
+    for (who, by_size), color in zip(figures.items(), ("tab:blue", "tab:orange"), strict=False):
+        ax.plot(sizes, [percentile(by_size[n], 0.99) for n in sizes], "o-", color=color, label=f"{who}: p99")
+        ax.plot(sizes, [statistics.median(by_size[n]) for n in sizes], "o--", color=color, label=f"{who}: median")
+    ax.axhline(GOAL_SECONDS, color="red", linestyle=":", label=f"goal: p99 ≤ {GOAL_SECONDS:g} s")
+    ax.set_xlabel("SingletonServices created at once")
+    ax.set_ylabel("create → status with a leader (s)")
+    ax.set_title(title, fontsize=10)
+    ax.set_ylim(bottom=0)
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path)
+    plt.close(fig)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--groups", type=int, default=500, help="SingletonServices (default 500)")
-    parser.add_argument("--runs", type=int, default=2, help="runs, each on a fresh control plane (default 2)")
+    parser.add_argument("--groups", type=int, nargs="+", default=[500], metavar="N",
+                        help="SingletonServices created at once; several sizes are run one after another "
+                        "(default 500)")
+    parser.add_argument("--runs", type=int, default=2, help="runs per size, each on a fresh control plane "
+                        "(default 2)")
     parser.add_argument("--parallel", type=int, default=50, help="create requests in flight (default 50, "
                         "as operator_scale's burst)")
     parser.add_argument("--in-flight", type=int, default=operator_groups.RECONCILE_PARALLEL,
@@ -154,27 +220,40 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--status-only", action="store_true",
                         help="write the status only, without the group's objects")
     parser.add_argument("--as-admin", action="store_true",
-                        help="send the stand-in's requests as the test bed's admin, whose requests skip RBAC "
-                        "and its escalation checks (default: the chart's ServiceAccount and RBAC)")
+                        help="send the stand-in's (and the operator's) requests as the test bed's admin, whose "
+                        "requests skip RBAC and its escalation checks (default: the chart's ServiceAccount and RBAC)")
+    parser.add_argument("--operator", action="store_true",
+                        help="also time the real operator's burst at each size (operator_scale's), beside the "
+                        "stand-in's")
+    parser.add_argument("--plot", type=Path, nargs="?", const=PLOT, default=None, metavar="PNG",
+                        help=f"draw p99 and median against the size into PNG (without a value: {PLOT}; "
+                        "needs matplotlib: .venv/bin/pip install -e '.[bench]')")
     args = parser.parse_args(argv)
-    if min(args.groups, args.runs, args.parallel, args.in_flight) < 1:
+    if min(*args.groups, args.runs, args.parallel, args.in_flight) < 1:
         parser.error("--groups, --runs, --parallel and --in-flight must be at least 1")
-    latencies: list[float] = []
-    for run in range(args.runs):
-        workdir = Path(tempfile.mkdtemp(prefix="burst-floor-"))
-        print(f"run {run + 1}/{args.runs} (work folder {workdir})", flush=True)
-        with control_plane() as plane:
-            run_latencies, last, cpu = asyncio.run(run_once(
-                plane, groups=args.groups, parallel=args.parallel, in_flight=args.in_flight,
-                objects=not args.status_only, as_admin=args.as_admin, workdir=workdir))
-        latencies += run_latencies
-        print(f"  every status names its leader {last:.1f} s after the first create; CPU seconds "
-              + ", ".join(f"{k} {v:.1f}" for k, v in cpu.items()), flush=True)
+    if args.operator and args.status_only:
+        parser.error("--status-only is the stand-in's alone: the operator always makes the group's objects")
+    if args.plot is not None and importlib.util.find_spec("matplotlib") is None:
+        parser.error("--plot needs matplotlib: .venv/bin/pip install -e '.[bench]'")
+    sizes = sorted(set(args.groups))
     what = "the status only" if args.status_only else "the objects and the status"
+    figures: dict[str, dict[int, list[float]]] = {f"stand-in ({what})": {}}
+    if args.operator:
+        figures["operator"] = {}
+    for groups in sizes:
+        figures[f"stand-in ({what})"][groups] = stand_in_runs(args, groups)
+        if args.operator:
+            figures["operator"][groups] = operator_runs(args, groups)
     whom = "the admin" if args.as_admin else "the chart's ServiceAccount"
-    print(f"\nA stand-in writing {what} of {args.groups} SingletonServices created at once "
-          f"({args.in_flight} groups in flight, as {whom}; {args.runs} run(s)):")
-    print(line("create -> status with a leader", latencies))
+    print(f"\nCreated at once, create -> status with a leader ({args.in_flight} groups in flight in the stand-in, "
+          f"as {whom}; {args.runs} run(s) per size):")
+    for who, by_size in figures.items():
+        for groups in sizes:
+            print(line(f"{who}, {groups} groups", by_size[groups]))
+    if args.plot is not None:
+        plot(args.plot, sizes, figures, f"SingletonServices created at once, {os.cpu_count()} cores, as {whom}, "
+             f"{args.runs} run(s) each")
+        print(f"  plot: {args.plot}")
     return 0
 
 

@@ -335,6 +335,8 @@ def test_the_webhook_injects_adopted_pods_and_refuses_them_while_no_operator_ans
         assert (sidecar["name"], sidecar["image"]) == ("singleton-sidecar", IMAGE)
         assert pod["spec"]["containers"][0]["command"][-1] == "/poll"
         assert pod["metadata"]["labels"] == {"app": "x", contract.LABEL_GROUP: "poller"}
+        # The API server said it waits 5 s (timeoutSeconds): the group is read within 4.
+        assert "pod admission" in operator.log() and "read_timeout_seconds=4.0" in operator.log(), operator.log()
         if cluster.control_plane is not None:  # the audit log is the test bed's
             # The webhook read the group on connections of its own, never queued behind reconciles.
             assert webhook_reads(cluster.control_plane.workdir / "audit.log", namespace, "poller") >= 1
@@ -367,6 +369,60 @@ def test_the_webhook_injects_adopted_pods_and_refuses_them_while_no_operator_ans
         delete_while_the_operator_runs(cluster, namespace, "poller")
     finally:
         cluster.kubectl("delete", "mutatingwebhookconfiguration", configuration, "--ignore-not-found")
+
+
+@pytest.mark.parametrize(("given", "seconds"), [
+    ("5s", 4.0), ("10s", 9.0), ("30s", 10.0), ("1m0s", 10.0), ("1s", 0.5), ("2.5s", 1.5),
+    (None, 10.0), ("", 10.0), ("0s", 10.0), ("5", 10.0), ("soon", 10.0),
+])
+def test_the_webhook_reads_the_group_within_the_time_the_api_server_gives(given: str | None,
+                                                                           seconds: float) -> None:
+    from singleton_operator.webhook import read_timeout
+
+    assert read_timeout(given) == seconds
+
+
+async def test_a_webhook_whose_group_read_hangs_refuses_the_pod_before_the_api_server_gives_up() -> None:
+    """The API server gives it 2 s (``?timeout=2s``): the webhook answers a 503 naming the group
+    within them, not after its own 10 s, when the API server has long given up."""
+    import asyncio
+    import time
+
+    from aiohttp import ClientSession, web
+
+    from singleton_operator.webhook import PATH, PodAdmission
+    from singleton_sidecar.kube import KubeClient, KubeConfig
+
+    async def hang(_: web.Request) -> web.Response:
+        await asyncio.sleep(60)
+        return web.Response()
+
+    async def serve(app: web.Application) -> tuple[web.AppRunner, str]:
+        runner = web.AppRunner(app)
+        await runner.setup()
+        await web.TCPSite(runner, "127.0.0.1", 0).start()
+        return runner, f"http://127.0.0.1:{runner.addresses[0][1]}"
+
+    api = web.Application()
+    api.router.add_get("/{tail:.*}", hang)
+    api_runner, api_url = await serve(api)
+    async with KubeClient(KubeConfig(server=api_url)) as client:
+        admission = PodAdmission(client, lambda body, workload: read_spec(body, default_sidecar_image=IMAGE))
+        hook_runner, hook_url = await serve(admission.app())
+        try:
+            review = {"apiVersion": "admission.k8s.io/v1", "kind": "AdmissionReview",
+                      "request": {"uid": "u1", "operation": "CREATE", "namespace": "team",
+                                  "object": json.loads(bare_pod("p1", "poller"))}}
+            started = time.monotonic()
+            async with ClientSession() as session, session.post(f"{hook_url}{PATH}?timeout=2s", json=review) as resp:
+                answer = (await resp.json())["response"]
+            took = time.monotonic() - started
+        finally:
+            await hook_runner.cleanup()
+            await api_runner.cleanup()
+    assert took < 2.0, took
+    assert answer["allowed"] is False and answer["status"]["code"] == 503, answer
+    assert "cannot read SingletonService team/poller" in answer["status"]["message"], answer
 
 
 def test_workload_suitability_names_the_settings_that_break_one_handover_per_rollout() -> None:

@@ -21,6 +21,7 @@ from __future__ import annotations
 import base64
 import json
 import logging
+import re
 import time
 from collections.abc import Callable
 from typing import Any
@@ -36,6 +37,11 @@ from singleton_sidecar.kube import KubeClient, KubeError, KubeNotFound
 log = logging.getLogger(__name__)
 
 PATH = "/mutate-pods"
+ANSWER_MARGIN = 1.0
+"""Seconds kept, of the time the API server gives an admission, for answering after the group's
+read: a read that outlasts the rest fails as ours (a 503 naming the group), not the API server's
+bare "context deadline exceeded"."""
+_GO_DURATION = re.compile(r"(?:(\d+)h)?(?:(\d+)m(?!s))?(?:(\d+(?:\.\d+)?)s)?")
 MAX_BODY = 3 * 1024 * 1024
 """The API server sends at most its request limit (3 MiB by default) per object."""
 
@@ -68,8 +74,9 @@ class PodAdmission:
         except (ValueError, KeyError, TypeError):
             return web.json_response({"error": "expected an admission.k8s.io/v1 AdmissionReview with a request"},
                                      status=400)
+        timeout = read_timeout(request.query.get("timeout"))
         try:
-            patch, warnings = await self.decide(admission)
+            patch, warnings = await self.decide(admission, timeout)
             response: dict[str, Any] = {"uid": uid, "allowed": True}
             if patch:
                 response["patchType"] = "JSONPatch"
@@ -84,19 +91,21 @@ class PodAdmission:
         log.info("pod admission", extra={"namespace": admission.get("namespace"),
                                          "group": _group_label(admission.get("object") or {}),
                                          "allowed": response["allowed"], "patched": "patch" in response,
-                                         "duration_seconds": elapsed})
+                                         "duration_seconds": elapsed, "read_timeout_seconds": timeout})
         return web.json_response({"apiVersion": "admission.k8s.io/v1", "kind": "AdmissionReview",
                                   "response": response})
 
-    async def decide(self, admission: dict[str, Any]) -> tuple[list[dict[str, Any]], list[str]]:
-        """(JSON patch, warnings) for one pod; raises ``Refused``."""
+    async def decide(self, admission: dict[str, Any], timeout: float = CALL_TIMEOUT
+                     ) -> tuple[list[dict[str, Any]], list[str]]:
+        """(JSON patch, warnings) for one pod; raises ``Refused``. ``timeout``: for reading
+        the group (``read_timeout``)."""
         pod = admission.get("object") or {}
         group = _group_label(pod)
         namespace = str(admission.get("namespace") or (pod.get("metadata") or {}).get("namespace") or "")
         if admission.get("operation") != "CREATE" or not group or not namespace:
             return [], []
         try:
-            body = await self.client.request("GET", cr_path(namespace, group), timeout=CALL_TIMEOUT)
+            body = await self.client.request("GET", cr_path(namespace, group), timeout=timeout)
         except KubeNotFound:
             return [], [f"label {contract.LABEL_GROUP}={group}: no SingletonService {namespace}/{group}; the pod "
                         "runs without the singleton sidecar"]
@@ -121,6 +130,22 @@ class PodAdmission:
         application = web.Application(client_max_size=MAX_BODY)
         application.router.add_post(PATH, self.handle)
         return application
+
+
+def read_timeout(given: str | None) -> float:
+    """Seconds for reading the group: what the API server gives the admission, less
+    ``ANSWER_MARGIN``, and never more than ``CALL_TIMEOUT``. The API server says how long it
+    waits in the request's ``timeout`` parameter, a Go duration rounded up to whole seconds
+    ("5s"; the webhook configuration's ``timeoutSeconds``, 1 to 30). Without one (or one that
+    does not parse): ``CALL_TIMEOUT``."""
+    match = _GO_DURATION.fullmatch(given or "")
+    if not given or match is None:
+        return CALL_TIMEOUT
+    hours, minutes, seconds = (float(part or 0) for part in match.groups())
+    waits = 3600 * hours + 60 * minutes + seconds
+    if waits <= 0:
+        return CALL_TIMEOUT
+    return min(CALL_TIMEOUT, max(waits - ANSWER_MARGIN, waits / 2))
 
 
 def _group_label(pod: dict[str, Any]) -> str:
