@@ -145,6 +145,8 @@ async def run_once(plane: ControlPlane, *, groups: int, parallel: int, in_flight
                 stand_in.cancel()
                 with contextlib.suppress(asyncio.CancelledError):
                     await stand_in
+                # The watch may show a status before its PATCH's answer has come back.
+                await asyncio.gather(*least.tasks, return_exceptions=True)
             if least.failures:
                 raise RuntimeError(f"{len(least.failures)} groups failed, the first: {least.failures[0]}")
             cpu = {k: cpu_seconds(pid) - cpu_from[k] for k, pid in pids.items()}

@@ -294,6 +294,32 @@ def test_bad_flags_exit_2_with_one_line(tmp_path: Path) -> None:
         "singleton-operator: error: --namespace (SINGLETON_WATCH_NAMESPACES): 'Bad_NS' is not a namespace name"]
 
 
+def test_a_taken_health_port_ends_the_operator_with_one_line(tmp_path: Path) -> None:
+    """Not a traceback, and nothing left open (aiohttp would warn of an unclosed session)."""
+    import socket
+    import subprocess
+    import sys
+
+    kubeconfig = tmp_path / "kubeconfig"
+    kubeconfig.write_text(json.dumps({
+        "apiVersion": "v1", "kind": "Config", "current-context": "c",
+        "clusters": [{"name": "k", "cluster": {"server": "https://127.0.0.1:1"}}],
+        "users": [{"name": "u", "user": {"token": "t"}}],
+        "contexts": [{"name": "c", "context": {"cluster": "k", "user": "u"}}]}))
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        result = subprocess.run([sys.executable, "-m", "singleton_operator.cli", "run", "--kubeconfig", str(kubeconfig),
+                                 "--health-listen", f"127.0.0.1:{port}", "--log-format", "text"],
+                                capture_output=True, text=True, timeout=60, check=False)
+    assert result.returncode == 1, result.stderr
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1, result.stderr
+    assert "cannot serve the health checks and metrics (--health-listen)" in lines[0]
+    assert f"listen=127.0.0.1:{port}" in lines[0] and "in use" in lines[0], lines[0]
+
+
 def test_rbac_denied_is_reported_and_nothing_is_created(cluster: Cluster, namespace: str, singleton_crd: Path,
                                                         tmp_path: Path) -> None:
     """The chart's ClusterRole without PodDisruptionBudgets: the group reports exactly what is

@@ -153,13 +153,14 @@ async def run_operator(config: OperatorConfig) -> int:
     webhook = PodWebhook(config, kube_config, metrics) if config.webhook else None
     health = web.AppRunner(health_app(elector, metrics, webhook.not_ready if webhook else lambda: None),
                            access_log=None)
-    await health.setup()
-    await web.TCPSite(health, config.health_listen.host, config.health_listen.port).start()
-    if webhook is not None:
-        webhook.start()
-    election = asyncio.create_task(elector.run(), name="operator-election")
+    election: asyncio.Task[None] | None = None
     exit_code = 0
     try:
+        if not await _serve_health(health, config.health_listen):
+            return 1
+        if webhook is not None:
+            webhook.start()
+        election = asyncio.create_task(elector.run(), name="operator-election")
         log.info("campaigning for the operator lease",
                  extra={"lease": f"{config.lease_namespace}/{LEASE_NAME}", "identity": config.identity})
         if await _first(leading, stopping) is leading:
@@ -172,8 +173,9 @@ async def run_operator(config: OperatorConfig) -> int:
             finally:
                 kopf_stopped.set()
     finally:
-        elector.request_drain()
-        await _election_ended(election)
+        if election is not None:
+            elector.request_drain()
+            await _election_ended(election)
         for signum in (signal.SIGTERM, signal.SIGINT):
             loop.remove_signal_handler(signum)
         if webhook is not None:
@@ -183,6 +185,19 @@ async def run_operator(config: OperatorConfig) -> int:
         await election_client.close()
         await client.close()
     return exit_code
+
+
+async def _serve_health(health: web.AppRunner, listen: Listen) -> bool:
+    """Serve the health checks and metrics; False (logged in one line) when the address cannot
+    be listened on: the port taken, or an address not of this host."""
+    await health.setup()
+    try:
+        await web.TCPSite(health, listen.host, listen.port).start()
+    except OSError as exc:
+        log.error("cannot serve the health checks and metrics (--health-listen)",
+                  extra={"listen": f"{listen.host}:{listen.port}", "error": exc.strerror or str(exc)})
+        return False
+    return True
 
 
 class PodWebhook:
