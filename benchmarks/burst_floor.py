@@ -33,6 +33,7 @@ import statistics
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -154,33 +155,36 @@ async def run_once(plane: ControlPlane, *, groups: int, parallel: int, in_flight
     return latencies, max(seen) - first, cpu
 
 
-def stand_in_runs(args: argparse.Namespace, groups: int) -> list[float]:
+def timed_runs(args: argparse.Namespace, groups: int, who: str,
+               one_run: Callable[[ControlPlane, Path], list[float]]) -> list[float]:
+    """``--runs`` runs of ``one_run``, each on a fresh control plane; every group's latency."""
     latencies: list[float] = []
     for run in range(args.runs):
         workdir = Path(tempfile.mkdtemp(prefix="burst-floor-"))
-        print(f"{groups} groups, the stand-in, run {run + 1}/{args.runs} (work folder {workdir})", flush=True)
+        print(f"{groups} groups, {who}, run {run + 1}/{args.runs} (work folder {workdir})", flush=True)
         with control_plane() as plane:
-            run_latencies, last, cpu = asyncio.run(run_once(
-                plane, groups=groups, parallel=args.parallel, in_flight=args.in_flight,
-                objects=not args.status_only, as_admin=args.as_admin, workdir=workdir))
-        latencies += run_latencies
+            latencies += one_run(plane, workdir)
+    return latencies
+
+
+def stand_in_run(args: argparse.Namespace, groups: int) -> Callable[[ControlPlane, Path], list[float]]:
+    def one_run(plane: ControlPlane, workdir: Path) -> list[float]:
+        latencies, last, cpu = asyncio.run(run_once(
+            plane, groups=groups, parallel=args.parallel, in_flight=args.in_flight,
+            objects=not args.status_only, as_admin=args.as_admin, workdir=workdir))
         print(f"  every status names its leader {last:.1f} s after the first create; CPU seconds "
               + ", ".join(f"{k} {v:.1f}" for k, v in cpu.items()), flush=True)
-    return latencies
+        return latencies
+    return one_run
 
 
-def operator_runs(args: argparse.Namespace, groups: int) -> list[float]:
+def operator_run(args: argparse.Namespace, groups: int) -> Callable[[ControlPlane, Path], list[float]]:
     """The real operator's burst, as ``operator_scale`` times it (its other phases kept short)."""
-    latencies: list[float] = []
-    for run in range(args.runs):
-        workdir = Path(tempfile.mkdtemp(prefix="burst-floor-operator-"))
-        print(f"{groups} groups, the operator, run {run + 1}/{args.runs} (work folder {workdir})", flush=True)
-        with control_plane() as plane:
-            result = asyncio.run(operator_scale.run_once(
-                plane, groups=groups, parallel=args.parallel, rest_seconds=1, changes=1, one_more=1,
-                workdir=workdir, as_admin=args.as_admin))
-        latencies += result.create_to_leader
-    return latencies
+    def one_run(plane: ControlPlane, workdir: Path) -> list[float]:
+        return asyncio.run(operator_scale.run_once(
+            plane, groups=groups, parallel=args.parallel, rest_seconds=1, changes=1, one_more=1,
+            workdir=workdir, as_admin=args.as_admin)).create_to_leader
+    return one_run
 
 
 def plot(path: Path, sizes: list[int], figures: dict[str, dict[int, list[float]]], title: str) -> None:
@@ -243,9 +247,9 @@ def main(argv: list[str] | None = None) -> int:
     if args.operator:
         figures["operator"] = {}
     for groups in sizes:
-        figures[f"stand-in ({what})"][groups] = stand_in_runs(args, groups)
+        figures[f"stand-in ({what})"][groups] = timed_runs(args, groups, "the stand-in", stand_in_run(args, groups))
         if args.operator:
-            figures["operator"][groups] = operator_runs(args, groups)
+            figures["operator"][groups] = timed_runs(args, groups, "the operator", operator_run(args, groups))
     whom = "the admin" if args.as_admin else "the chart's ServiceAccount"
     print(f"\nCreated at once, create -> status with a leader ({args.in_flight} groups in flight in the stand-in, "
           f"as {whom}; {args.runs} run(s) per size):")
