@@ -55,10 +55,10 @@ from benchmarks.operator_scale import (
 )
 from singleton_operator import groups as operator_groups
 from singleton_operator.reconcile import apply, cr_path, desired_objects, observed_from
-from singleton_operator.spec import read_spec
+from singleton_operator.spec import SpecError, read_spec
 from singleton_operator.status import compute_status
 from singleton_sidecar import contract
-from singleton_sidecar.kube import KubeClient, KubeError, load_kube_config
+from singleton_sidecar.kube import KubeClient, KubeError, KubeGone, load_kube_config
 from singleton_testbed.controlplane import ControlPlane
 
 GOAL_SECONDS = 5.0
@@ -75,6 +75,8 @@ class LeastOperator:
         self.gate = asyncio.Semaphore(in_flight)
         self.tasks: set[asyncio.Task[None]] = set()
         self.failures: list[str] = []
+        self.failed = asyncio.Event()
+        """Set at the first failure: its group's status never comes, so the run ends at once."""
 
     async def run(self) -> None:
         version = None
@@ -93,6 +95,8 @@ class LeastOperator:
                             task.add_done_callback(self.tasks.discard)
             except KubeError as exc:  # the custom resource's storage may still be starting
                 print(f"  (stand-in's watch: {exc}; watching again)", file=sys.stderr)
+                if isinstance(exc, KubeGone):  # that version is gone: every group from now on is new
+                    version = None
                 await asyncio.sleep(0.2)
 
     async def handle(self, body: dict[str, Any]) -> None:
@@ -109,9 +113,9 @@ class LeastOperator:
                 await self.client.request("PATCH", cr_path(spec.namespace, spec.name) + "/status",
                                           body={"status": compute_status(spec, observed, {})},
                                           content_type="application/merge-patch+json", timeout=CALL_TIMEOUT)
-            except Exception as exc:  # reported: a failed group would otherwise only time out
+            except (KubeError, SpecError) as exc:  # reported by run_once, not left to a timeout
                 self.failures.append(f"{body['metadata']['name']}: {exc!r}")
-                raise
+                self.failed.set()
 
 
 async def run_once(plane: ControlPlane, *, groups: int, parallel: int, in_flight: int, objects: bool,
@@ -140,9 +144,16 @@ async def run_once(plane: ControlPlane, *, groups: int, parallel: int, in_flight
 
             first = time.monotonic()
             await bounded(parallel, [create(n) for n in names])
+            all_seen = asyncio.ensure_future(asyncio.gather(*futures))
+            failed = asyncio.ensure_future(least.failed.wait())
             try:
-                seen = await asyncio.wait_for(asyncio.gather(*futures), timeout=600)
+                await asyncio.wait([all_seen, failed], timeout=600, return_when=asyncio.FIRST_COMPLETED)
+                if not all_seen.done() and not least.failures:
+                    raise TimeoutError(f"{len(watch.waiting)} groups had no status after 600 s")
             finally:
+                failed.cancel()
+                if not all_seen.done():
+                    all_seen.cancel()
                 stand_in.cancel()
                 with contextlib.suppress(asyncio.CancelledError):
                     await stand_in
@@ -150,6 +161,7 @@ async def run_once(plane: ControlPlane, *, groups: int, parallel: int, in_flight
                 await asyncio.gather(*least.tasks, return_exceptions=True)
             if least.failures:
                 raise RuntimeError(f"{len(least.failures)} groups failed, the first: {least.failures[0]}")
+            seen = all_seen.result()
             cpu = {k: cpu_seconds(pid) - cpu_from[k] for k, pid in pids.items()}
     latencies = [at - created[n] for n, at in zip(names, seen, strict=True)]
     return latencies, max(seen) - first, cpu

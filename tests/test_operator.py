@@ -295,7 +295,7 @@ def test_bad_flags_exit_2_with_one_line(tmp_path: Path) -> None:
 
 
 def test_a_taken_health_port_ends_the_operator_with_one_line(tmp_path: Path) -> None:
-    """Not a traceback, and nothing left open (aiohttp would warn of an unclosed session)."""
+    """Not a traceback: one line naming the address and why."""
     import socket
     import subprocess
     import sys

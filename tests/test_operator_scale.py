@@ -384,17 +384,57 @@ async def test_a_new_group_is_refreshed_only_once_its_first_reconcile_has_ended(
         obj["metadata"].update(namespace="ns", uid=f"uid-{name}", generation=1)
         return {**obj, "status": status} if status else obj
 
+    groups._reconciling = asyncio.Semaphore(2)  # "queued" waits for its turn
     reconciles = [asyncio.create_task(groups.reconcile(body("fresh", None), new=True)),
-                  asyncio.create_task(groups.reconcile(body("known", {"leader": "known-a"})))]
+                  asyncio.create_task(groups.reconcile(body("known", {"leader": "known-a"}))),
+                  asyncio.create_task(groups.reconcile(body("queued", None), new=True))]
     await asyncio.sleep(0.05)
-    groups.mark("ns", "fresh")  # a pod or Deployment event meanwhile
-    groups.mark("ns", "known")
+    assert groups._in_reconcile == {("ns", "fresh"), ("ns", "known")}
+    for name in ("fresh", "known", "queued"):
+        groups.mark("ns", name)  # a pod or Deployment event meanwhile
     assert groups._due() == []
     assert groups.marked() == {("ns", "known")}  # held back, not dropped
     release.set()
     await asyncio.gather(*reconciles)
-    # "known" kept its place; "fresh" was marked again by its reconcile's end.
-    assert groups._due() == [("ns", "known"), ("ns", "fresh")]
+    assert not groups._unreported
+    # "known" kept its place; the others were marked again by their reconciles' end.
+    assert groups._due() == [("ns", "known"), ("ns", "fresh"), ("ns", "queued")]
+
+
+async def test_a_refresh_answered_404_before_its_group_was_made_keeps_the_groups_bookkeeping(
+    cluster: Cluster, namespace: str, groups: Groups, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A pod event marks a group before its SingletonService exists; the refresh's read says
+    404, and its answer is handled once the new group's reconcile has begun. Forgetting the
+    name then dropped that reconcile's bookkeeping: the group got no status until its next
+    reconcile."""
+    answered, go_on = asyncio.Event(), asyncio.Event()
+    real = groups.client.request
+
+    async def late_404(method: str, path: str, **kwargs: Any) -> dict[str, Any]:
+        if method == "GET" and path.endswith("/singletonservices/late"):
+            try:
+                return await real(method, path, **kwargs)
+            finally:
+                answered.set()
+                await go_on.wait()
+        return await real(method, path, **kwargs)
+
+    monkeypatch.setattr(groups.client, "request", late_404)
+    refresh = asyncio.create_task(groups.refresh(namespace, "late"))
+    await answered.wait()  # "not found": the group is not made yet
+    cluster.apply(service("late"), namespace=namespace)
+    make_pod(cluster, namespace, "late-a", "leader", 1)
+    body = get_json(cluster, "singletonservice", "late", "-n", namespace)
+    reconcile = asyncio.create_task(groups.reconcile(body, new=True))
+    await asyncio.sleep(0.05)  # it has begun
+    go_on.set()
+    await refresh
+    await reconcile
+    assert groups.applied[(namespace, "late")] == body["metadata"]["generation"]
+    await groups.refresh(namespace, "late")
+    status = get_json(cluster, "singletonservice", "late", "-n", namespace)["status"]
+    assert (status["leader"], status["observedGeneration"]) == ("late-a", body["metadata"]["generation"])
 
 
 def test_marked_groups_are_refreshed_in_the_order_they_were_first_marked(groups: Groups) -> None:

@@ -248,8 +248,18 @@ class PodWebhook:
                 delay = min(delay * 2, self.RETRY_MAX)
         self.runner = web.AppRunner(self.admission.app(), access_log=None)
         await self.runner.setup()
-        await web.TCPSite(self.runner, self.hook.listen.host, self.hook.listen.port,
-                          ssl_context=serving.context).start()
+        listen, delay = f"{self.hook.listen.host}:{self.hook.listen.port}", self.RETRY_FIRST
+        while True:
+            try:
+                await web.TCPSite(self.runner, self.hook.listen.host, self.hook.listen.port,
+                                  ssl_context=serving.context).start()
+                break
+            except OSError as exc:  # the port taken (another process, a replica's not yet gone)
+                self.problem = f"pod webhook: cannot listen on {listen}: {exc.strerror or exc}"
+                log.error("pod webhook cannot listen (--webhook-listen)",
+                          extra={"listen": listen, "error": exc.strerror or str(exc), "retry_seconds": delay})
+                await asyncio.sleep(delay)
+                delay = min(delay * 2, self.RETRY_MAX)
         self.problem = None
         log.info("pod webhook serving",
                  extra={"listen": f"{self.hook.listen.host}:{self.hook.listen.port}", "path": WEBHOOK_PATH})

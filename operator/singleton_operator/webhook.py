@@ -41,7 +41,8 @@ ANSWER_MARGIN = 1.0
 """Seconds kept, of the time the API server gives an admission, for answering after the group's
 read: a read that outlasts the rest fails as ours (a 503 naming the group), not the API server's
 bare "context deadline exceeded"."""
-_GO_DURATION = re.compile(r"(?:(\d+)h)?(?:(\d+)m(?!s))?(?:(\d+(?:\.\d+)?)s)?")
+_GO_DURATION_PART = re.compile(r"(\d+(?:\.\d*)?|\.\d+)(h|ms|us|µs|ns|m|s)")
+_GO_DURATION_UNITS = {"h": 3600.0, "m": 60.0, "s": 1.0, "ms": 1e-3, "us": 1e-6, "µs": 1e-6, "ns": 1e-9}
 MAX_BODY = 3 * 1024 * 1024
 """The API server sends at most its request limit (3 MiB by default) per object."""
 
@@ -74,7 +75,8 @@ class PodAdmission:
         except (ValueError, KeyError, TypeError):
             return web.json_response({"error": "expected an admission.k8s.io/v1 AdmissionReview with a request"},
                                      status=400)
-        timeout = read_timeout(request.query.get("timeout"))
+        # Counted from the request's arrival: the body's read and a busy event loop take from it.
+        timeout = max(read_timeout(request.query.get("timeout")) - (time.perf_counter() - started), 0.1)
         try:
             patch, warnings = await self.decide(admission, timeout)
             response: dict[str, Any] = {"uid": uid, "allowed": True}
@@ -133,18 +135,22 @@ class PodAdmission:
 
 
 def read_timeout(given: str | None) -> float:
-    """Seconds for reading the group: what the API server gives the admission, less
-    ``ANSWER_MARGIN``, and never more than ``CALL_TIMEOUT``. The API server says how long it
-    waits in the request's ``timeout`` parameter, a Go duration rounded up to whole seconds
-    ("5s"; the webhook configuration's ``timeoutSeconds``, 1 to 30). Without one (or one that
-    does not parse): ``CALL_TIMEOUT``."""
-    match = _GO_DURATION.fullmatch(given or "")
-    if not given or match is None:
+    """Seconds for reading the group: what the API server still gives the admission, less
+    ``ANSWER_MARGIN`` (less half of it, under 2 s), and never more than ``CALL_TIMEOUT``.
+
+    The API server says how long it will wait in the request's ``timeout`` parameter: the time
+    left to its deadline (the webhook configuration's ``timeoutSeconds``, or less when the
+    request being admitted has less left), as a Go duration rounded up to whole seconds ("5s").
+    Without one: ``CALL_TIMEOUT``. One that does not parse: ``ANSWER_MARGIN``, the least any
+    admission has, rather than more than it may have."""
+    if not given:
         return CALL_TIMEOUT
-    hours, minutes, seconds = (float(part or 0) for part in match.groups())
-    waits = 3600 * hours + 60 * minutes + seconds
+    parts = _GO_DURATION_PART.findall(given)
+    if not parts or "".join(number + unit for number, unit in parts) != given:
+        return ANSWER_MARGIN
+    waits = sum(float(number) * _GO_DURATION_UNITS[unit] for number, unit in parts)
     if waits <= 0:
-        return CALL_TIMEOUT
+        return ANSWER_MARGIN
     return min(CALL_TIMEOUT, max(waits - ANSWER_MARGIN, waits / 2))
 
 
