@@ -380,7 +380,7 @@ def test_the_webhook_injects_adopted_pods_and_refuses_them_while_no_operator_ans
     ("5s", 4.0), ("10s", 9.0), ("30s", 10.0), ("1m0s", 10.0), ("1m30s", 10.0), ("1s", 0.5), ("2.5s", 1.5),
     ("500ms", 0.25),
     (None, 10.0), ("", 10.0),  # no time given: the client's own timeout
-    ("0s", 1.0), ("5", 1.0), ("soon", 1.0), ("-5s", 1.0), ("5s later", 1.0),  # not a time left: the least
+    ("0s", 0.5), ("5", 0.5), ("soon", 0.5), ("-5s", 0.5), ("5s later", 0.5),  # not a time left: 1 s's share
 ])
 def test_the_webhook_reads_the_group_within_the_time_the_api_server_gives(given: str | None,
                                                                            seconds: float) -> None:

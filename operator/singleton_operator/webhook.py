@@ -41,6 +41,8 @@ ANSWER_MARGIN = 1.0
 """Seconds kept, of the time the API server gives an admission, for answering after the group's
 read: a read that outlasts the rest fails as ours (a 503 naming the group), not the API server's
 bare "context deadline exceeded"."""
+LEAST_GIVEN = 1.0
+"""The least time an admission can be given: the smallest ``timeoutSeconds``."""
 _GO_DURATION_PART = re.compile(r"(\d+(?:\.\d*)?|\.\d+)(h|ms|us|µs|ns|m|s)")
 _GO_DURATION_UNITS = {"h": 3600.0, "m": 60.0, "s": 1.0, "ms": 1e-3, "us": 1e-6, "µs": 1e-6, "ns": 1e-9}
 MAX_BODY = 3 * 1024 * 1024
@@ -136,21 +138,20 @@ class PodAdmission:
 
 def read_timeout(given: str | None) -> float:
     """Seconds for reading the group: what the API server still gives the admission, less
-    ``ANSWER_MARGIN`` (less half of it, under 2 s), and never more than ``CALL_TIMEOUT``.
+    ``ANSWER_MARGIN`` (or half of it when that leaves more: under 2 s), and never more than
+    ``CALL_TIMEOUT``.
 
     The API server says how long it will wait in the request's ``timeout`` parameter: the time
     left to its deadline (the webhook configuration's ``timeoutSeconds``, or less when the
     request being admitted has less left), as a Go duration rounded up to whole seconds ("5s").
-    Without one: ``CALL_TIMEOUT``. One that does not parse: ``ANSWER_MARGIN``, the least any
-    admission has, rather than more than it may have."""
+    Without one: ``CALL_TIMEOUT``. One that does not parse is taken for the least an admission
+    can be given (1 s), rather than for more than it may have."""
     if not given:
         return CALL_TIMEOUT
     parts = _GO_DURATION_PART.findall(given)
-    if not parts or "".join(number + unit for number, unit in parts) != given:
-        return ANSWER_MARGIN
     waits = sum(float(number) * _GO_DURATION_UNITS[unit] for number, unit in parts)
-    if waits <= 0:
-        return ANSWER_MARGIN
+    if not parts or "".join(number + unit for number, unit in parts) != given or waits <= 0:
+        waits = LEAST_GIVEN
     return min(CALL_TIMEOUT, max(waits - ANSWER_MARGIN, waits / 2))
 
 
