@@ -21,7 +21,6 @@ from __future__ import annotations
 import base64
 import json
 import logging
-import re
 import time
 from collections.abc import Callable
 from typing import Any
@@ -30,7 +29,7 @@ from aiohttp import web
 
 from singleton_operator.inject import pod_patch
 from singleton_operator.reconcile import CALL_TIMEOUT, ReconcileProblem, cr_path
-from singleton_operator.spec import GroupSpec, SpecError, workload_ref
+from singleton_operator.spec import NANOSECONDS, GroupSpec, SpecError, parse_duration, workload_ref
 from singleton_sidecar import contract
 from singleton_sidecar.kube import KubeClient, KubeError, KubeNotFound
 
@@ -43,8 +42,6 @@ read: a read that outlasts the rest fails as ours (a 503 naming the group), not 
 bare "context deadline exceeded"."""
 LEAST_GIVEN = 1.0
 """The least time an admission can be given: the smallest ``timeoutSeconds``."""
-_GO_DURATION_PART = re.compile(r"(\d+(?:\.\d*)?|\.\d+)(h|ms|us|µs|ns|m|s)")
-_GO_DURATION_UNITS = {"h": 3600.0, "m": 60.0, "s": 1.0, "ms": 1e-3, "us": 1e-6, "µs": 1e-6, "ns": 1e-9}
 MAX_BODY = 3 * 1024 * 1024
 """The API server sends at most its request limit (3 MiB by default) per object."""
 
@@ -143,14 +140,17 @@ def read_timeout(given: str | None) -> float:
 
     The API server says how long it will wait in the request's ``timeout`` parameter: the time
     left to its deadline (the webhook configuration's ``timeoutSeconds``, or less when the
-    request being admitted has less left), as a Go duration rounded up to whole seconds ("5s").
+    request being admitted has less left), as a Go duration rounded up to whole seconds ("5s"),
+    read as the spec's durations are (``parse_duration``).
     Without one: ``CALL_TIMEOUT``. One that does not parse is taken for the least an admission
     can be given (1 s), rather than for more than it may have."""
     if not given:
         return CALL_TIMEOUT
-    parts = _GO_DURATION_PART.findall(given)
-    waits = sum(float(number) * _GO_DURATION_UNITS[unit] for number, unit in parts)
-    if not parts or "".join(number + unit for number, unit in parts) != given or waits <= 0:
+    try:
+        waits = parse_duration("timeout", given) / NANOSECONDS
+    except SpecError:
+        waits = 0.0
+    if waits <= 0:
         waits = LEAST_GIVEN
     return min(CALL_TIMEOUT, max(waits - ANSWER_MARGIN, waits / 2))
 
