@@ -108,6 +108,7 @@ class ExecGate:
         self._changed = asyncio.Event()
         self._proc: asyncio.subprocess.Process | None = None
         self._control: int | None = None  # our end of the keeper's pipe
+        self._pending: list[str] | None = None  # said while a keeper is spawned, before its pipe is ours
         self._exited = asyncio.Event()
         self._exited.set()
         self._reaper: asyncio.Future[int] | None = None
@@ -161,6 +162,8 @@ class ExecGate:
 
     def _tell(self, line: str) -> None:
         if self._control is None:
+            if self._pending is not None:
+                self._pending.append(line)  # a keeper is being spawned: it hears this once it runs
             return
         try:
             os.write(self._control, f"{line}\n".encode())
@@ -196,6 +199,11 @@ class ExecGate:
         keeper = str(PACKAGE_FILES / KEEPER_SCRIPT)
         read_end, write_end = os.pipe()
         os.set_blocking(write_end, False)
+        # Not stopped from here on: the keeper (and the app) may run before the spawn returns, so
+        # stop() waits for it, and what is said meanwhile (a stop, a renewal, "ended") is kept for it.
+        self._exited.clear()
+        pending: list[str] = []
+        self._pending = pending
         try:
             # No PR_SET_PDEATHSIG on the keeper: when we die it must live on for the moment it
             # takes to kill the app (it sees its pipe close).
@@ -206,12 +214,18 @@ class ExecGate:
                 env=env, pass_fds=(read_end,), stdin=asyncio.subprocess.DEVNULL,
             )
         except BaseException:
+            # No keeper runs: a cancelled spawn killed it (the app dies with it, its children
+            # were reparented to us). Say so, or every stop() would wait forever.
             os.close(write_end)
+            self._pending = None
+            sweep_orphans()
+            self._exited.set()
             raise
         finally:
             os.close(read_end)
-        self._control = write_end
-        self._exited.clear()
+        self._control, self._pending = write_end, None
+        for line in pending:
+            self._tell(line)
         log.info("gated process started", extra={"group": status.group, "identity": status.identity,
                                                  "token": status.token, "keeper_pid": self._proc.pid})
         proc = self._proc
