@@ -20,6 +20,7 @@ import subprocess
 import sys
 import threading
 import time
+import uuid
 from collections.abc import AsyncIterator, Generator, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -30,7 +31,9 @@ import pytest
 from singleton_testbed.binaries import add_to_path, find_all
 from singleton_testbed.controlplane import ControlPlane, wait_established
 from singleton_testbed.postgres import PostgresInfo, PostgresServer
+from tests import acting
 from tests.connectproxy import ConnectProxy
+from tests.sidecars import SidecarProcess
 
 if TYPE_CHECKING:
     from singleton_testbed.node import Node
@@ -345,3 +348,37 @@ def proxy() -> Iterator[ConnectProxy]:
     finally:
         server.shutdown()
         server.server_close()
+
+
+# --- gated apps that record their acts (tests/acting.py) ---------------------------------------
+
+
+@pytest.fixture
+def acting_log(tmp_path: Path) -> Path:
+    return tmp_path / "acts.log"
+
+
+@pytest.fixture
+def gated(pg_dsn: str, tmp_path: Path, acting_log: Path) -> Iterator[acting.Factory]:
+    group = "s-" + uuid.uuid4().hex[:10]
+    started: list[SidecarProcess] = []
+
+    def make(count: int = 2, *, app_env: dict[str, str] | None = None, env: dict[str, str] | None = None,
+             file_gate: bool = False) -> list[SidecarProcess]:
+        for _ in range(count):
+            index = len(started)
+            sidecar_env = {"SINGLETON_GROUP": group, "SINGLETON_BACKEND": "postgres",
+                           "SINGLETON_POSTGRES_DSN": pg_dsn, "SINGLETON_IDENTITY": f"m{index}-{uuid.uuid4().hex[:6]}",
+                           "ACT_LOG": str(acting_log), "ACT_FINISH": str(acting.FINISH), **acting.TIMINGS,
+                           **(app_env or {}), **(env or {})}
+            command: list[str] = [sys.executable, acting.APP]
+            if file_gate:
+                sidecar_env["SINGLETON_GATE_DIR"] = str(tmp_path / f"gate{index}")
+                command = []
+            sidecar = SidecarProcess(f"m{index}", sidecar_env, tmp_path / f"m{index}.log", command=command)
+            started.append(sidecar.start())
+        return started[-count:]
+
+    yield make
+    for sidecar in started:
+        sidecar.stop()

@@ -27,10 +27,10 @@ from singleton_sidecar.core.lock import BackendUnavailable, Identity, LockRecord
 from singleton_sidecar.core.timings import Timings
 from singleton_testbed.pgbouncer import PgBouncer
 from singleton_testbed.postgres import PostgresInfo
+from tests.acting import assert_never_two_actors, spans
 from tests.pgquery import fetchval
 from tests.sidecars import SidecarProcess, one_leader, wait_for
 from tests.tcpproxy import CuttableProxy
-from tests.test_stop_before_release import assert_never_two_actors, spans
 
 pytestmark = [pytest.mark.postgres, pytest.mark.timeout(90)]
 

@@ -16,107 +16,16 @@ import socket
 import subprocess
 import sys
 import time
-import uuid
-from collections.abc import Callable, Iterator
-from dataclasses import dataclass
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
+from tests.acting import APP, FINISH, TIMINGS, Factory, assert_never_two_actors, group_gone, spans
 from tests.pgquery import fetchval
 from tests.sidecars import SidecarProcess, leaders, one_leader, stop_gate_script, wait_for
 
-APP = str(Path(__file__).parent / "data" / "acting_app.py")
-TIMINGS = {"SINGLETON_LEASE_DURATION": "3", "SINGLETON_RENEW_DEADLINE": "2", "SINGLETON_RETRY_PERIOD": "0.5"}
-FINISH = 0.8  # seconds a slow app works on after SIGTERM
-
 pytestmark = pytest.mark.postgres
-
-
-@dataclass(frozen=True)
-class Span:
-    token: int
-    first: float
-    last: float
-    pids: frozenset[int]
-
-
-def spans(log: Path) -> list[Span]:
-    """Each token's acting span (first to last recorded act), in order of first act."""
-    seen: dict[int, tuple[float, float, set[int]]] = {}
-    for line in log.read_text().splitlines():
-        token_text, pid_text, at_text = line.split()
-        token, pid, at = int(token_text), int(pid_text), float(at_text)
-        first, last, pids = seen.get(token, (at, at, set()))
-        pids.add(pid)
-        seen[token] = (min(first, at), max(last, at), pids)
-    return sorted((Span(t, f, la, frozenset(p)) for t, (f, la, p) in seen.items()), key=lambda s: s.first)
-
-
-def idle_gaps(log: Path) -> list[float]:
-    """Seconds between one token's last act and the next token's first; negative: both acted at once."""
-    ordered = spans(log)
-    reach = ordered[0].last if ordered else 0.0
-    gaps = []
-    for span in ordered[1:]:
-        gaps.append(span.first - reach)
-        reach = max(reach, span.last)
-    return gaps
-
-
-def assert_never_two_actors(log: Path, *, terms: int) -> list[float]:
-    ordered = spans(log)
-    assert len(ordered) >= terms, f"expected {terms} terms to act, saw {[s.token for s in ordered]}"
-    tokens = [s.token for s in ordered]
-    assert tokens == sorted(tokens), f"tokens acted out of order: {tokens}"
-    gaps = idle_gaps(log)
-    assert all(gap > 0 for gap in gaps), f"two apps acted at once: gaps {gaps}"
-    return gaps
-
-
-def group_gone(pids: frozenset[int]) -> bool:
-    return not any(Path(f"/proc/{pid}").exists() and _state(pid) != "Z" for pid in pids)
-
-
-def _state(pid: int) -> str:
-    try:
-        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
-    except (OSError, IndexError):
-        return "gone"
-
-
-Factory = Callable[..., list[SidecarProcess]]
-
-
-@pytest.fixture
-def acting_log(tmp_path: Path) -> Path:
-    return tmp_path / "acts.log"
-
-
-@pytest.fixture
-def gated(pg_dsn: str, tmp_path: Path, acting_log: Path) -> Iterator[Factory]:
-    group = "s-" + uuid.uuid4().hex[:10]
-    started: list[SidecarProcess] = []
-
-    def make(count: int = 2, *, app_env: dict[str, str] | None = None, env: dict[str, str] | None = None,
-             file_gate: bool = False) -> list[SidecarProcess]:
-        for _ in range(count):
-            index = len(started)
-            sidecar_env = {"SINGLETON_GROUP": group, "SINGLETON_BACKEND": "postgres",
-                           "SINGLETON_POSTGRES_DSN": pg_dsn, "SINGLETON_IDENTITY": f"m{index}-{uuid.uuid4().hex[:6]}",
-                           "ACT_LOG": str(acting_log), "ACT_FINISH": str(FINISH), **TIMINGS,
-                           **(app_env or {}), **(env or {})}
-            command: list[str] = [sys.executable, APP]
-            if file_gate:
-                sidecar_env["SINGLETON_GATE_DIR"] = str(tmp_path / f"gate{index}")
-                command = []
-            sidecar = SidecarProcess(f"m{index}", sidecar_env, tmp_path / f"m{index}.log", command=command)
-            started.append(sidecar.start())
-        return started[-count:]
-
-    yield make
-    for sidecar in started:
-        sidecar.stop()
 
 
 def test_step_down_with_a_slow_app_hands_over_only_once_it_stopped(gated: Factory, acting_log: Path) -> None:

@@ -11,10 +11,14 @@
 #             has stopped the app and exited for good)
 # On SIGTERM (its container is stopping) this script writes "$dir/draining.requested", so
 # the sidecar hands the term over, stops the app and exits.
+# What "the app" is: as PID 1 of its container (the operator's wiring) every other process of
+# the container, whatever session or group it moved to (setsid, detached children, daemons);
+# elsewhere only the app's process group, and a warning says so.
 dir=${SINGLETON_GATE_DIR:-$(dirname "$0")}
 grace=100
 child=""
 stopping=0
+last_deadline=""
 trap 'stopping=1' TERM INT
 
 now_cs() {
@@ -27,7 +31,7 @@ leading() {
   [ -f "$dir/leader" ] && [ ! -f "$dir/draining" ] || return 1
   read -r token deadline flag_grace < "$dir/leader" 2>/dev/null || return 1
   [ -n "$flag_grace" ] && grace=$flag_grace
-  [ -n "$deadline" ] && [ "$(now_cs)" -lt "$deadline" ] || return 1
+  [ -n "$deadline" ] && last_deadline=$deadline && [ "$(now_cs)" -lt "$deadline" ] || return 1
   SINGLETON_TOKEN=$token
   export SINGLETON_TOKEN
 }
@@ -47,42 +51,114 @@ acknowledge() {
   printf '%s\n' "$nonce" > "$dir/idle.tmp" && mv -f "$dir/idle.tmp" "$dir/idle" && acked=$nonce
 }
 
-# The app runs in a process group of its own where the image has setsid (util-linux, busybox),
-# so the children it starts are stopped with it; without setsid only the app process is signalled.
+# The app runs in a session of its own where the image has setsid (util-linux, busybox), so
+# the children it starts are stopped with it; without setsid only the app process is signalled.
 own_group=0
 start_app() {
   if command -v setsid >/dev/null 2>&1; then own_group=1; setsid "$@" & else own_group=0; "$@" & fi
   child=$!
 }
 
-# True while a process of the app's group is alive (zombies waiting to be reaped do not count).
-app_alive() {
-  if [ "$own_group" = 0 ]; then kill -0 "$child" 2>/dev/null; return; fi
+# The session of this script (and of the subshells and sleeps it forks): never the app's,
+# since the app starts in a session of its own and no process can join another session.
+own_session() {
+  read -r line < /proc/$$/stat
+  # shellcheck disable=SC2086
+  set -- ${line##*) }
+  echo "$4"
+}
+whole_container=0
+if [ "$$" = 1 ] && command -v setsid >/dev/null 2>&1; then
+  whole_container=1
+  session=$(own_session)
+else
+  echo "gate.sh: not PID 1 of a container (or no setsid): only the app's process group is stopped;" \
+    "children that leave it (setsid, detached, daemons) are not. Use the exec gate there." >&2
+fi
+
+# Every live process of the PID namespace as lines "pid ppid pgrp session" (zombies waiting
+# to be reaped left out).
+snapshot() {
+  procs=""
   for stat in /proc/[0-9]*/stat; do
     read -r line 2>/dev/null < "$stat" || continue
+    pid=${stat#/proc/}; pid=${pid%/stat}
     # shellcheck disable=SC2086
     set -- ${line##*) }
-    [ "$3" = "$child" ] && [ "$1" != Z ] && return 0
+    [ "$1" = Z ] || procs="$procs$pid $2 $3 $4
+"
   done
-  return 1
-}
-signal_app() {
-  kill "-$1" "-$child" 2>/dev/null || kill "-$1" "$child" 2>/dev/null
 }
 
+# Processes that entered the container from outside (kubectl exec, exec probes: their parent
+# is outside the PID namespace, so their ppid reads 0) and their children are not the app's.
+foreign_processes() {
+  foreign=" "
+  grown=1
+  while [ "$grown" = 1 ]; do
+    grown=0
+    while read -r pid ppid _; do
+      case "$foreign" in *" $pid "*) continue ;; esac
+      case "$ppid" in 0) [ "$pid" = "$$" ] && continue ;; *) case "$foreign" in *" $ppid "*) ;; *) continue ;; esac ;; esac
+      foreign="$foreign$pid " grown=1
+    done <<EOF
+$procs
+EOF
+  done
+}
+
+# Runs "$1 <pid>" for every live process of the app and is true when there was one.
+each_app_process() {
+  action=$1 found=1
+  snapshot
+  [ "$whole_container" = 1 ] && foreign_processes
+  while read -r pid _ pgrp sess; do
+    [ -n "$pid" ] || continue
+    if [ "$whole_container" = 1 ]; then
+      [ "$pid" != "$$" ] || continue
+      case "$foreign" in *" $pid "*) continue ;; esac
+      [ "$sess" != "$session" ] || [ "$pid" = "$child" ] || continue
+    elif [ "$own_group" = 1 ]; then
+      [ "$pgrp" = "$child" ] || continue
+    else
+      [ "$pid" = "$child" ] || continue
+    fi
+    found=0
+    $action "$pid"
+  done <<EOF
+$procs
+EOF
+  return $found
+}
+app_alive() { each_app_process : ; }
+
+# SIGTERM once per process (some apps take a second one as "quit now"), including those the
+# app starts while it stops.
+termed=" "
+term_once() {
+  case "$termed" in *" $1 "*) return ;; esac
+  termed="$termed$1 "
+  kill -TERM "$1" 2>/dev/null
+}
+kill_now() { kill -KILL "$1" 2>/dev/null; }
+
 stop_child() {
-  [ -n "$child" ] || return 0
-  signal_app TERM
+  [ -n "$child" ] || app_alive || return 0
+  termed=" "
   kill_at=""
-  while app_alive; do
-    # Draining waits for the app; a term that ended (or whose deadline passed) kills after the grace.
+  while each_app_process term_once; do
+    # Draining waits for the app; a term that ended (or whose deadline passed) kills after the
+    # grace, counted from the deadline when it has passed already (this script may notice late).
     if ! may_finish; then
-      [ -z "$kill_at" ] && kill_at=$(( $(now_cs) + grace ))
-      [ "$(now_cs)" -ge "$kill_at" ] && signal_app KILL
+      if [ -z "$kill_at" ]; then
+        kill_at=$(( $(now_cs) + grace ))
+        [ -n "$last_deadline" ] && [ $(( last_deadline + grace )) -lt "$kill_at" ] && kill_at=$(( last_deadline + grace ))
+      fi
+      [ "$(now_cs)" -ge "$kill_at" ] && each_app_process kill_now
     fi
     sleep 0.05
   done
-  wait "$child" 2>/dev/null
+  [ -z "$child" ] || wait "$child" 2>/dev/null
   child=""
 }
 

@@ -1,0 +1,186 @@
+"""The file gate as the operator wires it: ``gate.sh`` is PID 1 of the main container, so the
+whole container is the app. Apps that detach a worker (each idiom of ``tests/data/acting_app.py``)
+are stopped whole before the next leader acts; a process that entered the container from
+outside (``kubectl exec``, an exec probe) is neither stopped nor waited for. A PID namespace
+of its own (``unshare --pid --mount-proc``) stands in for the container; real sidecars, real
+PostgreSQL, and the acts as the apps record them (no fence involved).
+
+Each detached-worker test failed on the gate.sh before this (it signalled and waited for the
+app's process group only, and the worker acted on beside the next leader).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from singleton_sidecar import gate
+from tests.acting import APP, FINISH, Factory, assert_never_two_actors, spans
+from tests.sidecars import one_leader, wait_for
+
+pytestmark = pytest.mark.postgres
+
+IN_CONTAINER = ["unshare", "--pid", "--fork", "--kill-child", "--mount-proc"]
+IDIOMS = ["setsid", "setpgid", "popen", "daemon", "node"]
+
+
+def _can_unshare() -> str | None:
+    """Why a PID namespace cannot be made here, or None."""
+    if shutil.which("unshare") is None:
+        return "no unshare (util-linux)"
+    done = subprocess.run([*IN_CONTAINER, "true"], capture_output=True, text=True, check=False)
+    return None if done.returncode == 0 else f"unshare --pid fails here: {done.stderr.strip()}"
+
+
+needs_pid_namespace = pytest.mark.skipif(_can_unshare() is not None, reason=str(_can_unshare()))
+
+
+def gate_in_container(gate_dir: Path, env: dict[str, str], stderr: Path | None = None) -> subprocess.Popen[bytes]:
+    """``gate.sh`` as PID 1 of a PID namespace of its own, with /proc showing that namespace only."""
+    wait_for((gate_dir / "gate.sh").exists, 10, "gate.sh to be installed")
+    with open(stderr or os.devnull, "wb") as err:
+        return subprocess.Popen([*IN_CONTAINER, "/bin/sh", str(gate_dir / "gate.sh"), sys.executable, APP],
+                                env={**os.environ, **env}, start_new_session=True, stderr=err)
+
+
+def stop_container(container: subprocess.Popen[bytes]) -> None:
+    """Stop it as the kubelet would: SIGTERM to PID 1 (gate.sh stops the app and exits), then
+    SIGKILL to unshare, whose death kills PID 1 and so the whole namespace."""
+    if container.poll() is None:
+        with contextlib.suppress(AssertionError, OSError):
+            os.kill(gate_pid(container), signal.SIGTERM)
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            container.wait(10)
+    container.kill()
+    container.wait()
+
+
+@pytest.fixture
+def containers() -> Iterator[list[subprocess.Popen[bytes]]]:
+    started: list[subprocess.Popen[bytes]] = []
+    yield started
+    for container in started:
+        stop_container(container)
+
+
+def gate_pid(container: subprocess.Popen[bytes]) -> int:
+    """The host pid of the container's PID 1 (``gate.sh``, unshare's child)."""
+    def child() -> int | None:
+        children = Path(f"/proc/{container.pid}/task/{container.pid}/children").read_text().split()
+        return int(children[0]) if children else None
+    found: int = wait_for(child, 5, "unshare to start gate.sh")
+    return found
+
+
+@needs_pid_namespace
+@pytest.mark.parametrize("idiom", IDIOMS)
+def test_a_detached_worker_stops_before_the_next_leader_acts(
+        idiom: str, gated: Factory, acting_log: Path, tmp_path: Path,
+        containers: list[subprocess.Popen[bytes]]) -> None:
+    if idiom == "node" and shutil.which("node") is None:
+        pytest.skip("no node on PATH")
+    app_env = {"ACT_LOG": str(acting_log), "ACT_FINISH": str(FINISH), "ACT_DETACH": idiom}
+    members = gated(2, file_gate=True)
+    containers.extend(gate_in_container(tmp_path / f"gate{i}", app_env) for i in range(2))
+    leader = one_leader(members)
+    old_token = leader.leader_doc()["token"]  # type: ignore[index]
+    wait_for(lambda: any(len(s.pids) >= 2 for s in spans(acting_log)) if acting_log.exists() else False,
+             15, "the leader's app and its detached worker to act")
+    status, _ = leader.control("POST", "/step-down")
+    assert status == 202
+    wait_for(lambda: len(spans(acting_log)) >= 2, 15, "the next leader's app to act")
+    time.sleep(1.0)  # a worker left behind would act on meanwhile
+    assert_never_two_actors(acting_log, terms=2)
+    old = next(s for s in spans(acting_log) if s.token == old_token)
+    assert len(old.pids) >= 2, f"the detached worker never acted: {old}"
+
+
+@needs_pid_namespace
+def test_a_detached_worker_of_a_killed_sidecar_stops_at_the_deadline(
+        gated: Factory, acting_log: Path, tmp_path: Path, containers: list[subprocess.Popen[bytes]]) -> None:
+    """No sidecar left to ask: gate.sh's own deadline stops the whole container, worker included."""
+    app_env = {"ACT_LOG": str(acting_log), "ACT_DETACH": "setsid", "ACT_IGNORE_TERM": "1"}
+    members = gated(2, file_gate=True, env={"SINGLETON_KILL_GRACE": "0.3", "SINGLETON_DRAIN_TIMEOUT": "0.5"})
+    containers.extend(gate_in_container(tmp_path / f"gate{i}", app_env) for i in range(2))
+    leader = one_leader(members)
+    wait_for(lambda: any(len(s.pids) >= 2 for s in spans(acting_log)) if acting_log.exists() else False,
+             15, "the leader's app and its detached worker to act")
+    leader.signal_sidecar_only(signal.SIGKILL)
+    wait_for(lambda: len(spans(acting_log)) >= 2, 20, "the next leader's app to act")
+    time.sleep(1.0)
+    assert_never_two_actors(acting_log, terms=2)
+
+
+@needs_pid_namespace
+def test_a_process_that_entered_the_container_is_not_the_app(
+        gated: Factory, acting_log: Path, tmp_path: Path, containers: list[subprocess.Popen[bytes]]) -> None:
+    """An exec probe or a ``kubectl exec`` shell joins the container's PID namespace from outside:
+    gate.sh neither kills it nor waits for it before it says the app stopped."""
+    members = gated(2, file_gate=True)
+    containers.extend(gate_in_container(tmp_path / f"gate{i}", {"ACT_LOG": str(acting_log)}) for i in range(2))
+    leader = one_leader(members)
+    wait_for(acting_log.exists, 15, "the leader's app to act")
+    container = containers[members.index(leader)]
+    visitor = subprocess.Popen(["nsenter", "--target", str(gate_pid(container)), "--pid", "--mount",
+                                "sh", "-c", "sleep 60 & wait"], start_new_session=True)
+    try:
+        time.sleep(0.5)
+        status, _ = leader.control("POST", "/step-down")
+        assert status == 202
+        wait_for(lambda: len(spans(acting_log)) >= 2, 15, "the next leader's app to act")
+        assert_never_two_actors(acting_log, terms=2)
+        assert visitor.poll() is None, "gate.sh killed a process that entered the container from outside"
+    finally:
+        os.killpg(visitor.pid, signal.SIGKILL)
+        visitor.wait()
+
+
+def test_outside_a_container_gate_sh_says_what_it_cannot_see(tmp_path: Path) -> None:
+    gate_dir = tmp_path / "gate"
+    gate.FileGate(gate_dir, kill_grace=0.3).install()
+    script = subprocess.Popen(["/bin/sh", str(gate_dir / "gate.sh"), "true"], stderr=subprocess.PIPE,
+                              start_new_session=True)
+    try:
+        time.sleep(0.5)
+    finally:
+        script.terminate()
+        _, err = script.communicate(timeout=10)
+    assert b"not PID 1 of a container" in err and b"Use the exec gate" in err, err
+
+
+def test_the_kill_grace_counts_from_the_deadline_when_gate_sh_notices_late(tmp_path: Path) -> None:
+    """gate.sh stalled across the flag's deadline (SIGSTOP): the app, deaf to SIGTERM, is killed
+    at once on resuming, since deadline + grace has passed; it used to get the whole grace again."""
+    gate_dir, acts = tmp_path / "gate", tmp_path / "acts.log"
+    gate.FileGate(gate_dir, kill_grace=1.0).install()
+    deadline = gate.boot_centiseconds() + 100
+    (gate_dir / "leader").write_text(f"5 {deadline} 100\n")  # 1 s left, grace 1 s
+    script = subprocess.Popen(["/bin/sh", str(gate_dir / "gate.sh"), sys.executable, APP],
+                              env={**os.environ, "ACT_LOG": str(acts), "ACT_IGNORE_TERM": "1"},
+                              start_new_session=True, stderr=subprocess.DEVNULL)
+    try:
+        wait_for(acts.exists, 10, "the app to act")
+        (gate_dir / "stop").write_text("late\n")  # acknowledged once the app has stopped
+        os.kill(script.pid, signal.SIGSTOP)
+        # Resume 1.4 s after the deadline: 0.4 s past deadline + grace, 1 s before resume + grace.
+        time.sleep(max(0.0, (deadline + 140 - gate.boot_centiseconds()) / 100))
+        os.kill(script.pid, signal.SIGCONT)
+        resumed = gate.boot_centiseconds()
+        idle = gate_dir / "idle"
+        wait_for(lambda: idle.exists() and idle.read_text().strip() == "late", 5, "gate.sh to say the app stopped")
+        assert gate.boot_centiseconds() - resumed < 70, "the app was given the whole grace again after resuming"
+    finally:
+        script.kill()
+        script.wait()
+        for pid in {int(line.split()[1]) for line in acts.read_text().splitlines()} if acts.exists() else ():
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
