@@ -15,7 +15,13 @@ import pytest
 import pytest_asyncio
 
 from singleton_sidecar.backends.lease import LeaseBackend, micro_time
-from singleton_sidecar.contract import ANNOTATION_TOKEN, LABEL_GROUP, LEASE_ANNOTATION_TOKEN, sidecar_rbac_rules
+from singleton_sidecar.contract import (
+    ANNOTATION_TOKEN,
+    LABEL_GROUP,
+    LEASE_ANNOTATION_RELEASED,
+    LEASE_ANNOTATION_TOKEN,
+    sidecar_rbac_rules,
+)
 from singleton_sidecar.core.lock import BackendUnavailable, Identity, LockRecord, Term, Token
 from singleton_sidecar.kube import KubeClient, KubeConfig, KubeError, KubeGone, KubeUnavailable, load_kube_config
 from tests.conftest import Cluster
@@ -95,9 +101,10 @@ def record_losses(backend: LeaseBackend) -> tuple[list[str], asyncio.Event]:
 
 
 def stale_lease(*, token: int) -> str:
-    """A free Lease of the group carrying ``token``, as an earlier lease era left it."""
+    """A free Lease of the group carrying ``token``, as an earlier lease era's last release left it."""
+    annotations = {LEASE_ANNOTATION_TOKEN: str(token), LEASE_ANNOTATION_RELEASED: str(token)}
     return json.dumps({"apiVersion": "coordination.k8s.io/v1", "kind": "Lease",
-                       "metadata": {"name": GROUP, "annotations": {LEASE_ANNOTATION_TOKEN: str(token)}},
+                       "metadata": {"name": GROUP, "annotations": annotations},
                        "spec": {"holderIdentity": "", "leaseDurationSeconds": 1, "leaseTransitions": 3}})
 
 
@@ -227,7 +234,7 @@ async def test_expiry_counts_from_local_observation_not_renew_time(
 async def test_loss_callback_when_the_lease_is_deleted(
     cluster: Cluster, namespace: str, make_backend: Factory
 ) -> None:
-    backend = make_backend()
+    backend = make_backend(lease_duration=1.0)
     losses, lost = record_losses(backend)
     term = await acquired(backend, "pod-a")
     await asyncio.sleep(0.2)
@@ -237,7 +244,7 @@ async def test_loss_callback_when_the_lease_is_deleted(
         await lost.wait()
     assert losses == ["the Lease was deleted"]
     assert await backend.renew(term, timeout=5) is None
-    again = await acquired(backend, "pod-a")
+    again = await acquired(backend, "pod-a")  # once its own term has expired, as for anyone
     assert again.token > term.token  # a re-created Lease restarts from the wall clock, above the old tokens
 
 
@@ -343,14 +350,20 @@ async def test_a_fresh_process_counts_the_tokens_on_the_groups_pods(
     await create_pod(kube, namespace, "other", group="group-b", token=str(term.token + 10**9))
     cluster.kubectl("delete", "lease", GROUP, "-n", namespace)
     kube.requests.clear()
-    fresh = await acquired(make_backend(wall_clock=an_hour_behind), "pod-c")
+    # pod-a says it leads and nothing here saw the Lease go: the lease duration is waited first.
+    started = time.monotonic()
+    fresh = await acquired(make_backend(wall_clock=an_hour_behind, lease_duration=1.0), "pod-c")
+    assert time.monotonic() - started >= 1.0
     assert fresh.token == term.token + 1  # above pod-a's token; group-b's pod does not count
     pod_lists = [r for r in kube.requests if r[1] == f"/api/v1/namespaces/{namespace}/pods"]
-    assert pod_lists == [("GET", pod_lists[0][1], {"labelSelector": f"singleton.dev/group={GROUP}"})]
+    assert 1 <= len(pod_lists) <= 2  # before the wait, and again before the write
+    assert all(r == ("GET", pod_lists[0][1], {"labelSelector": f"singleton.dev/group={GROUP}"}) for r in pod_lists)
 
     cluster.kubectl("annotate", "pod", "pod-a", "-n", namespace, f"{ANNOTATION_TOKEN}-")  # pod-a stood down
     cluster.kubectl("delete", "lease", GROUP, "-n", namespace)
+    started = time.monotonic()
     lower = await acquired(make_backend(wall_clock=an_hour_behind), "pod-d")
+    assert time.monotonic() - started < 1.0, "no pod claims the group: a new group's first term is not delayed"
     assert lower.token < term.token
 
 
@@ -386,7 +399,7 @@ async def test_pod_tokens_need_the_right_to_list_pods(
     limited = load_kube_config(str(service_account_kubeconfig(cluster, namespace, "leases-only", tmp_path / "l")))
     sidecar = load_kube_config(str(service_account_kubeconfig(cluster, namespace, "sidecar", tmp_path / "s")))
     async with KubeClient(limited) as client:
-        backend = make_backend(client=client)
+        backend = make_backend(client=client, lease_duration=1.0)  # no pods read: no Lease is waited for
         before = int(time.time() * 1000)
         with caplog.at_level(logging.WARNING, logger="singleton_sidecar.backends.lease"):
             term = await acquired(backend, "pod-a")
@@ -394,13 +407,16 @@ async def test_pod_tokens_need_the_right_to_list_pods(
             again = await acquired(backend, "pod-a")  # the Lease exists: no second try
         await backend.close()  # before its client
     assert before <= term.token < again.token < pod_token
-    warnings = [r for r in caplog.records if r.levelno == logging.WARNING]
-    assert len(warnings) == 1, [r.getMessage() for r in warnings]
-    assert "cannot read the tokens on the group's pods" in warnings[0].getMessage()
+    warnings = [r for r in caplog.records if r.levelno == logging.WARNING and "pods" in r.getMessage()]
+    # The read refused, the wait it makes (nothing says no pod leads), the read again before the write.
+    assert len(warnings) == 3, [r.getMessage() for r in warnings]
+    assert "or the pods could not be read" in warnings[1].getMessage()
+    del warnings[1]
+    assert all("cannot read the tokens on the group's pods" in w.getMessage() for w in warnings)
     assert "403" in str(warnings[0].__dict__["error"]), warnings[0].__dict__  # the refusal: the error field
     cluster.kubectl("delete", "lease", GROUP, "-n", namespace)
     async with KubeClient(sidecar) as client:
-        backend = make_backend(client=client)
+        backend = make_backend(client=client, lease_duration=1.0)  # the leader pod's token: waited for
         term = await acquired(backend, "pod-b")
         await backend.close()
     assert term.token == pod_token + 1
@@ -508,3 +524,47 @@ async def test_a_restarted_sole_candidate_takes_over_from_its_own_predecessor_at
     assert time.monotonic() - started < 1.5  # not the 3 s lease
     assert term.token > old.token and term.acting_from <= time.monotonic()
     assert (await other_pod.observe(timeout=5)).holder == prefix + "44444444"
+
+
+@pytest.mark.parametrize("clear", ["forced release", "deletion"])
+async def test_a_lease_cleared_by_others_is_taken_only_once_its_term_has_expired(
+    cluster: Cluster, namespace: str, make_backend: Factory, clear: str
+) -> None:
+    """``kubectl singleton release`` (the holder cleared, as the operator and the runbook's
+    patch do) or ``kubectl delete lease`` say nothing of whether the holder's app stopped: a
+    watching standby takes over only when the last renewal it saw would have expired. It
+    used to take the Lease at once, while the old leader acted on until it noticed."""
+    holder, standby = make_backend(lease_duration=2.0), make_backend(lease_duration=2.0)
+    term = await acquired(holder, "pod-a")
+    standby.follow()
+    await asyncio.sleep(0.5)
+    renewed = await holder.renew(term, timeout=5)
+    assert renewed is not None
+    renewed_at = time.monotonic()
+    waiting = asyncio.create_task(standby.acquire(Identity("pod-b"), timeout=6))
+    await asyncio.sleep(0.3)
+    if clear == "deletion":
+        cluster.kubectl("delete", "lease", GROUP, "-n", namespace)
+    else:
+        cluster.kubectl("patch", "lease", GROUP, "-n", namespace, "--type=merge",
+                        "-p", '{"spec":{"holderIdentity":null}}')
+    result = await waiting
+    took_over = time.monotonic() - renewed_at
+    assert isinstance(result, Term) and result.token > term.token
+    assert took_over >= 2.0, f"taken {took_over:.2f}s after the last renewal, before the term expired"
+    assert took_over < 3.0, f"taken {took_over:.2f}s after the last renewal: waited longer than the expiry"
+
+
+async def test_a_release_by_its_holder_is_marked_and_taken_at_once(
+    cluster: Cluster, namespace: str, make_backend: Factory
+) -> None:
+    holder = make_backend()
+    term = await acquired(holder, "pod-a")
+    await holder.release(term, timeout=5)
+    annotations = lease_json(cluster, namespace)["metadata"]["annotations"]
+    assert annotations[LEASE_ANNOTATION_RELEASED] == annotations[LEASE_ANNOTATION_TOKEN] == str(term.token)
+    started = time.monotonic()
+    fresh = await acquired(make_backend(), "pod-b")  # a process that saw nothing before
+    assert time.monotonic() - started < 1.0
+    assert LEASE_ANNOTATION_RELEASED not in lease_json(cluster, namespace)["metadata"]["annotations"]
+    assert fresh.token > term.token

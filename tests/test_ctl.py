@@ -10,6 +10,7 @@ import secrets
 import signal
 import subprocess
 import sys
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -152,12 +153,15 @@ def test_release_is_carried_out_by_the_operator(cluster: Cluster, namespace: str
     leader = one_leader(members)
     unconfirmed = ctl(cluster, "release", group, "-n", namespace)
     assert unconfirmed.returncode == 1 and "--yes" in unconfirmed.stderr
+    asked_at = time.monotonic()
     result = ctl(cluster, "release", group, "-n", namespace, "--yes")
     assert result.returncode == 0, result.stderr + operator.log()
     assert result.stdout.startswith(f"cleared Lease holder {leader.pod}/"), result.stdout
-    # The old leader sees its Lease taken from it and stops; someone leads again.
+    # The old leader sees its Lease taken from it and stops; someone leads again, but only once
+    # the cleared term has expired (lease 4 s after a renewal at most 1 s before the release).
     wait_for(lambda: not leader.ready(), 3, "the old leader to stop", 0.02)
     one_leader(members, timeout=10)
+    assert time.monotonic() - asked_at >= 2.5, "a standby took the force-released Lease before its term expired"
     events: list[dict[str, Any]] = get_json(cluster, "events", "-n", namespace, "--field-selector",
                                             f"involvedObject.name={group}")["items"]
     released = [e for e in events if e["reason"] == "LockReleased"]

@@ -31,6 +31,10 @@ ANNOTATION_HOLD: Final = f"{API_GROUP}/hold"
 
 # The fencing token of the current term, kept on the Lease by the lease backend.
 LEASE_ANNOTATION_TOKEN: Final = f"{API_GROUP}/token"
+# Written with the empty holder by the holder's own release, after its app stopped: the token
+# of the term it ended. A holder-less Lease without it (a forced release, a hand edit) is
+# taken only once the term it cleared has expired.
+LEASE_ANNOTATION_RELEASED: Final = f"{API_GROUP}/released-token"
 
 # Pod readiness-gate condition type the sidecar sets on its own pod.
 CONDITION_LEADER: Final = f"{API_GROUP}/leader"

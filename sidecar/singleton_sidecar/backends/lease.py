@@ -5,8 +5,18 @@ Called by the election core through ``LockBackend``. Design (after client-go's l
 - **Record**: ``spec.holderIdentity``, ``leaseDurationSeconds`` (ceil of our lease duration),
   ``acquireTime`` and ``renewTime`` (RFC 3339 with microseconds, from the wall clock: for
   people and tools only, never for decisions) and ``leaseTransitions`` (+1 on every change of
-  holder), so ``kubectl get lease`` and client-go tools read it as usual. An empty holder
-  means free (released). The fencing token lives in the annotation ``singleton.dev/token``.
+  holder), so ``kubectl get lease`` and client-go tools read it as usual. The fencing token
+  lives in the annotation ``singleton.dev/token``.
+- **Free** means released by its holder: an empty holder with ``singleton.dev/released-token``
+  equal to the token, written by the holder's own release once its app had stopped; such a
+  Lease is taken at once. An empty holder without it (``kubectl singleton release``, a hand
+  edit) or no Lease at all (``kubectl delete lease``) says nothing of whether the last holder's
+  app has stopped, so it is taken only when the last term seen here would have expired had its
+  holder crashed: ``max(lease_duration, leaseDurationSeconds)`` after that term's last renewal
+  was observed here (after the holder-less Lease was first observed, by a process that saw no
+  term). A process that finds no Lease and saw none before asks the group's pods: while one
+  carries a token (its sidecar leads, or led and did not step down cleanly), it waits the lease
+  duration before creating the Lease; a new group's first term is not delayed.
 - **Tokens** follow the rule of every backend, a hybrid logical clock: a new term's token is
   ``max(the Lease's token + 1, the wall clock in milliseconds, the high-water mark + 1)``.
   The high-water mark is the highest token this process has observed for the group: on the
@@ -66,7 +76,7 @@ from dataclasses import dataclass
 from datetime import UTC, datetime
 from typing import Any
 
-from singleton_sidecar.contract import ANNOTATION_TOKEN, LABEL_GROUP, LEASE_ANNOTATION_TOKEN
+from singleton_sidecar.contract import ANNOTATION_TOKEN, LABEL_GROUP, LEASE_ANNOTATION_RELEASED, LEASE_ANNOTATION_TOKEN
 from singleton_sidecar.core.identity import is_predecessor
 from singleton_sidecar.core.lock import BackendUnavailable, Identity, LockRecord, LossCallback, Term, Token
 from singleton_sidecar.kube import KubeClient, KubeConflict, KubeError, KubeGone, KubeNotFound
@@ -93,6 +103,8 @@ class Observed:
     token: Token | None
     duration: float
     transitions: int
+    released: bool
+    """Holder-less because its holder released it (see the module docstring)."""
 
     def record(self) -> LockRecord:
         return LockRecord(holder=self.holder, token=self.token, version=self.version)
@@ -109,14 +121,16 @@ def annotated_token(obj: dict[str, Any], key: str) -> Token | None:
 def observed(lease: Lease | None, first_seen: float) -> Observed:
     """Parse a Lease object (``None``: absent) into an observation."""
     if lease is None:
-        return Observed(None, "", first_seen, None, None, 0.0, 0)
+        return Observed(None, "", first_seen, None, None, 0.0, 0, released=False)
     spec = lease.get("spec") or {}
     meta = lease.get("metadata") or {}
     token = annotated_token(lease, LEASE_ANNOTATION_TOKEN)
     holder = spec.get("holderIdentity") or None
+    released = holder is None and token is not None and annotated_token(lease, LEASE_ANNOTATION_RELEASED) == token
     return Observed(lease, str(meta.get("resourceVersion", "")), first_seen,
                     Identity(holder) if holder else None, token,
-                    float(spec.get("leaseDurationSeconds") or 0), int(spec.get("leaseTransitions") or 0))
+                    float(spec.get("leaseDurationSeconds") or 0), int(spec.get("leaseTransitions") or 0),
+                    released=released)
 
 
 def micro_time(wall: float) -> str:
@@ -155,6 +169,10 @@ class LeaseBackend:
         self._high_water: Token | None = None  # the highest token of the group observed here
         self._pods_read = False  # the group's pod tokens were read (or tried) for a first term
         self._seen: Observed | None = None
+        # When a holder-less Lease that its holder did not release (or a missing one) may be
+        # taken: the expiry of the last term seen here; see the module docstring.
+        self._free_at = -math.inf
+        self._unexplained_absence = False  # no Lease, and no term seen here before: ask the pods
         self._changed = asyncio.Event()  # set and replaced on every new observation
         self._synced = False  # the watch has listed and is following the Lease
         self._watch_task: asyncio.Task[None] | None = None
@@ -182,11 +200,22 @@ class LeaseBackend:
     async def acquire(self, identity: Identity, *, timeout: float) -> Term | LockRecord:
         deadline = self._clock() + timeout
         with self._unavailable("acquire", identity):
-            seen = await self._wait_takeable(identity, deadline, reserve=min(_WRITE_RESERVE_MAX, timeout / 4))
-            if seen is None:
+            while True:
+                seen = await self._wait_takeable(identity, deadline, reserve=min(_WRITE_RESERVE_MAX, timeout / 4))
+                if seen is not None:
+                    return seen.record()
                 assert self._seen is not None
+                if self._seen.lease is None and self._unexplained_absence:
+                    self._unexplained_absence = False
+                    if await self._read_pod_tokens(deadline):
+                        # No Lease, but a pod says it leads or led: perhaps a deleted Lease whose
+                        # holder's app still acts. Wait as for a term renewed just now.
+                        self._free_at = self._clock() + self.lease_duration
+                        log.warning("no Lease, but a pod of the group carries a token (or the pods could not be "
+                                    "read): taking it after the lease duration", extra=self._fields(identity=identity))
+                        continue
+                    return await self._take(identity, self._seen, deadline, pods_read=True)
                 return await self._take(identity, self._seen, deadline)
-            return seen.record()
 
     async def _wait_takeable(self, identity: Identity, deadline: float, *, reserve: float) -> Observed | None:
         """None once the Lease is takeable by ``identity`` (``self._seen`` is then the Lease to
@@ -262,12 +291,18 @@ class LeaseBackend:
     # -- decisions -------------------------------------------------------------------
 
     def _expires_at(self, seen: Observed) -> float:
+        if seen.holder is None:
+            return -math.inf if seen.released else self._free_at
+        return self._term_expiry(seen)
+
+    def _term_expiry(self, seen: Observed) -> float:
+        """When the held term ``seen`` expires if its holder renews no more."""
         return seen.first_seen + max(self.lease_duration, seen.duration)
 
     def _takeable(self, seen: Observed, identity: Identity, now: float) -> bool:
         if is_predecessor(seen.holder, identity, self._predecessor_prefix):
             return True  # logged by _take: this is asked on every wake-up, with both twice a takeover
-        return seen.holder is None or seen.holder == identity or now >= self._expires_at(seen)
+        return seen.holder == identity or now >= self._expires_at(seen)
 
     def _next_token(self, seen: Observed) -> Token:
         """The hybrid logical clock: above the Lease's token, the wall clock and every token seen."""
@@ -282,9 +317,11 @@ class LeaseBackend:
 
     # -- writes ----------------------------------------------------------------------
 
-    async def _take(self, identity: Identity, seen: Observed, deadline: float) -> Term | LockRecord:
-        """Begin a term on the observed Lease (or create it); a lost race returns the record."""
-        if seen.lease is None or not self._pods_read:
+    async def _take(self, identity: Identity, seen: Observed, deadline: float, *,
+                    pods_read: bool = False) -> Term | LockRecord:
+        """Begin a term on the observed Lease (or create it); a lost race returns the record.
+        ``pods_read``: the pods' tokens were read for this very take."""
+        if (seen.lease is None or not self._pods_read) and not pods_read:
             await self._read_pod_tokens(deadline)
         if is_predecessor(seen.holder, identity, self._predecessor_prefix):
             log.info("taking over from this pod's own earlier incarnation",
@@ -293,7 +330,9 @@ class LeaseBackend:
         lease: Lease = copy.deepcopy(seen.lease) if seen.lease is not None else {
             "apiVersion": "coordination.k8s.io/v1", "kind": "Lease",
             "metadata": {"name": self.lease_name, "namespace": self.namespace}, "spec": {}}
-        lease["metadata"].setdefault("annotations", {})[LEASE_ANNOTATION_TOKEN] = str(token)
+        annotations = lease["metadata"].setdefault("annotations", {})
+        annotations[LEASE_ANNOTATION_TOKEN] = str(token)
+        annotations.pop(LEASE_ANNOTATION_RELEASED, None)
         transitions = seen.transitions + (1 if seen.lease is not None and seen.holder != identity else 0)
         lease["spec"].update(holderIdentity=identity, leaseDurationSeconds=self._seconds(), acquireTime=stamp,
                              renewTime=stamp, leaseTransitions=transitions)
@@ -358,8 +397,9 @@ class LeaseBackend:
         raise BackendUnavailable(f"lease {self.namespace}/{self.lease_name}: writes of token {term.token} "
                                  f"conflicted {_MAX_CONFLICTS} times in a row")
 
-    async def _read_pod_tokens(self, deadline: float) -> None:
-        """Add the tokens on the group's pods to the high-water mark; a failure is only logged."""
+    async def _read_pod_tokens(self, deadline: float) -> bool:
+        """Add the tokens on the group's pods to the high-water mark; a failure is only logged.
+        True when a pod carries a token (or the pods could not be read)."""
         selector = {"labelSelector": f"{LABEL_GROUP}={self.lease_name}"}
         self._pods_read = True
         try:
@@ -368,15 +408,21 @@ class LeaseBackend:
         except KubeError as exc:
             log.warning("cannot read the tokens on the group's pods: the next token is "
                         "above the wall clock and the tokens seen here only", extra=self._fields(error=exc))
-            return
+            return True
+        claimed = False
         for pod in pods.get("items") or []:
             if isinstance(pod, dict):
-                self._note(annotated_token(pod, ANNOTATION_TOKEN))
+                token = annotated_token(pod, ANNOTATION_TOKEN)
+                self._note(token)
+                claimed = claimed or token is not None
+        return claimed
 
     def _renewed(self, lease: Lease) -> None:
         lease["spec"].update(renewTime=micro_time(self._wall_clock()), leaseDurationSeconds=self._seconds())
 
     def _released(self, lease: Lease) -> None:
+        token = annotated_token(lease, LEASE_ANNOTATION_TOKEN)
+        lease["metadata"].setdefault("annotations", {})[LEASE_ANNOTATION_RELEASED] = str(token)
         lease["spec"].update(holderIdentity="", leaseDurationSeconds=1, renewTime=micro_time(self._wall_clock()))
 
     def _seconds(self) -> int:
@@ -398,11 +444,24 @@ class LeaseBackend:
         seen, now = self._seen, observed(lease, self._clock())
         self._note(now.token)
         if seen is None or seen.version != now.version or (lease is None) != (seen.lease is None):
+            self._note_absence(seen, now)
             seen = self._seen = now
             self._changed.set()
             self._changed = asyncio.Event()
             self._check_loss(seen, deleted=deleted)
         return seen
+
+    def _note_absence(self, before: Observed | None, now: Observed) -> None:
+        """Keep ``_free_at`` for a Lease that is now holder-less without its holder's release, or gone."""
+        if now.holder is not None or now.released:
+            self._free_at, self._unexplained_absence = -math.inf, False
+        elif before is not None and before.holder is not None:
+            self._free_at = self._term_expiry(before)  # as if that holder had crashed after its last renewal
+        elif before is None and now.lease is not None:
+            self._free_at = self._term_expiry(now)  # cleared before we came: count from now
+        elif before is None:
+            self._unexplained_absence = True
+        # Otherwise it was free or waiting already: keep what was decided.
 
     def _check_loss(self, seen: Observed, *, deleted: bool) -> None:
         """The watch shows a newer term than ours (or the Lease deleted): report the loss at once."""
