@@ -9,6 +9,11 @@ handler, writes the answer, and bounds everything a client can make it hold (ope
 connections, header and body sizes, a slow request, an idle keep-alive connection, the wait for
 answers at shutdown).
 
+A full server makes room rather than refusing: a new connection closes the least recently
+active one (as nginx reuses idle connections). The probe port listens on the pod IP, so any pod
+can open connections to it; were newcomers refused, a pod holding them all would fail the
+kubelet's probes (a new connection each) and get the sidecar restarted.
+
 Routes take no request bodies: a body is read and discarded up to ``max_body_size``.
 """
 
@@ -18,6 +23,7 @@ import asyncio
 import contextlib
 import json
 import logging
+import math
 from collections.abc import Awaitable, Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from http import HTTPStatus
@@ -85,7 +91,10 @@ class _Arrival:
 
 @dataclass
 class _Connection:
-    task: asyncio.Task[None]
+    writer: asyncio.StreamWriter
+    since: float
+    """Loop time of its last activity: accepted, a whole request received, an answer sent
+    (bytes of a request trickling in do not count)."""
     busy: bool = False
     """Between a whole request and the end of its answer: close() waits for these."""
 
@@ -97,10 +106,12 @@ class HttpServer:
                  idle_timeout: float = 75.0, request_timeout: float = 10.0, shutdown_timeout: float = 5.0,
                  max_header_size: int = 16 * 1024, max_body_size: int = 64 * 1024,
                  max_connections: int = 256) -> None:
-        """``max_connections``: connections served at once; one more is answered 503 and closed;
+        """``max_connections``: connections served at once; one more closes the least recently
+        active one;
         ``idle_timeout``: how long a keep-alive connection may wait for its next request;
-        ``request_timeout``: how long a client may take to send a request once it started (and
-        to take an answer); ``shutdown_timeout``: how long ``close`` waits for requests being
+        ``request_timeout``: how long a new connection may wait before it sends its first
+        request, and a client may take to send a request once it started (and to take an
+        answer); ``shutdown_timeout``: how long ``close`` waits for requests being
         answered; ``on_shutdown``: called by ``close`` before that wait (to answer long polls)."""
         self._routes = dict(routes)
         self._on_shutdown = list(on_shutdown)
@@ -114,8 +125,9 @@ class HttpServer:
         self.max_connections = max_connections
         self._server: asyncio.Server | None = None
         self._connections: dict[asyncio.Task[None], _Connection] = {}
-        self._refusals: set[asyncio.Task[None]] = set()
-        self._refusing = False  # since the last connection served: logged once per spell
+        self._evicted: set[asyncio.Task[None]] = set()  # closed to make room, still ending
+        self._evictions = 0  # since the last warning, which a flood gets once a minute
+        self._warned_at = -math.inf
         self._closing = False
 
     def __repr__(self) -> str:
@@ -143,12 +155,10 @@ class HttpServer:
             self._server.close()
         for callback in self._on_shutdown:
             callback()
-        for connection in list(self._connections.values()):
+        for task, connection in list(self._connections.items()):
             if not connection.busy:  # waiting for a request: nothing to finish
-                connection.task.cancel()
-        for refusal in list(self._refusals):
-            refusal.cancel()
-        tasks = [*self._connections, *self._refusals]
+                task.cancel()
+        tasks = [*self._connections, *self._evicted]
         if tasks:
             _, late = await asyncio.wait(tasks, timeout=self.shutdown_timeout)
             if late:
@@ -169,57 +179,55 @@ class HttpServer:
             writer.transport.abort()
             return
         if len(self._connections) >= self.max_connections:
-            # Answered at once, before its request: a client flooding the port gets no more of
-            # the server than this, and probes get through again as soon as connections close.
-            if not self._refusing:
-                log.warning("too many connections: refusing more",
-                            extra={"connections": len(self._connections), "max_connections": self.max_connections})
-                self._refusing = True
-            if len(self._refusals) >= self.max_connections:  # a flood: not even an answer
-                writer.transport.abort()
-                return
-            refusal = asyncio.create_task(self._refuse(reader, writer), name="http-refusal")
-            self._refusals.add(refusal)
-            refusal.add_done_callback(self._refusals.discard)
-            return
-        self._refusing = False
-        task = asyncio.create_task(self._serve(reader, writer), name="http-connection")
-        self._connections[task] = _Connection(task)
-        task.add_done_callback(self._connections.pop)
+            self._evict()
+        connection = _Connection(writer, asyncio.get_running_loop().time())
+        task = asyncio.create_task(self._serve(reader, connection), name="http-connection")
+        self._connections[task] = connection
+        task.add_done_callback(self._forget)
 
-    async def _refuse(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        body = f"too many connections (at most {self.max_connections}): try again\n".encode()
-        # By hand: h11's state machine answers only a request it has read.
-        writer.write(b"HTTP/1.1 503 Service Unavailable\r\ncontent-type: text/plain; charset=utf-8\r\n"
-                     b"content-length: %d\r\nretry-after: 1\r\nconnection: close\r\n\r\n%s" % (len(body), body))
-        try:
-            await _linger(reader, writer)
-        finally:
-            if writer.transport.get_write_buffer_size():  # a client that reads nothing
-                writer.transport.abort()
-            else:
-                writer.close()
+    def _forget(self, task: asyncio.Task[None]) -> None:
+        self._connections.pop(task, None)  # not there once evicted
 
-    async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        task = asyncio.current_task()
-        assert task is not None
-        connection = self._connections[task]
+    def _evict(self) -> None:
+        """Close the least recently active connection to make room for a new one: idle, silent,
+        trickling its head, in a long poll or not reading its answer alike (idle ones first would
+        let 255 long polls leave a probe one slot to fight over). A new connection goes last: to
+        keep out a probe, answered within a few turns of the loop, a flood would need
+        ``max_connections`` new connections in those turns. What others lose is an idle or long
+        wait, which their clients retry."""
+        task, victim = min(self._connections.items(), key=lambda item: item[1].since)
+        self._evictions += 1
+        now = asyncio.get_running_loop().time()
+        if now - self._warned_at >= 60:
+            log.warning("too many connections: each new one closes the least recently active",
+                        extra={"max_connections": self.max_connections, "closed": self._evictions})
+            self._evictions, self._warned_at = 0, now
+        del self._connections[task]
+        self._evicted.add(task)
+        task.add_done_callback(self._evicted.discard)
+        victim.writer.transport.abort()  # also if its task never ran: the socket is closed here
+        task.cancel()
+
+    async def _serve(self, reader: asyncio.StreamReader, connection: _Connection) -> None:
+        loop = asyncio.get_running_loop()
+        writer = connection.writer
         protocol = h11.Connection(h11.SERVER, max_incomplete_event_size=self.max_header_size)
         clean = False
+        fresh = True
         try:
             while not self._closing:
                 try:
-                    request = await self._receive(protocol, reader, writer)
+                    request = await self._receive(protocol, reader, writer, fresh=fresh)
                 except _Close as close:
                     if close.answer is not None:
                         await self._send(protocol, writer, close.answer, close=True)
                         await _linger(reader, writer)
                     clean = True
                     break
-                connection.busy = True
+                connection.busy, connection.since = True, loop.time()
                 answer = await self._answer(request)
                 await self._send(protocol, writer, answer, head_only=request.method == "HEAD", close=self._closing)
-                connection.busy = False
+                connection.busy, connection.since, fresh = False, loop.time(), False
                 if protocol.our_state is not h11.DONE or protocol.their_state is not h11.DONE:
                     clean = True  # the client asked to close (Connection: close, HTTP/1.0)
                     break
@@ -243,11 +251,13 @@ class HttpServer:
                 pass
 
     async def _receive(self, protocol: h11.Connection, reader: asyncio.StreamReader,
-                       writer: asyncio.StreamWriter) -> Request:
-        """The next whole request (its body read and discarded), or ``_Close``."""
+                       writer: asyncio.StreamWriter, *, fresh: bool) -> Request:
+        """The next whole request (its body read and discarded), or ``_Close``. A ``fresh``
+        connection has ``request_timeout`` to start its first request, not ``idle_timeout``
+        (Go's ReadHeaderTimeout): a client connects to send one, and silent ones go soon."""
         started = bool(protocol.trailing_data[0])  # a pipelined request already read
         arrival = _Arrival(started, asyncio.get_running_loop().time()
-                           + (self.request_timeout if started else self.idle_timeout))
+                           + (self.request_timeout if started or fresh else self.idle_timeout))
         head: h11.Request | None = None
         body_size = 0
         while True:
