@@ -275,10 +275,62 @@ async def test_renew_checks_row_count(make_backend: Factory, pg_admin_dsn: str) 
         holder.group,
     )
     assert await holder.renew(term, timeout=2) is None
-    # and the session lock was given up with it
+    # the lock is kept until the release, which comes once the app has stopped
+    assert not isinstance(await standby.acquire(Identity("b"), timeout=0.3), Term)
+    assert await holder.renew(term, timeout=2) is None
+    await holder.release(term, timeout=2)
     taken = await acquired(standby, "b", timeout=2)
     assert taken.token > term.token
+
+
+async def holds_lock(backend: PostgresBackend) -> bool:
+    """Whether ``backend``'s session holds its group's advisory lock."""
+    assert backend._conn is not None and backend._lock_id is not None
+    return bool(await backend._conn.fetchval(
+        "SELECT EXISTS (SELECT 1 FROM pg_locks WHERE locktype = 'advisory' AND granted AND objsubid = 2"
+        " AND classid::bigint = $1 AND objid::bigint = $2 AND pid = pg_backend_pid())", NAMESPACE, backend._lock_id))
+
+
+async def test_a_renewal_that_matches_no_row_keeps_the_lock_until_the_release(
+    make_backend: Factory, pg_admin_dsn: str
+) -> None:
+    """Issue 31, item 6: the old app acts until the elector has stopped it, so the lock stays
+    held until the release that follows; a standby must not take the term meanwhile."""
+    holder, standby = make_backend(), make_backend()
+    term = await acquired(holder, "a")
+    assert isinstance(await standby.acquire(Identity("b"), timeout=0.2), LockRecord)  # waiting on the group's lock
+    await admin_fetchval(pg_admin_dsn, "DELETE FROM singleton_leases WHERE group_name = $1", holder.group)
+    assert await holder.renew(term, timeout=2) is None  # the loss, reported to the elector
+    assert await holds_lock(holder)
+    for _ in range(3):
+        result = await standby.acquire(Identity("b"), timeout=0.3)
+        assert not isinstance(result, Term), "a standby took the term before the old holder released it"
+    await holder.release(term, timeout=2)  # the elector: the app has stopped
+    taken, _ = await acquire_within(standby, "b", 5)
+    assert taken.token > term.token
+
+
+async def test_a_lock_kept_after_a_renewal_that_matched_no_row_is_given_up_at_the_lease_without_a_release(
+    make_backend: Factory, pg_admin_dsn: str
+) -> None:
+    """An app never confirmed stopped is never released: the lock is given up at the next
+    campaign once the term's lease (from its last renewal) has run out, as at an expiry."""
+    options = {"lease_duration": 1.0, "renew_deadline": 0.5}
+    holder, standby = make_backend(**options), make_backend(**options)
+    term = await acquired(holder, "a")
+    await admin_fetchval(pg_admin_dsn, "UPDATE singleton_leases SET holder = NULL, holder_pid = NULL,"
+                         " expires_at = now() WHERE group_name = $1", holder.group)  # cleared by someone
     assert await holder.renew(term, timeout=2) is None
+    waiting = asyncio.create_task(standby.acquire(Identity("b"), timeout=5))
+    try:
+        assert not isinstance(await holder.acquire(Identity("a"), timeout=0.2), Term)  # within the lease: kept
+        assert not waiting.done() and await holds_lock(holder)
+        await asyncio.sleep(max(term.written_at + 1.0 - time.monotonic(), 0.0))
+        again = await holder.acquire(Identity("a"), timeout=0.5)  # gives the lock up: the standby had queued
+    finally:
+        taken = await asyncio.wait_for(waiting, 5)
+    assert isinstance(taken, Term) and taken.token > term.token
+    assert again == LockRecord(holder=Identity("b"), token=taken.token, version=str(taken.token))
 
 
 async def test_stalled_holder_is_terminated_after_expiry(

@@ -30,6 +30,12 @@ Design (the server is the authority; its clock decides expiry):
   tokens are unique per group, two groups may get the same one. Renewals and releases are
   conditional on holder and token (and, for renewals, on the holder's session) and check
   the row count: 0 rows means "not ours".
+- **Stop before release**: a renewal that matches no row (the row was deleted, cleared or
+  rewritten by someone) reports the term lost, and keeps the lock: the app acts until the
+  elector has stopped it, and only the ``release`` that follows gives the lock back. An app
+  never confirmed stopped is never released; then the next ``acquire`` (the elector's
+  campaign, a lease duration later) gives the lock up once the term's lease has run out
+  since its last renewal, as a standby would end an expired holder's session.
 - **Session settings**: the sidecar sets what it depends on itself, right after connecting,
   whatever the role or database says: ``statement_timeout``, ``lock_timeout``,
   ``idle_in_transaction_session_timeout`` and (PostgreSQL >= 14) ``idle_session_timeout`` are
@@ -162,6 +168,9 @@ class PostgresBackend:
         self._server_settings = {"application_name": f"singleton:{group}"[:63]}
         self._conn: Connection | None = None
         self._term: Term | None = None  # the term held on self._conn, if any
+        # A term whose renewal matched no row: over, but its app may act until the elector
+        # stops it, so its lock stays held until its release (or its lease has run out).
+        self._ended: Term | None = None
         # When the live holder's lease runs out (local clock, from the row last read): a lock
         # wait ends then, to end that holder's session if it still holds the lock (stalled or
         # cut off) rather than at the end of the acquire's budget.
@@ -197,6 +206,10 @@ class PostgresBackend:
                                 extra=self._fields(identity=identity, holder=self._term.identity,
                                                    token=self._term.token))
                     return await self._read(conn)
+                if self._ended is not None and not await self._give_up_ended(conn):
+                    record = await self._read(conn)
+                    await self._sleep_out(deadline)  # waited out, as a lock wait would be
+                    return record
                 lock_id = await self._group_lock_id(conn)
             while True:
                 with self._closed_on_failure(conn):
@@ -295,10 +308,10 @@ class PostgresBackend:
                     renewed = replace(term, written_at=sent)
                     self._term = renewed
                     return renewed
-                log.warning("renewal matched no row: taken over",
+                # Not unlocked here: the app acts until the elector stops it, then releases.
+                log.warning("renewal matched no row: the term is lost; keeping the lock until the app has stopped",
                             extra=self._fields(identity=term.identity, token=term.token))
-                self._term = None
-                await conn.execute(self._sql.unlock, NAMESPACE, self._held_lock_id)
+                self._term, self._ended = None, term
                 return None
             except BaseException:
                 # The server frees the lock with the session: the term ends now, not at the
@@ -309,11 +322,11 @@ class PostgresBackend:
     async def release(self, term: Term, *, timeout: float) -> None:
         async with self._guard("release", timeout), self._busy:
             conn = self._conn
-            if term != self._term:
+            if term not in (self._term, self._ended):
                 log.debug("release: not held here", extra=self._fields(identity=term.identity, token=term.token))
                 return
             if conn is None or conn.is_closed():
-                self._term = None
+                self._term = self._ended = None
                 return
             try:
                 await conn.execute(self._sql.release, self.group, term.identity, term.token)
@@ -322,8 +335,22 @@ class PostgresBackend:
                 # The term stays ours until here, so closing the session reports its loss.
                 self._discard(conn, "release failed; closed the lock's connection, which frees the lock")
                 raise
-            self._term = None
+            self._term = self._ended = None
             log.info("released the lock", extra=self._fields(identity=term.identity, token=term.token))
+
+    async def _give_up_ended(self, conn: Connection) -> bool:
+        """Give up the lock of a term whose renewal matched no row and that was not released
+        (its app not confirmed stopped), once its lease has run out since its last renewal:
+        by then its app's own deadline stopped it. False while it has not."""
+        ended = self._ended
+        assert ended is not None
+        if self._clock() < ended.written_at + self.lease_duration:
+            return False
+        log.warning("giving up the lock of a lost term that was not released: its lease has run out",
+                    extra=self._fields(identity=ended.identity, token=ended.token))
+        await self._unlock_every_level(conn, ended)
+        self._ended = None
+        return True
 
     async def _unlock_every_level(self, conn: Connection, term: Term) -> None:
         """Give the lock back. Session advisory locks stack: a session that took it twice and
@@ -361,7 +388,7 @@ class PostgresBackend:
 
     async def close(self) -> None:
         conn, self._conn = self._conn, None
-        self._term = None
+        self._term = self._ended = None
         if conn is None:
             return
         if self._busy.locked():
@@ -567,7 +594,7 @@ class PostgresBackend:
         """``conn`` is gone: forget it, and report a held term as lost."""
         if self._conn is not conn:
             return  # closed on purpose, or replaced already
-        self._conn = None
+        self._conn, self._ended = None, None  # an ended term's loss was reported by its renewal
         term, self._term = self._term, None
         if term is None:
             log.info("connection lost", extra=self._fields(reason=reason))
