@@ -333,6 +333,57 @@ async def test_a_lock_kept_after_a_renewal_that_matched_no_row_is_given_up_at_th
     assert again == LockRecord(holder=Identity("b"), token=taken.token, version=str(taken.token))
 
 
+
+async def row_lock_id(admin_dsn: str, group: str) -> object:
+    return await admin_fetchval(admin_dsn, "SELECT lock_id FROM singleton_leases WHERE group_name = $1", group)
+
+
+async def test_a_deleted_row_comes_back_under_the_lock_id_its_holder_still_holds(
+    make_backend: Factory, pg_admin_dsn: str
+) -> None:
+    """Issue 31, item 6: a candidate that re-creates a deleted row must not take the term under
+    a new lock id while the old holder's session still holds the old one (two holders)."""
+    holder = make_backend()
+    term = await acquired(holder, "a")
+    lock_id = holder._lock_id
+    await admin_fetchval(pg_admin_dsn, "DELETE FROM singleton_leases WHERE group_name = $1", holder.group)
+    newcomer = make_backend()  # never saw the group: it creates the row again
+    result = await newcomer.acquire(Identity("b"), timeout=0.5)
+    assert not isinstance(result, Term), "the term was taken under a new lock id while the old one is held"
+    assert await row_lock_id(pg_admin_dsn, holder.group) == lock_id
+    other = make_backend(group=unique())  # another group is not given the lock id its row lost
+    await acquired(other, "c")
+    assert other._lock_id != lock_id
+    assert await holder.renew(term, timeout=2) is None
+    waiting = asyncio.create_task(newcomer.acquire(Identity("b"), timeout=5))
+    await asyncio.sleep(0.2)
+    assert not waiting.done()
+    await holder.release(term, timeout=2)  # the app has stopped
+    taken = await asyncio.wait_for(waiting, 5)
+    assert isinstance(taken, Term) and taken.token > term.token and taken.acting_from <= time.monotonic()
+
+
+async def test_a_deleted_row_whose_lock_id_is_not_known_for_sure_is_not_created_again(
+    make_backend: Factory, pg_admin_dsn: str
+) -> None:
+    """Two groups whose names share their first 53 characters have the same application_name
+    (63 characters at most): with both rows deleted while held, which held lock id was whose
+    is not known, so neither row is created again until those locks are given back."""
+    prefix = "g" * 53 + uuid.uuid4().hex[:6]
+    first, second = make_backend(group=prefix + "_one"), make_backend(group=prefix + "_two")
+    terms = [await acquired(first, "a"), await acquired(second, "a")]
+    await admin_fetchval(pg_admin_dsn, "DELETE FROM singleton_leases WHERE group_name LIKE $1", prefix + "%")
+    newcomer = make_backend(group=first.group)
+    with pytest.raises(BackendUnavailable, match="held lock"):
+        await newcomer.acquire(Identity("b"), timeout=0.5)
+    assert await row_lock_id(pg_admin_dsn, first.group) is None
+    await second.release(terms[1], timeout=2)  # now the one left is first's own
+    assert not isinstance(await newcomer.acquire(Identity("b"), timeout=0.3), Term)
+    assert await row_lock_id(pg_admin_dsn, first.group) == first._lock_id
+    await first.release(terms[0], timeout=2)
+    taken, _ = await acquire_within(newcomer, "b", 5)
+    assert taken.token > terms[0].token
+
 async def test_stalled_holder_is_terminated_after_expiry(
     make_backend: Factory, holders: list[Holder], pg_dsn: str
 ) -> None:
@@ -846,6 +897,18 @@ async def test_session_pooler_works(make_backend: Factory, pgbouncer: Bouncers) 
     second = await asyncio.wait_for(waiting, 5)
     assert isinstance(second, Term) and second.token > term.token
 
+
+async def test_a_deleted_row_comes_back_under_its_lock_id_through_a_session_pooler(
+    make_backend: Factory, pgbouncer: Bouncers, pg_admin_dsn: str
+) -> None:
+    """The server sees the application_name a session pooler's client sent, so the lock id a
+    holder behind it still holds is found when its row is deleted."""
+    holder = make_backend(dsn=pgbouncer("session").dsn)
+    term = await acquired(holder, "a")
+    await admin_fetchval(pg_admin_dsn, "DELETE FROM singleton_leases WHERE group_name = $1", holder.group)
+    assert not isinstance(await make_backend().acquire(Identity("b"), timeout=0.3), Term)
+    assert await row_lock_id(pg_admin_dsn, holder.group) == holder._lock_id
+    await holder.release(term, timeout=2)
 
 async def test_direct_connections_pass_the_pooler_check(
     make_backend: Factory, postgres_server: PostgresServer | None, monkeypatch: pytest.MonkeyPatch

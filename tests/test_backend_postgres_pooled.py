@@ -229,6 +229,28 @@ async def test_a_session_mode_sidecar_never_takes_a_live_pooled_term(make_backen
         await session.close()
 
 
+async def test_a_pooled_sidecar_recreates_a_deleted_row_under_the_lock_id_a_session_holder_still_holds(
+    make_backend: Factory, pg_dsn: str, pg_admin_dsn: str
+) -> None:
+    """Issue 31, item 6: the row of a session-mode term deleted under it comes back under the
+    lock id its holder's session holds, so a pooled sidecar (which checks that lock) waits."""
+    pooled = make_backend()
+    session = PostgresBackend(group=pooled.group, dsn=pg_dsn, lease_duration=LEASE, renew_deadline=RENEW_DEADLINE)
+    try:
+        term = await session.acquire(Identity("s"), timeout=2)
+        assert isinstance(term, Term)
+        await fetchval(pg_admin_dsn, "DELETE FROM singleton_leases WHERE group_name = $1", pooled.group)
+        seen = await pooled.acquire(Identity("b"), timeout=0.3)
+        assert not isinstance(seen, Term), "taken under a new lock id while the session holder holds the old one"
+        assert await fetchval(pg_admin_dsn, "SELECT lock_id FROM singleton_leases WHERE group_name = $1",
+                              pooled.group) == session._lock_id
+        assert await session.renew(term, timeout=1) is None
+        await session.release(term, timeout=1)
+        assert isinstance(await pooled.acquire(Identity("b"), timeout=1), Term)
+    finally:
+        await session.close()
+
+
 # --- what a pooler and the server may do ----------------------------------------------------------
 
 

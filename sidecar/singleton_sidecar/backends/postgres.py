@@ -6,7 +6,9 @@ Design (the server is the authority; its clock decides expiry):
   ``pg_advisory_lock(NAMESPACE, lock_id)``, held on ONE dedicated connection per backend
   (never a pool: a session lock belongs to the session). Two-int keys never collide with an
   application's bigint-form locks, and ``lock_id`` is unique per group (assigned once from a
-  sequence), so groups never block each other. The server frees the lock the instant the
+  sequence), so groups never block each other. A row deleted while its lock is held comes
+  back under that lock id, not a new one on which a second holder could lead
+  (``Statements.insert_group``). The server frees the lock the instant the
   holder's session ends (crash, SIGKILL, ``pg_terminate_backend``, server restart).
 - **Standbys** wait with a *blocking* ``pg_advisory_lock`` under ``lock_timeout`` bounded by
   the call's timeout (set back to 0 right after the wait): no polling, they wake as soon as
@@ -102,7 +104,7 @@ from singleton_sidecar.backends.postgres_session import (
     session_settings,
     short_lived,
 )
-from singleton_sidecar.backends.postgres_sql import NAMESPACE, Statements
+from singleton_sidecar.backends.postgres_sql import NAMESPACE, Statements, application_name
 from singleton_sidecar.core.identity import is_predecessor
 from singleton_sidecar.core.lock import (
     BackendUnavailable,
@@ -165,7 +167,7 @@ class PostgresBackend:
         self._predecessor_prefix = predecessor_prefix
         # Only application_name goes in the startup packet: poolers refuse other startup
         # parameters, and older servers any they do not know. The rest is set after connecting.
-        self._server_settings = {"application_name": f"singleton:{group}"[:63]}
+        self._server_settings = {"application_name": application_name(group)}
         self._conn: Connection | None = None
         self._term: Term | None = None  # the term held on self._conn, if any
         # A term whose renewal matched no row: over, but its app may act until the elector
@@ -583,10 +585,14 @@ class PostgresBackend:
 
     async def _group_lock_id(self, conn: Connection) -> int:
         if self._lock_id is None:
-            await conn.execute(self._sql.insert_group, self.group, self._sql.lock_id_seq)
+            await conn.execute(self._sql.insert_group, self.group, self._sql.lock_id_seq,
+                               application_name(self.group), NAMESPACE)
             lock_id = await conn.fetchval(self._sql.lock_id, self.group)
-            if lock_id is None:
-                raise BackendUnavailable(f"row of group {self.group!r} vanished while being created")
+            if lock_id is None:  # deleted again at once, or not created (see insert_group)
+                raise BackendUnavailable(
+                    f"the row of group {self.group!r} is missing and was not created: deleted again, or deleted"
+                    f" while more than one held lock of sessions named {application_name(self.group)!r} could"
+                    " be its own (created once they are given back)")
             self._lock_id = int(lock_id)
         return self._lock_id
 

@@ -87,7 +87,7 @@ from singleton_sidecar.backends.postgres_session import (
     server_session,
     short_lived,
 )
-from singleton_sidecar.backends.postgres_sql import NAMESPACE, Statements
+from singleton_sidecar.backends.postgres_sql import NAMESPACE, Statements, application_name
 from singleton_sidecar.core.lock import (
     Identity,
     LockRecord,
@@ -216,7 +216,7 @@ class PooledPostgresBackend:
         self._names = Statements.build(schema, table)
         self._sql = PooledStatements(self._names)
         self._predecessor_prefix = predecessor_prefix
-        self._server_settings = {"application_name": f"singleton:{group}"[:63]}
+        self._server_settings = {"application_name": application_name(group)}
         self._conn: Connection | None = None  # kept while a term is held, or always behind a transaction pooler
         self._through_pooler: bool | None = None  # a pooler's client connection (None: not asked yet)
         self._term: Term | None = None
@@ -373,7 +373,8 @@ class PooledPostgresBackend:
                 elif self._seen is None or self._clock() >= self._seen_until:
                     row = await conn.fetchrow(self._sql.observe, self.group)
                     if row is None:  # the group's first use: create its row and take it
-                        await conn.execute(self._names.insert_group, self.group, self._names.lock_id_seq)
+                        await conn.execute(self._names.insert_group, self.group, self._names.lock_id_seq,
+                                           application_name(self.group), NAMESPACE)
                         continue
                     self._seen = lock_record(row)
                     self._seen_until = self._clock() + max(row["expiry_left"] or 0.0, 0.0)

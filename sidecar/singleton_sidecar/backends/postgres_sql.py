@@ -45,14 +45,21 @@ def quote_identifier(name: str, *, what: str, max_length: int = _MAX_IDENTIFIER)
     return '"' + name.replace('"', '""') + '"'
 
 
-def granted_group_lock(namespace: str, lock_id: str) -> str:
+def granted_group_lock(namespace: str, lock_id: str | None) -> str:
     """The condition on ``pg_locks l`` for a granted group lock of this database (the
-    two-int form, so ``objsubid`` 2), with the namespace and lock id as SQL expressions."""
+    two-int form, so ``objsubid`` 2), with the namespace and lock id (None: any) as SQL
+    expressions."""
     return (
         "l.locktype = 'advisory' AND l.granted AND l.objsubid = 2"
         " AND l.database = (SELECT oid FROM pg_database WHERE datname = current_database())"
-        f" AND l.classid::bigint = {namespace} AND l.objid::bigint = {lock_id}"
+        f" AND l.classid::bigint = {namespace}" + ("" if lock_id is None else f" AND l.objid::bigint = {lock_id}")
     )
+
+
+def application_name(group: str) -> str:
+    """The ``application_name`` of every session of the group's sidecars (63 characters at
+    most, as the server keeps it): how a lock whose row was deleted is known for the group's."""
+    return f"singleton:{group}"[:_MAX_IDENTIFIER]
 
 
 @dataclass(frozen=True)
@@ -148,9 +155,23 @@ class Statements:
 
     @property
     def insert_group(self) -> str:
-        """$1 = group, $2 = lock id sequence. Creates the group's row on first use."""
+        """$1 = group, $2 = lock id sequence, $3 = the group's ``application_name``, $4 =
+        namespace. Creates the group's row on first use, and again after it was deleted.
+
+        The lock id is the group's for good: a row deleted while its lock is held (the old
+        holder's app may still act) comes back under that lock id, found as a granted group lock
+        of this database that no row names, held by a session of the group's application_name,
+        so the next holder waits for it. Two such locks (groups whose names share their first
+        53 characters, both deleted while held) are not told apart: no row is created until one
+        is given back. Otherwise the next value of the sequence."""
         return (
-            f"INSERT INTO {self.leases} (group_name, lock_id) VALUES ($1, nextval($2::text::regclass))"
+            "WITH orphaned AS (SELECT DISTINCT l.objid::bigint AS lock_id"
+            " FROM pg_locks l JOIN pg_stat_activity a ON a.pid = l.pid"
+            f" WHERE {granted_group_lock('$4', None)} AND l.objid::bigint <> {DDL_LOCK_ID}"
+            " AND a.application_name = $3"
+            f" AND NOT EXISTS (SELECT 1 FROM {self.leases} r WHERE r.lock_id = l.objid::bigint))"
+            f" INSERT INTO {self.leases} (group_name, lock_id)"
+            " SELECT $1, coalesce(max(lock_id), nextval($2::text::regclass)) FROM orphaned HAVING count(*) <= 1"
             " ON CONFLICT (group_name) DO NOTHING"
         )
 
