@@ -42,8 +42,10 @@ Design (the server is the authority; its clock decides expiry):
   whatever the role or database says: ``statement_timeout``, ``lock_timeout``,
   ``idle_in_transaction_session_timeout`` and (PostgreSQL >= 14) ``idle_session_timeout`` are
   0 (asyncio bounds every call on the client; a server-side one would cancel a standby's
-  wait or end an idle holder's session), and the keepalives below. Only
-  ``application_name`` travels in the startup packet, which poolers and old servers accept.
+  wait or end an idle holder's session), ``synchronous_commit`` is on (a renewal lost in a
+  crash after its acknowledgement would leave an older expiry for the takeover wait), and
+  the keepalives below. Only ``application_name`` travels in the startup packet, which
+  poolers and old servers accept.
 - **Poolers**: a pooler in transaction or statement mode hands a session (and its advisory
   lock) to other clients, so two sidecars could hold one lock. Before its first lock, a new
   connection must prove it is a session of its own: a direct TCP connection by the server

@@ -20,7 +20,9 @@ expires (the lease duration), not the instant its session ends.
   row the winner committed and matches nothing. The token is the rule of every backend,
   ``greatest(<row's token> + 1, <database clock in ms>)``, committed with ``synchronous_commit``
   on (``set_config(..., true)``: transaction-local, like ``SET LOCAL``).
-- **Renewing** is one ``UPDATE ... WHERE holder AND token AND expires_at > now()``; no row
+- **Renewing** is one ``UPDATE ... WHERE holder AND token AND expires_at > now()``, committed
+  with ``synchronous_commit`` on like the take (a renewal acknowledged, then lost in a crash,
+  would leave the older expiry, at which a standby takes over while the holder acts on); no row
   means the term is gone (taken over, or expired: a renewal that reached the server after
   the expiry comes from a holder already past its own deadline). **Releasing** clears the
   holder and sets ``expires_at = now()``, so the next standby check takes over.
@@ -142,12 +144,16 @@ class PooledStatements:
     # ("UPDATE 1" or "UPDATE 0") is the row count that says whether the term is still ours.
 
     def renew(self, group: str, identity: str, token: int, lease_seconds: float) -> str:
-        """One row updated only if the term is still ours and unexpired."""
+        """One row updated only if the term is still ours and unexpired; committed with
+        ``synchronous_commit`` on, as the take: a renewal acknowledged and then lost in a server
+        crash would leave the older expiry, at which a standby takes over while the holder acts
+        on until the lost renewal's deadline."""
         return (
-            f"UPDATE {self.names.leases} SET renewed_at = now(),"
-            f" expires_at = now() + make_interval(secs => {_seconds(lease_seconds)})"
-            f" WHERE group_name = {_text(group)} AND holder = {_text(identity)} AND token = {int(token)}"
-            " AND expires_at > now()"
+            "WITH durable AS (SELECT set_config('synchronous_commit', 'on', true) AS applied)"
+            f" UPDATE {self.names.leases} r SET renewed_at = now(),"
+            f" expires_at = now() + make_interval(secs => {_seconds(lease_seconds)}) FROM durable d"
+            f" WHERE r.group_name = {_text(group)} AND r.holder = {_text(identity)} AND r.token = {int(token)}"
+            " AND r.expires_at > now() AND d.applied = 'on'"
         )
 
     def release(self, group: str, identity: str, token: int) -> str:

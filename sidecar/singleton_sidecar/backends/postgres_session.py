@@ -5,8 +5,9 @@ settings the backend depends on. Used by ``backends.postgres`` when it opens tha
   hands a server session (and the advisory lock in it) to other clients between
   transactions, so two sidecars could hold one lock. It raises ``BackendMisconfigured``
   (never retried: the sidecar exits with the message).
-- ``session_settings``: server-side timeouts off and TCP keepalives, set with one statement
-  after connecting (poolers refuse such startup parameters, older servers unknown ones).
+- ``session_settings``: server-side timeouts off, ``synchronous_commit`` on and TCP
+  keepalives, set with one statement after connecting (poolers refuse such startup
+  parameters, older servers unknown ones).
 - ``ensure_schema``: the tables and sequences, created on first use (both modes, session and
   pooled: one explicit transaction under a transaction-level advisory lock, which a
   transaction pooler carries).
@@ -71,9 +72,14 @@ def session_settings(renew_deadline: float, server_major: int) -> dict[str, str]
     renewal queued behind a row lock, and an idle timeout would end the holder's session
     (and free its lock) between renewals. ``idle_session_timeout`` exists from PostgreSQL 14
     on; setting it on an older server would fail.
+
+    ``synchronous_commit`` is on: a take or renewal acknowledged and then lost in a server crash
+    would leave the row an older token floor, or an older expiry, which a standby's takeover
+    wait counts from while the holder acted on the lost renewal's deadline.
     """
     settings = keepalive_settings(renew_deadline)
-    settings.update(statement_timeout="0", lock_timeout="0", idle_in_transaction_session_timeout="0")
+    settings.update(statement_timeout="0", lock_timeout="0", idle_in_transaction_session_timeout="0",
+                    synchronous_commit="on")
     if server_major >= 14:
         settings["idle_session_timeout"] = "0"
     return settings
