@@ -322,6 +322,41 @@ async def test_a_native_sidecar_takes_the_kubelets_sigterm_during_deletion_as_th
     assert await asyncio.to_thread(leader.wait_exit, 10) == 0
 
 
+TERMINATED_APP = {"status": {"containerStatuses": [{
+    "name": "app", "image": "example.invalid/app:1", "imageID": "", "ready": False, "restartCount": 0,
+    "state": {"terminated": {"exitCode": 0, "reason": "Completed"}}}]}}
+
+
+@pytest.mark.parametrize("app_ends", ["says it stopped", "dies without a word"])
+async def test_a_deleted_pods_term_ends_when_the_app_has_stopped_not_when_the_kubelet_says(
+        cluster: Cluster, pod_sidecars: Factory, app_ends: str) -> None:
+    """A pod deletion, wired as the operator wires it (native sidecar, main container ``app``),
+    with an SDK app registered for the term. Its ``POST /stopped`` ends the term at once: the
+    kubelet would tell the sidecar a second or more later (there is no kubelet here, so it never
+    does); this used to wait for it. An app that dies without a word ends the term when its
+    container shows terminated; this used to wait for the drain timeout."""
+    members = pod_sidecars("lease", 2, extra={"SINGLETON_DRAIN_WAIT_CONTAINER": "app",
+                                              "SINGLETON_NATIVE_SIDECAR": "true", "SINGLETON_DRAIN_TIMEOUT": "20"})
+    leader = await asyncio.to_thread(one_leader, members)
+    other = next(s for s in members if s is not leader)
+    token = (leader.leader_doc() or {})["token"]
+    assert (await asyncio.to_thread(leader.control, "POST", f"/acting?token={token}"))[0] == 200
+    cluster.kubectl("delete", "pod", leader.pod, "-n", leader.namespace, "--wait=false")
+    await asyncio.to_thread(wait_for, lambda: (leader.leader_doc() or {}).get("role") == "draining", 5,
+                            "the leader to drain")
+    await asyncio.sleep(1.0)
+    assert (leader.leader_doc() or {}).get("role") == "draining", "released before the app stopped"
+    started = time.monotonic()
+    if app_ends == "says it stopped":
+        assert (await asyncio.to_thread(leader.control, "POST", f"/stopped?token={token}"))[0] == 200
+    else:
+        cluster.kubectl("patch", "pod", leader.pod, "-n", leader.namespace, "--subresource=status",
+                        "--type=merge", "-p", json.dumps(TERMINATED_APP))
+    await asyncio.to_thread(one_leader, [other], 5)
+    assert time.monotonic() - started < 1.0
+    assert await asyncio.to_thread(leader.wait_exit, 10) == 0
+
+
 async def test_a_handover_through_the_pod_cancels_the_sdk_body_before_the_lease_passes(
         cluster: Cluster, pod_sidecars: Factory) -> None:
     """``kubectl singleton handover``'s request on the leader's pod (the step-down annotation,

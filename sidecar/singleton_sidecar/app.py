@@ -111,19 +111,39 @@ class Sidecar:
 
         async def drain(final: bool) -> None:
             drained = drain_url is None or await self._ask_app_to_drain(drain_url)
-            waited = False
-            await gate.wait_stopped()
-            waited = gate.sees_the_app
             if final and wait_container is not None and reporter is not None:
-                # Only when the pod goes away: on a step-down the main container keeps running.
-                log.info("draining: waiting for the main container to stop", extra={"container": wait_container})
-                await self._wait_main_container_stopped(reporter, wait_container)
-                waited = True
-            if not drained and not waited:
+                # Only when the pod goes away (on a step-down the main container keeps running).
+                await self._wait_gate_or_main_container(gate, reporter, wait_container)
+                return
+            await gate.wait_stopped()
+            if not drained and not gate.sees_the_app:
                 # Nothing else can tell us the app has finished: the drain timeout decides.
                 await asyncio.Event().wait()
 
         return drain
+
+    async def _wait_gate_or_main_container(self, gate: Gate, reporter: PodReporter, name: str) -> None:
+        """The pod is going away: the term ends on the gate's word that the app stopped (gate.sh's
+        acknowledgement, the SDK's ``POST /stopped``), a second or more before the kubelet tells
+        (it signals a native sidecar only after noticing the main container's exit); or on the
+        main container's end, for an app that died without a word (its processes are all gone
+        with it) or that the gate cannot see."""
+        said = asyncio.ensure_future(gate.wait_stopped())
+        ended = asyncio.ensure_future(self._wait_main_container_stopped(reporter, name))
+        try:
+            done, _ = await asyncio.wait({said, ended}, return_when=asyncio.FIRST_COMPLETED)
+            if said in done:
+                said.result()
+                if gate.sees_the_app:
+                    log.info("draining: the gate says the app has stopped; not waiting for the kubelet")
+                    return
+                log.info("draining: waiting for the main container to stop", extra={"container": name})
+            await ended  # a failure is no proof that the app stopped: it propagates
+            gate.on_app_container_ended()
+        finally:
+            for wait in (said, ended):
+                wait.cancel()
+            await asyncio.gather(said, ended, return_exceptions=True)
 
     async def _wait_main_container_stopped(self, reporter: PodReporter, name: str) -> None:
         """Until the pod shows container ``name`` terminated or, for a native sidecar, until the

@@ -137,6 +137,9 @@ class ExecGate:
         else:
             self._tell("ended")
 
+    def on_app_container_ended(self) -> None:
+        """Nothing to learn: the exec gate's app runs in the sidecar's own container."""
+
     async def wait_stopped(self) -> None:
         """The drain step: returns once the keeper has exited (the app's group is gone)."""
         await self._exited.wait()
@@ -281,6 +284,7 @@ class FileGate:
         self._status: ElectionStatus | None = None
         self._deadline = 0.0
         self._stop_nonce = ""
+        self._container_ended = False
 
     def __repr__(self) -> str:
         return f"<FileGate directory={self.directory}>"
@@ -338,7 +342,14 @@ class FileGate:
         tmp.write_text(f"{self._stop_nonce}\n")
         tmp.replace(self.directory / "stop")
 
+    def on_app_container_ended(self) -> None:
+        """The pod shows the main container terminated: gate.sh and every process it ran are gone
+        with it, whether or not gate.sh had its say."""
+        self._container_ended = True
+
     def _acknowledged(self) -> bool:
+        if self._container_ended:
+            return True
         try:
             return (self.directory / "idle").read_text().strip() in (self._stop_nonce, GATE_EXITED)
         except OSError:
@@ -418,6 +429,11 @@ class CooperativeGate:
 
     async def wait_stopped(self) -> None:
         await self._stopped.wait()
+
+    def on_app_container_ended(self) -> None:
+        """The pod shows the app's container terminated: an app that died without a
+        ``POST /stopped`` acts no more."""
+        self._stopped.set()
 
     async def stop(self, urgent: bool = False) -> None:
         del urgent  # nothing to kill: the app stops by itself
