@@ -322,6 +322,43 @@ async def test_a_native_sidecar_takes_the_kubelets_sigterm_during_deletion_as_th
     assert await asyncio.to_thread(leader.wait_exit, 10) == 0
 
 
+def sidecar_role(cluster: Cluster, namespace: str, rules: list[dict[str, list[str]]]) -> None:
+    role = {"apiVersion": "rbac.authorization.k8s.io/v1", "kind": "Role",
+            "metadata": {"name": SIDECAR_ACCOUNT, "namespace": namespace}, "rules": rules}
+    cluster.apply(json.dumps(role), namespace=namespace)
+
+
+async def test_a_term_is_released_only_once_the_pod_no_longer_shows_it_as_leader(
+        cluster: Cluster, namespace: str, group: str, pod_sidecars: Factory) -> None:
+    """The leader Service selects pods by their role label. A leader that cannot write its pod
+    (cut off from the API server for writes: here its right to patch pods is taken away) keeps
+    ``role=leader`` after its term: it says 503 on ``/candidate`` (the pods' readiness) so the
+    endpoints drop it, and does not release, so no second pod leads while the label may still
+    name it; the lock expires instead. Once the label is written, all is as before. It used to
+    release at once, with both pods labelled leader and Ready."""
+    members = pod_sidecars("lease", 2)
+    leader = await asyncio.to_thread(one_leader, members)
+    other = next(s for s in members if s is not leader)
+    full = contract.sidecar_rbac_rules(group)
+    read_only = [r for r in full if r["resources"] != ["pods"]] + [
+        {"apiGroups": [""], "resources": ["pods"], "verbs": ["get", "list", "watch"]}]
+    sidecar_role(cluster, namespace, read_only)
+    await asyncio.sleep(1.0)  # RBAC takes effect
+    assert (await asyncio.to_thread(leader.control, "POST", "/step-down"))[0] == 202
+    stepped_down = time.monotonic()
+    await asyncio.to_thread(wait_for, lambda: leader.get("/candidate")[0] == 503, 3,
+                            "the old leader to say it is not ready")
+    assert "still labelled leader" in leader.get("/candidate")[1]
+    assert pod_view(cluster, leader)[1][contract.LABEL_ROLE] == "leader"
+    await asyncio.sleep(max(0.0, stepped_down + 1.2 - time.monotonic()))
+    assert not other.ready(), "released while the old leader's pod was still labelled leader"
+    sidecar_role(cluster, namespace, full)
+    await asyncio.to_thread(wait_for, lambda: pod_view(cluster, leader)[1][contract.LABEL_ROLE] != "leader", 10,
+                            "the old leader's label to be written", 0.2)
+    await asyncio.to_thread(wait_for, lambda: leader.get("/candidate")[0] == 200, 5, "the old leader ready again")
+    await asyncio.to_thread(one_leader, members, 10)
+
+
 TERMINATED_APP = {"status": {"containerStatuses": [{
     "name": "app", "image": "example.invalid/app:1", "imageID": "", "ready": False, "restartCount": 0,
     "state": {"terminated": {"exitCode": 0, "reason": "Completed"}}}]}}

@@ -122,6 +122,21 @@ class Sidecar:
 
         return drain
 
+    @staticmethod
+    def _stop_hook(gate: Gate, reporter: PodReporter | None) -> Callable[[bool], Awaitable[None]]:
+        """The stop step: the app has stopped, and (in a pod) the pod no longer shows this
+        replica as leader, so the leader Service cannot send a request to two pods. The elector
+        bounds the wait (``stop_timeout``): a label not written by then (the API server
+        unreachable) means no release, and the lock expires by itself; meanwhile ``/candidate``
+        says 503, so the pod's readiness takes it out of the endpoints."""
+        async def stop(urgent: bool) -> None:
+            await gate.stop(urgent)
+            if reporter is not None and not reporter.shown:
+                log.info("the app has stopped; waiting for the pod to show the term's end before releasing")
+                await reporter.wait_shown()
+
+        return stop
+
     async def _wait_gate_or_main_container(self, gate: Gate, reporter: PodReporter, name: str) -> None:
         """The pod is going away: the term ends on the gate's word that the app stopped (gate.sh's
         acknowledgement, the SDK's ``POST /stopped``), a second or more before the kubelet tells
@@ -236,7 +251,7 @@ class Sidecar:
                                    on_hold=lambda seconds: elector.request_hold(seconds))  # noqa: PLW0108
         elector = Elector(group=config.group, identity=self.identity, backend=backend, timings=config.timings,
                           wall_clock=self.wall_clock, drain_hook=self._drain_hook(gate, reporter),
-                          drain_timeout=config.drain_timeout, stop_hook=gate.stop,
+                          drain_timeout=config.drain_timeout, stop_hook=self._stop_hook(gate, reporter),
                           stop_timeout=config.kill_grace + STOP_SLACK, on_renew=metrics.on_renew,
                           on_app_stopped=metrics.on_app_stopped)
         elector.add_listener(metrics.on_status)
@@ -250,7 +265,9 @@ class Sidecar:
         loop = asyncio.get_running_loop()
         loop.add_signal_handler(signal.SIGTERM, self._on_sigterm, elector, reporter)
         loop.add_signal_handler(signal.SIGINT, elector.request_drain)
-        probe = probe_server(elector, metrics, fence_key=config.lock_key)
+        probe = probe_server(elector, metrics, fence_key=config.lock_key,
+                             labelled_leader_unduly=None if reporter is None
+                             else lambda: reporter.labelled_leader_unduly)
         acks = gate if isinstance(gate, CooperativeGate) else None
         control = control_server(elector, fence_key=config.lock_key, acks=acks)
         try:

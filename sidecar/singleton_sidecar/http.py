@@ -27,6 +27,7 @@ import datetime as dt
 import math
 import re
 import secrets
+from collections.abc import Callable
 from typing import Any
 
 from singleton_sidecar.core.elector import Elector
@@ -129,12 +130,14 @@ class _Endpoints:
     """The handlers of both apps, over one elector."""
 
     def __init__(self, elector: Elector, *, fence_key: str, feed: LeaderFeed,
-                 metrics: SidecarMetrics | None = None, acks: CooperativeGate | None = None) -> None:
+                 metrics: SidecarMetrics | None = None, acks: CooperativeGate | None = None,
+                 labelled_leader_unduly: Callable[[], bool] | None = None) -> None:
         self.elector = elector
         self.fence_key = fence_key
         self.feed = feed
         self._metrics = metrics
         self._acks = acks
+        self._labelled_leader_unduly = labelled_leader_unduly
 
     def __repr__(self) -> str:
         return f"<_Endpoints group={self.elector.status.group}>"
@@ -155,6 +158,9 @@ class _Endpoints:
         stalled = elector.clock.monotonic() - elector.last_progress
         if role not in (Role.LEADER, Role.STANDBY) or stalled > liveness_limit(elector):
             return text_response(f"{role.value}\n", 503)
+        if self._labelled_leader_unduly is not None and self._labelled_leader_unduly():
+            # Not ready, so the endpoints drop the pod even if the API server never hears from us.
+            return text_response(f"{role.value}: the pod is still labelled leader\n", 503)
         return text_response(f"{role.value}\n")
 
     async def livez(self, _request: Request) -> Response:
@@ -262,8 +268,12 @@ def _server(routes: dict[tuple[str, str], Handler], endpoints: _Endpoints) -> Ht
     return HttpServer(routes, on_shutdown=[endpoints.feed.close])
 
 
-def probe_server(elector: Elector, sidecar_metrics: SidecarMetrics, *, fence_key: str) -> HttpServer:
-    endpoints = _Endpoints(elector, fence_key=fence_key, feed=LeaderFeed(elector), metrics=sidecar_metrics)
+def probe_server(elector: Elector, sidecar_metrics: SidecarMetrics, *, fence_key: str,
+                 labelled_leader_unduly: Callable[[], bool] | None = None) -> HttpServer:
+    """``labelled_leader_unduly``: true while the pod's role label names this replica leader
+    though it leads no more (``/candidate`` then says 503)."""
+    endpoints = _Endpoints(elector, fence_key=fence_key, feed=LeaderFeed(elector), metrics=sidecar_metrics,
+                           labelled_leader_unduly=labelled_leader_unduly)
     return _server({("GET", "/readyz"): endpoints.readyz, ("GET", "/livez"): endpoints.livez,
                     ("GET", "/candidate"): endpoints.candidate, ("GET", "/metrics"): endpoints.metrics}, endpoints)
 

@@ -85,6 +85,7 @@ class PodReporter:
         self._requests: dict[str, str | None] | None = None
         self._latest: ElectionStatus | None = None
         self._written: tuple[dict[str, Any], bool] | None = None
+        self._wrote = asyncio.Event()  # set and replaced on every write that reached the API server
         self._events: list[ElectionStatus] = []
         self._changed = asyncio.Event()
         self._pod_uid: str | None = None
@@ -104,6 +105,25 @@ class PodReporter:
     def pending(self) -> bool:
         """True while the newest status (or an Event) has not reached the API server yet."""
         return bool(self._events) or (self._latest is not None and self._shown(self._latest) != self._written)
+
+    @property
+    def labelled_leader_unduly(self) -> bool:
+        """The pod's role label still says leader (the leader Service selects by it) while this
+        replica leads no more: the write saying otherwise has not reached the API server yet."""
+        if self._written is None or self._latest is None or self._latest.role is Role.LEADER:
+            return False
+        return bool(self._written[0]["metadata"]["labels"].get(contract.LABEL_ROLE) == Role.LEADER.value)
+
+    @property
+    def shown(self) -> bool:
+        """The pod shows the newest status (or is gone: no endpoints name it then)."""
+        return self._pod_gone or self._latest is None or self._shown(self._latest) == self._written
+
+    async def wait_shown(self) -> None:
+        """Until the pod shows the newest status: its role label, and so the leader Service's
+        endpoints, no longer name this replica once it leads no more."""
+        while not self.shown:
+            await self._wrote.wait()
 
     def _shown(self, status: ElectionStatus) -> tuple[dict[str, Any], bool]:
         """What the pod shows of ``status``: only a change of this is worth a write."""
@@ -139,6 +159,8 @@ class PodReporter:
                     continue
                 backoff = 0.2
                 self._written = shown
+                self._wrote.set()
+                self._wrote = asyncio.Event()
             while self._events:
                 await self._event(self._events[0])
                 self._events.pop(0)
@@ -195,6 +217,7 @@ class PodReporter:
         stopped = {c["name"] for c in statuses if "terminated" in (c.get("state") or {})}
         if deleted or (pod.get("status") or {}).get("phase") in ("Succeeded", "Failed"):
             self._pod_gone = True
+            self._wrote.set()  # wait_shown: nothing left to show
         if stopped != self._stopped_containers or self._pod_gone:
             self._stopped_containers = stopped
             self._containers_changed.set()
