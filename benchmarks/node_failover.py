@@ -1,15 +1,20 @@
 """Handover and failover on the real node: pods of the project's image, made by the operator.
 
-    sudo .venv/bin/python -m benchmarks.node_failover --runs 10 [--backend postgres lease both] [--json F]
+    sudo .venv/bin/python -m benchmarks.node_failover --runs 10 [--backend postgres lease both]
+        [--fault delete-pod evict-pod sidecar-kill partition] [--gating cooperative|file] [--json F]
 
 Root only (the real node: containerd, kubelet, kube-proxy; ``singleton_testbed.node``). It
 starts its own PostgreSQL (admitting the pod network), control plane and controllers, the
 node, the project's image (built from the Dockerfile, cached) and the operator. Per backend,
 one ``SingletonService`` of 3 replicas with the backend's default timings and an app
-container (busybox) that exits at once on SIGTERM. Per run, watched from this machine (pod
+container (busybox) that exits at once on SIGTERM, gated cooperatively (the default: the app
+registers nothing, so the sidecar waits for the kubelet to say it exited) or by the file gate
+(``--gating file``: gate.sh says when it stopped). Per run, watched from this machine (pod
 IPs route through the node's bridge) by polling every pod's ``/readyz`` every few ms:
 
 - pod deletion: ``DELETE`` of the leader pod (graceful) -> another pod's ``/readyz`` 200;
+- eviction: the same through the Eviction API (``POST .../pods/<leader>/eviction``, which the
+  group's PodDisruptionBudget may refuse for a while: the run begins at the accepted one);
 - sidecar SIGKILL: every process of the leader's sidecar container (``node_pods``) -> a
   pod's ``/readyz`` 200 with a newer token (the restarted sidecar of the same pod may win).
   The container killed has never restarted before (a leader whose sidecar has is deleted
@@ -67,7 +72,7 @@ from singleton_testbed.postgres import PostgresInfo, PostgresServer
 
 ROOT = Path(__file__).resolve().parent.parent
 CRD = ROOT / "crds" / "singleton.dev_singletonservices.yaml"
-FAULTS = ("delete-pod", "sidecar-kill", "partition")
+FAULTS = ("delete-pod", "evict-pod", "sidecar-kill", "partition")
 NAMESPACE = "bench"
 SIDECAR_PORT = 7450
 POLL = 0.003
@@ -149,10 +154,12 @@ class Bed:
 
     # --- the API, directly (kubectl's start would blur the figures) ---------------------
 
-    def api(self, method: str, path: str) -> Any:
+    def api(self, method: str, path: str, body: dict[str, Any] | None = None) -> Any:
         assert self.info is not None
         request = urllib.request.Request(self.info.server + path, method=method,
-                                         headers={"Authorization": f"Bearer {self.info.token}"})
+                                         data=None if body is None else json.dumps(body).encode(),
+                                         headers={"Authorization": f"Bearer {self.info.token}",
+                                                  "Content-Type": "application/json"})
         context = ssl.create_default_context(cafile=str(self.info.ca_file))
         with urllib.request.urlopen(request, context=context, timeout=10) as response:
             return json.loads(response.read())
@@ -245,10 +252,12 @@ def describe(ip: str) -> str:
         return repr(exc)
 
 
-def group_manifest(bed: Bed, backend: str) -> dict[str, Any]:
+def group_manifest(bed: Bed, backend: str, gating: str = "cooperative") -> dict[str, Any]:
     spec: dict[str, Any] = {"replicas": 3, "backend": backend, "template": {"spec": {"containers": [{
         "name": "app", "image": bed.busybox, "imagePullPolicy": "Never",
         "command": ["sh", "-c", "trap 'exit 0' TERM; while true; do sleep 0.1; done"]}]}}}
+    if gating != "cooperative":
+        spec["gating"] = {"mode": gating}
     if backend != "lease":
         spec["postgres"] = {"secretRef": {"name": "db"}}
     return {"apiVersion": "singleton.dev/v1alpha1", "kind": "SingletonService",
@@ -290,6 +299,9 @@ def one_run(bed: Bed, backend: str, fault: str, *, crash_loop: bool = False) -> 
         started = time.monotonic()
         bed.api("DELETE", f"/api/v1/namespaces/{NAMESPACE}/pods/{name}")
         new, at = wait_new_leader(bed, group, token, exclude=name)
+    elif fault == "evict-pod":
+        started = evict(bed, name)
+        new, at = wait_new_leader(bed, group, token, exclude=name)
     elif fault == "sidecar-kill":
         node_pods.signal_container(leader, "singleton-sidecar", signal.SIGKILL, layout=bed.layout)
         started, killed = time.monotonic(), time.time()
@@ -309,6 +321,22 @@ def one_run(bed: Bed, backend: str, fault: str, *, crash_loop: bool = False) -> 
             for address, port in targets:
                 node_pods.heal(leader, address, port=port, layout=bed.layout)
     return Run(backend, fault, at - started, name, new)
+
+
+def evict(bed: Bed, pod: str, timeout: float = 60.0) -> float:
+    """Evict ``pod`` through the Eviction API; returns when the eviction was accepted (a 429
+    from the PodDisruptionBudget, while a replacement is not ready yet, is tried again)."""
+    body = {"apiVersion": "policy/v1", "kind": "Eviction", "metadata": {"name": pod, "namespace": NAMESPACE}}
+    deadline = time.monotonic() + timeout
+    while True:
+        started = time.monotonic()
+        try:
+            bed.api("POST", f"/api/v1/namespaces/{NAMESPACE}/pods/{pod}/eviction", body)
+            return started
+        except urllib.error.HTTPError as exc:
+            if exc.code != 429 or time.monotonic() > deadline:
+                raise
+        time.sleep(0.5)
 
 
 def _log_time(line: str) -> float | None:
@@ -419,6 +447,8 @@ def main() -> int:
     parser.add_argument("--fault", nargs="+", choices=FAULTS, default=list(FAULTS))
     parser.add_argument("--rest-seconds", type=float, default=30.0,
                         help="rest of each settled group before its sidecars' footprint is read (default 30; 0: skip)")
+    parser.add_argument("--gating", choices=("cooperative", "file"), default="cooperative",
+                        help="how the groups gate their app (default cooperative: an app that registers nothing)")
     parser.add_argument("--json", type=Path, help="also write every run here")
     parser.add_argument("--crash-loop", action="store_true",
                         help="sidecar-kill: kill the same leader container run after run, the kubelet's crash-loop "
@@ -437,7 +467,8 @@ def main() -> int:
         try:
             bed.start()
             for backend in args.backend:
-                bed.control_plane.kubectl("apply", "-f", "-", input_text=json.dumps(group_manifest(bed, backend)))
+                manifest = group_manifest(bed, backend, args.gating)
+                bed.control_plane.kubectl("apply", "-f", "-", input_text=json.dumps(manifest))
                 if args.rest_seconds:
                     rests += footprints(bed, backend, args.rest_seconds)
                 for fault in args.fault:
