@@ -121,6 +121,21 @@ def test_a_detached_worker_of_a_killed_sidecar_stops_at_the_deadline(
 
 
 @needs_pid_namespace
+def test_an_app_that_daemonises_is_not_started_twice(
+        gated: Factory, acting_log: Path, tmp_path: Path, containers: list[subprocess.Popen[bytes]]) -> None:
+    """The app's own process exits once its worker is detached: the container still runs the
+    app, so gate.sh starts no second copy beside it (it used to, once the group was empty)."""
+    app_env = {"ACT_LOG": str(acting_log), "ACT_DETACH": "daemon", "ACT_MAIN_EXITS": "1"}
+    members = gated(1, file_gate=True)
+    containers.append(gate_in_container(tmp_path / "gate0", app_env))
+    one_leader(members)
+    wait_for(acting_log.exists, 15, "the detached worker to act")
+    time.sleep(2.0)
+    (span,) = spans(acting_log)
+    assert len(span.pids) == 1, f"the app was started again beside its worker: pids {sorted(span.pids)}"
+
+
+@needs_pid_namespace
 def test_a_process_that_entered_the_container_is_not_the_app(
         gated: Factory, acting_log: Path, tmp_path: Path, containers: list[subprocess.Popen[bytes]]) -> None:
     """An exec probe or a ``kubectl exec`` shell joins the container's PID namespace from outside:

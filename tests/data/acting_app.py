@@ -10,7 +10,8 @@ misses them). ``ACT_IGNORE_TERM=1`` ignores SIGTERM altogether (only SIGKILL sto
 process group the way apps in the wild do it: ``setsid`` (a forked child calls setsid),
 ``setpgid`` (Go's ``SysProcAttr{Setpgid: true}``), ``popen`` (Python's
 ``Popen(start_new_session=True)``), ``node`` (Node's ``spawn(..., {detached: true})``, from a
-``node`` that exits at once) or ``daemon`` (a double fork whose middle process exits).
+``node`` that exits at once) or ``daemon`` (a double fork whose middle process exits);
+with ``ACT_MAIN_EXITS=1`` the app's own process then exits at once, as a daemonising tool does.
 CLOCK_MONOTONIC is one clock for every process of the machine, so the lines of all replicas
 can be compared.
 """
@@ -78,6 +79,8 @@ def main() -> int:
         children.append(pid)
     if os.environ.get("ACT_DETACH"):
         detach(os.environ["ACT_DETACH"], log, token, finish, ignore_term)
+        if os.environ.get("ACT_MAIN_EXITS") == "1":
+            return 0
     act(log, token, finish, ignore_term)
     for pid in children:
         os.waitpid(pid, 0)
