@@ -211,11 +211,47 @@ def test_a_lost_session_makes_the_next_leader_wait_for_the_old_app(gated: Factor
     members = gated(2, env={"SINGLETON_KILL_GRACE": "0.9"}, app_env={"ACT_FINISH": "0.8"})
     leader = one_leader(members)
     wait_for(acting_log.exists, 10, "the leader's app to act")
-    key = leader.env.get("SINGLETON_LOCK_KEY") or f"local/{leader.env['SINGLETON_GROUP']}"
-    pid = asyncio.run(fetchval(pg_admin_dsn, "SELECT holder_pid FROM singleton_leases WHERE group_name = $1", key))
+    pid = _holder_pid(leader, pg_admin_dsn)
     assert asyncio.run(fetchval(pg_admin_dsn, "SELECT pg_terminate_backend($1)", pid)) is True
     wait_for(lambda: len(spans(acting_log)) >= 2, 10, "the next leader's app to act")
     assert_never_two_actors(acting_log, terms=2)
+
+
+def _holder_pid(leader: SidecarProcess, pg_admin_dsn: str) -> int:
+    key = leader.env.get("SINGLETON_LOCK_KEY") or f"local/{leader.env['SINGLETON_GROUP']}"
+    pid = asyncio.run(fetchval(pg_admin_dsn, "SELECT holder_pid FROM singleton_leases WHERE group_name = $1", key))
+    assert isinstance(pid, int)
+    return pid
+
+
+def test_a_stalled_sidecar_whose_session_ends_cannot_keep_its_app_acting(gated: Factory, acting_log: Path,
+                                                                         pg_admin_dsn: str) -> None:
+    """Issue 31, item 3. Was: the next leader acted after the 0.25 s stop bound while the old app,
+    whose sidecar was stalled and never heard its session end, acted on to its keeper's deadline.
+    Now the keeper freezes the app once the sidecar's heartbeat is late, and kills it once the
+    woken sidecar says its lock is gone."""
+    members = gated(2, app_env={"ACT_CHILDREN": "1"})
+    leader = one_leader(members)
+    wait_for(lambda: acting_log.exists() and [len(s.pids) for s in spans(acting_log)] == [2], 10,
+             "the app and its child")
+    holder = _holder_pid(leader, pg_admin_dsn)
+    stalled_at = time.monotonic()
+    leader.signal_sidecar_only(signal.SIGSTOP)
+    try:
+        assert asyncio.run(fetchval(pg_admin_dsn, "SELECT pg_terminate_backend($1)", holder)) is True
+        wait_for(lambda: len(spans(acting_log)) >= 2, 10, "the standby's app to act")
+        time.sleep(0.5)
+        assert_never_two_actors(acting_log, terms=2)
+        old = spans(acting_log)[0]
+        # Frozen within the stop bound (0.25 s) of the stall, so of any session end after it.
+        assert old.last - stalled_at < 0.25, old.last - stalled_at
+        assert not group_gone(old.pids), "frozen, not killed, while its sidecar cannot say why"
+    finally:
+        leader.signal_sidecar_only(signal.SIGCONT)
+    wait_for(lambda: group_gone(old.pids), 5, "the old app to be killed once its sidecar hears its lock is gone")
+    time.sleep(0.3)
+    assert_never_two_actors(acting_log, terms=2)
+    assert spans(acting_log)[0].last == old.last, "the old app acted again after its sidecar woke"
 
 
 def test_file_gate_a_killed_sidecar_leaves_no_two_apps(
@@ -275,3 +311,17 @@ def test_a_sidecar_stalled_while_draining_cannot_stretch_the_drain(gated: Factor
         assert_never_two_actors(acting_log, terms=2)
     finally:
         leader.signal_sidecar_only(signal.SIGCONT)
+
+
+def test_a_healthy_exec_gated_leader_is_never_frozen(gated: Factory, acting_log: Path) -> None:
+    """The heartbeat costs a leader's app nothing while its sidecar runs: over 10 s of renewals
+    its acts (every 10 ms) never pause for long enough to have been frozen."""
+    members = gated(1)
+    leader = one_leader(members)
+    wait_for(acting_log.exists, 10, "the leader's app to act")
+    time.sleep(10)
+    acting = spans(acting_log)
+    assert len(acting) == 1 and len(acting[0].pids) == 1, "the leader's app was restarted"
+    times = [float(line.split()[2]) for line in acting_log.read_text().splitlines()]
+    assert max(b - a for a, b in itertools.pairwise(times)) < 0.3, "the app was stopped for a while"
+    assert "freezing" not in leader.log()

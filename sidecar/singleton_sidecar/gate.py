@@ -5,9 +5,9 @@ alone, a long GC pause, CPU starvation) cannot keep the app acting past it:
 
 - The exec gate runs the app under a keeper (``singleton_sidecar.keeper``), a small process
   that holds the app in a process group of its own, follows the deadline the sidecar sends on
-  every renewal, stops the whole group when it passes (SIGTERM, SIGKILL ``kill_grace`` later)
-  and kills it at once if the sidecar dies. "Stopped" means the keeper has exited: the whole
-  group is gone.
+  every renewal, stops the whole group when it passes (SIGTERM, SIGKILL ``kill_grace`` later),
+  kills it at once if the sidecar dies, and freezes it while the sidecar's heartbeat is late.
+  "Stopped" means the keeper has exited: the whole group is gone.
 - The file gate serves main containers that cannot run our code: ``gate.sh`` (POSIX sh)
   wraps the app's command in the main container and follows a flag file the sidecar keeps
   in a shared ``emptyDir``, rewritten on every renewal. The flag carries the deadline on the
@@ -40,6 +40,16 @@ KEEPER_SCRIPT = "keeper.py"
 PACKAGE_FILES = Path(__file__).parent
 """Where ``gate.sh`` and ``keeper.py`` are: the keeper runs as a file, so the package is installed
 as files (never zipped); importlib.resources would add 0.6 MB to every sidecar for nothing."""
+HEARTBEAT_INTERVAL = 0.05
+"""Seconds between the exec gate's heartbeats to its keeper (``alive <t>``)."""
+HEARTBEAT_STALL = 0.1
+"""A heartbeat that comes this much later than the one before is not sent: the sidecar was
+stalled, and what happened meanwhile (a lost lock) may not be handled yet."""
+HEARTBEAT_TIMEOUT = 0.2
+"""Seconds past the time the latest heartbeat vouches for after which the keeper freezes the
+app. Below the exec gate's stop bound (``app.KEEPER_SLACK``, 0.25 s), which a successor waits
+after this holder's PostgreSQL session ended: the heartbeat vouches for a time before the
+session's end, so the app is frozen within this bound (plus the keeper's wake-up) of it."""
 ENV_DEADLINE_FILE = "SINGLETON_DEADLINE_FILE"
 """Set for the exec-gated app: a file holding the term's deadline in monotonic seconds (0 once
 the term ends). An app that checks it before each act never begins one past its term."""
@@ -112,6 +122,8 @@ class ExecGate:
         self._exited = asyncio.Event()
         self._exited.set()
         self._reaper: asyncio.Future[int] | None = None
+        self._heartbeat: asyncio.Task[None] | None = None
+        self._dropped = False  # a line the keeper did not take: the heartbeat vouches no more
         self._dir: str | None = None
 
     def __repr__(self) -> str:
@@ -172,6 +184,7 @@ class ExecGate:
             os.write(self._control, f"{line}\n".encode())
         except (BlockingIOError, BrokenPipeError):
             # A keeper that does not read is stalled or gone: its own deadline stops the app.
+            self._dropped = True
             log.warning("exec gate: the keeper did not take a command", extra={"command": line})
 
     async def run(self) -> None:
@@ -187,6 +200,8 @@ class ExecGate:
             if self._proc is not None:
                 self._tell("stop 0")
                 await self._exited.wait()
+            if self._heartbeat is not None:
+                await asyncio.gather(self._heartbeat, return_exceptions=True)  # cancelled with its keeper
             if self._dir:
                 import shutil
 
@@ -206,19 +221,23 @@ class ExecGate:
         # stop() waits for it, and what is said meanwhile (a stop, a renewal, "ended") is kept for it.
         self._exited.clear()
         pending: list[str] = []
-        self._pending = pending
+        self._pending, self._dropped = pending, False
+        # From the spawn on: the keeper counts the heartbeat's timeout from its own start.
+        heartbeat = self._heartbeat = asyncio.ensure_future(self._beat(write_end))
         try:
             # No PR_SET_PDEATHSIG on the keeper: when we die it must live on for the moment it
             # takes to kill the app (it sees its pipe close).
             self._proc = await asyncio.create_subprocess_exec(
                 sys.executable, "-S", "-E", keeper, "--deadline", repr(self._deadline),
                 "--kill-grace", repr(self.kill_grace), "--control-fd", str(read_end),
+                "--heartbeat", repr(HEARTBEAT_TIMEOUT),
                 *(["--deadline-file", deadline_file] if deadline_file else []), "--", *self.command,
                 env=env, pass_fds=(read_end,), stdin=asyncio.subprocess.DEVNULL,
             )
         except BaseException:
             # No keeper runs: a cancelled spawn killed it (the app dies with it, its children
             # were reparented to us). Say so, or every stop() would wait forever.
+            heartbeat.cancel()  # before the close: it writes no more to that descriptor
             os.close(write_end)
             self._pending = None
             sweep_orphans()
@@ -234,6 +253,7 @@ class ExecGate:
         proc = self._proc
 
         def reaped(task: asyncio.Task[int]) -> None:
+            heartbeat.cancel()  # before the close: it writes no more to that descriptor
             os.close(write_end)
             if self._control == write_end:
                 self._control = None
@@ -252,6 +272,26 @@ class ExecGate:
 
         self._reaper = asyncio.ensure_future(proc.wait())
         self._reaper.add_done_callback(reaped)
+
+    async def _beat(self, fd: int) -> None:
+        """Tell the keeper, every ``HEARTBEAT_INTERVAL``, that the sidecar runs (``alive <t>``),
+        for as long as it runs, stops included: a graceful stop leaves the app acting under a
+        lock that is still ours, and a lost session then needs the same bound. Each line
+        vouches for the time of the beat before it: the loop has run since, so whatever came
+        before that (a lost lock's stop, an ended term) is in the pipe ahead of the line. A beat
+        that comes late (the sidecar stalled) vouches for nothing and is not sent; the keeper
+        freezes the app meanwhile, and the next beat, once that has been handled, thaws it.
+        Nothing while lines said during the spawn wait (``_pending``): they come first; nothing
+        once a line was lost (a keeper that stopped reading): the app then stays frozen."""
+        previous = time.monotonic()
+        while True:
+            await asyncio.sleep(HEARTBEAT_INTERVAL)
+            now = time.monotonic()
+            if now - previous <= HEARTBEAT_STALL and not self._pending and not self._dropped:
+                # A full pipe is a stalled keeper, a broken one a dead keeper: nothing to say.
+                with contextlib.suppress(BlockingIOError, BrokenPipeError):
+                    os.write(fd, f"alive {previous!r}\n".encode())
+            previous = now
 
 
 def boot_centiseconds() -> int:
