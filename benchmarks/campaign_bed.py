@@ -14,8 +14,8 @@ downward-API environment, a ServiceAccount limited to ``contract.sidecar_rbac_ru
 of two ways:
 
 - **exec gate**: one container of the test-apps image, ``singleton-sidecar run -- python
-  ledger_worker.py`` (the keeper runs the worker in a process group of its own and gives it
-  ``SINGLETON_DEADLINE_FILE``);
+  ledger_worker.py`` (through its launcher, below; the keeper runs the worker in a process group
+  of its own and gives it ``SINGLETON_DEADLINE_FILE``);
 - **file gate**: the pod the operator builds for ``gating: {mode: file}``
   (``singleton_operator.resources.pod_template``): the sidecar of the project's image as a
   native sidecar, with the operator's probes, the worker (test-apps image) as the main container
@@ -25,8 +25,21 @@ of two ways:
 Every group also has a ``SingletonService`` object (``singletonctl`` finds groups through it;
 for file-gated groups it is what their pods are built from; no operator runs, so nothing
 reconciles it) and a Secret with the DSN. The worker writes fenced or not (the variant); each pod
-draws how long its app takes to finish after SIGTERM (``LEDGER_FINISH_SECONDS``, 0..1 s) and how
-many children act beside it (``LEDGER_CHILDREN``, 0..2). One pod of each group (and each pod that
+draws how long its app takes to finish after SIGTERM (``LEDGER_FINISH_SECONDS``, 0..1 s), how
+many children act beside it (``LEDGER_CHILDREN``, 0..2) and how it **detaches** one more worker
+(``DETACH_IDIOMS``): the app's command is a launcher (``APP_COMMAND``) that starts a copy of the
+worker outside the app's process group and session, as apps in the wild do (a forked child
+calling ``setsid``; ``subprocess.Popen(..., start_new_session=True)``; a daemon's double fork,
+whose middle process exits so that the worker is orphaned), then becomes the worker itself
+(``exec``: the gate's child is the worker). The detached worker is the same app: it checks its
+term's deadline before each act, logs its acts in the act log with its own pid (its items from
+``DETACHED_CHILD * CHILD_ITEMS``), and finishes on SIGTERM as the app does; no signal sent to the
+app's process group reaches it. Only the gate can stop it: the exec gate's keeper (a child
+subreaper: the worker is reparented to it once its parent is gone, and the keeper exits only when
+no such process is left), ``gate.sh`` as PID 1 of its container (every process outside its own
+session). A gate that left it behind would show in the act log as an acting overlap: under the
+exec gate the keeper's exit removes the deadline file, which the worker then no longer finds (and
+acts on); under the file gate it acts until the flag is gone. One pod of each group (and each pod that
 replaces it) is **slow**: its app takes 0.5..1 s to finish and its sidecar's drain timeout is
 0.2 s, so a planned ending of its term hits the drain timeout. A killed container is restarted by
 the kubelet (the test bed's node caps its back-off at 1 s); a deleted pod is replaced by a new
@@ -89,6 +102,40 @@ SLOW_DRAIN_TIMEOUT = 0.2
 FINISH_MAX = 1.0
 SLOW_FINISH = (0.5, 1.0)
 CHILDREN_MAX = 2
+DETACH_IDIOMS = ("setsid", "popen", "daemon")
+"""How a pod's app detaches its extra worker (``APP_COMMAND``), drawn per pod."""
+CHILD_ITEMS = 1_000_000_000
+"""As in ``tests/data/ledger_worker.py``: child ``n`` numbers its items from ``n * CHILD_ITEMS``."""
+DETACHED_CHILD = CHILDREN_MAX + 1
+"""The detached worker's child number: its items are told apart from the app's and its children's."""
+LAUNCHER = """\
+import os, subprocess, sys
+argv = [sys.executable, sys.argv[1]]
+idiom = os.environ.pop("LEDGER_DETACH", "")
+if idiom:
+    env = {**os.environ, "LEDGER_CHILDREN": "0", "LEDGER_CHILD": os.environ["LEDGER_DETACHED_CHILD"]}
+    if idiom == "popen":
+        subprocess.Popen(argv, env=env, start_new_session=True, stdin=subprocess.DEVNULL)
+    elif idiom in ("setsid", "daemon"):
+        pid = os.fork()
+        if pid == 0:
+            try:
+                os.setsid()
+                if idiom == "daemon" and os.fork() != 0:
+                    os._exit(0)
+                os.execve(sys.executable, argv, env)
+            finally:
+                os._exit(127)
+        if idiom == "daemon":
+            os.waitpid(pid, 0)
+    else:
+        sys.exit(f"LEDGER_DETACH: unknown idiom {idiom!r}")
+    print(f"launcher: detached a worker ({idiom})", file=sys.stderr, flush=True)
+os.execv(sys.executable, argv)
+"""
+"""The app's launcher (``python -S -c LAUNCHER WORKER``): detaches a copy of the worker the way
+``LEDGER_DETACH`` says (``DETACH_IDIOMS``; none when empty), then execs the worker itself."""
+APP_COMMAND = ["python", "-S", "-c", LAUNCHER, WORKER]
 GRACE = 8
 REPLICAS = 3
 DSN_SECRET = "ledger-db"
@@ -314,6 +361,8 @@ class PodProfile:
     finish: float
     children: int
     drain_timeout: float
+    detach: str = ""
+    """How its app detaches a worker (``DETACH_IDIOMS``); "" for none."""
 
     @property
     def slow(self) -> bool:
@@ -321,8 +370,9 @@ class PodProfile:
         return self.drain_timeout < self.finish
 
     def __str__(self) -> str:
-        return (f"finish {self.finish:g}s, {self.children} children, drain timeout {self.drain_timeout:g}s"
-                + (" (slow)" if self.slow else ""))
+        detached = f", detaches a worker ({self.detach})" if self.detach else ""
+        return (f"finish {self.finish:g}s, {self.children} children{detached}, drain timeout "
+                f"{self.drain_timeout:g}s" + (" (slow)" if self.slow else ""))
 
 
 def _env(name: str, value: str) -> dict[str, Any]:
@@ -399,7 +449,7 @@ class Group:
             "gating": {"mode": "file" if self.variant.gate == "file" else "cooperative"},
             "sidecar": {"port": PORT, "image": self.bed.project_image},
             "template": {"spec": {"containers": [{"name": APP_CONTAINER, "image": self.bed.apps_image,
-                                                  "imagePullPolicy": "Never", "command": ["python", WORKER]}]}},
+                                                  "imagePullPolicy": "Never", "command": APP_COMMAND}]}},
         }
         if self.backend != "lease":
             spec["postgres"] = {"secretRef": {"name": DSN_SECRET, "key": "dsn"}}
@@ -408,14 +458,16 @@ class Group:
 
     def draw_profile(self, slow: bool) -> PodProfile:
         children = self.rng.randint(0, CHILDREN_MAX)
+        detach = self.rng.choice(DETACH_IDIOMS)
         if slow:
-            return PodProfile(round(self.rng.uniform(*SLOW_FINISH), 2), children, SLOW_DRAIN_TIMEOUT)
-        return PodProfile(round(self.rng.uniform(0.0, FINISH_MAX), 2), children, DRAIN_TIMEOUT)
+            return PodProfile(round(self.rng.uniform(*SLOW_FINISH), 2), children, SLOW_DRAIN_TIMEOUT, detach)
+        return PodProfile(round(self.rng.uniform(0.0, FINISH_MAX), 2), children, DRAIN_TIMEOUT, detach)
 
     def app_env(self, profile: PodProfile) -> dict[str, str]:
         """The worker's environment (beside what its gate gives it)."""
         env = {"LEDGER_DSN": self.bed.pod_dsn, "PYTHONUNBUFFERED": "1",
-               "LEDGER_FINISH_SECONDS": f"{profile.finish:g}", "LEDGER_CHILDREN": str(profile.children)}
+               "LEDGER_FINISH_SECONDS": f"{profile.finish:g}", "LEDGER_CHILDREN": str(profile.children),
+               "LEDGER_DETACH": profile.detach, "LEDGER_DETACHED_CHILD": str(DETACHED_CHILD)}
         if not self.fence:
             env["LEDGER_FENCE"] = "off"
         return {**env, **self.worker_env}
@@ -431,7 +483,7 @@ class Group:
         ]
         if self.backend != "lease":
             env.append(_env(contract.ENV_POSTGRES_DSN, self.bed.pod_dsn))
-        command = ["singleton-sidecar", "run", "--", "python", WORKER]
+        command = ["singleton-sidecar", "run", "--", *APP_COMMAND]
         return {"apiVersion": "v1", "kind": "Pod",
                 "metadata": {"name": pod, "labels": {"app": self.name, contract.LABEL_GROUP: self.name}},
                 "spec": {**self._placement(), "serviceAccountName": self.account,

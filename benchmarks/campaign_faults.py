@@ -17,6 +17,8 @@
 | ``drain-timeout`` | the slow pod leads: its pod deleted, or its sidecar SIGTERMed (below) | ✓ | ✓ | ✓ |
 | ``handover`` | ``singletonctl handover`` (below) | ✓ | ✓ | ✓ |
 | ``step-down`` | ``POST /step-down`` on the leader's sidecar control port (the pod's loopback) | ✓ | ✓ | ✓ |
+| ``lease-release`` | the group's Lease forced free as ``kubectl singleton release`` does (below) | | ✓ | ✓ |
+| ``lease-delete`` | ``kubectl delete lease <group>`` | | ✓ | ✓ |
 
 - ``sigstop``: the whole pod frozen (its freezer cgroup: ``campaign_pods``) for lease +
   0.5..1.5 s, then thawed, its app first and its sidecar and gate 0.1 s later.
@@ -27,9 +29,14 @@
   seeded, its pod is deleted or its sidecar process gets SIGTERM (as the kubelet sends it).
 - ``handover``: ``singletonctl handover`` of the group, to a seeded ready standby (``--to``) or
   to any.
+- ``lease-release``: ``kubectl patch lease <group> --type=merge -p
+  '{"spec":{"holderIdentity":null}}'``, the runbook's release by hand and what the operator does
+  for ``kubectl singleton release`` (its holder cleared, no ``singleton.dev/released-token``):
+  the holder is not asked and may still act, so the sidecars take such a Lease (and a deleted
+  one) only once the last term they saw has expired; the holder notices and stops its app.
 
 A fault is injected where it can move leadership: PostgreSQL faults where the election uses
-PostgreSQL, API server faults where it uses a Lease. Elsewhere they would test only the ledger
+PostgreSQL, API server and Lease faults where it uses a Lease. Elsewhere they would test only the ledger
 worker's own connection (the lease backend's worker still writes to PostgreSQL) or the pod
 annotations (the postgres backend's sidecar still writes them), not the election.
 
@@ -48,7 +55,9 @@ the host over the pods' IPs) of a new term (a greater token). After a server or 
 may survive, so it is timed to the first
 ``/readyz`` 200 of any term once the server is back, and includes the restart itself. A
 ``handover`` is timed from singletonctl's start: with ``--to`` it holds the other standbys off
-and waits 0.5 s before it asks the leader to step down.
+and waits 0.5 s before it asks the leader to step down. ``lease-release`` and ``lease-delete``
+are timed from kubectl's return (the change is its last request; kubectl's whole run is in
+``detail``).
 """
 
 from __future__ import annotations
@@ -70,18 +79,25 @@ from singleton_sidecar import contract
 
 ALL_KINDS = ("sigkill", "sigstop", "sigstop-sidecar", "pg-terminate", "pg-restart", "apiserver-restart",
              "etcd-restart", "partition-pg", "partition-api", "delete-pod", "drain-timeout", "handover", "step-down",
-             "kubelet-restart", "containerd-restart")
-NEW_KINDS = ("sigstop-sidecar", "drain-timeout", "handover", "step-down")
+             "kubelet-restart", "containerd-restart", "lease-release", "lease-delete")
+# Next (issue 31, being built in the keeper): a PostgreSQL session terminated while the
+# holder's sidecar is stalled. Add it to ALL_KINDS, POSTGRES_KINDS, PATHS and Injector._act.
+ACT_LOG_KINDS = ("sigstop-sidecar", "drain-timeout", "handover", "step-down")
 """The kinds added with the act log (quick mode must inject each at least once)."""
+NEW_KINDS = ("lease-release", "lease-delete")
+"""The kinds added with issue 31 (quick mode must inject each at least once)."""
 NODE_RESTARTS = frozenset({"kubelet-restart", "containerd-restart"})
 """The node's agents restarted: the containers, and so the election, should not notice."""
 _EVERYWHERE = ("sigkill", "sigstop", "sigstop-sidecar", "delete-pod", "drain-timeout", "handover", "step-down",
                *NODE_RESTARTS)
+POSTGRES_KINDS = ("pg-terminate", "pg-restart", "partition-pg")
+"""Where the election uses PostgreSQL."""
+LEASE_KINDS = ("apiserver-restart", "etcd-restart", "partition-api", "lease-release", "lease-delete")
+"""Where the election uses a Lease."""
 APPLIES: dict[str, tuple[str, ...]] = {
-    "postgres": tuple(k for k in ALL_KINDS if k in _EVERYWHERE or k in ("pg-terminate", "pg-restart", "partition-pg")),
-    "lease": tuple(k for k in ALL_KINDS if k in _EVERYWHERE
-                   or k in ("apiserver-restart", "etcd-restart", "partition-api")),
-    "both": ALL_KINDS,
+    "postgres": tuple(k for k in ALL_KINDS if k in _EVERYWHERE or k in POSTGRES_KINDS),
+    "lease": tuple(k for k in ALL_KINDS if k in _EVERYWHERE or k in LEASE_KINDS),
+    "both": tuple(k for k in ALL_KINDS if k in _EVERYWHERE or k in POSTGRES_KINDS or k in LEASE_KINDS),
 }
 SERVER_RESTARTS = frozenset({"apiserver-restart", "etcd-restart"}) | NODE_RESTARTS
 """Faults after which the same term may go on: any ready leader counts as recovered."""
@@ -111,6 +127,8 @@ PATHS: dict[str, str] = {
     "drain-timeout": "drain (pod deleted)",
     "handover": "handover (singletonctl)",
     "step-down": "step-down (POST /step-down)",
+    "lease-release": "Lease holder cleared (forced release)",
+    "lease-delete": "Lease deleted",
 }
 DRAIN_TIMEOUT_PATH = "drain timeout"
 SIGTERM_PATH = "drain (SIGTERM)"
@@ -207,6 +225,14 @@ class Deck:
         return kind
 
 
+RELEASE_PATCH = '{"spec":{"holderIdentity":null}}'
+"""The runbook's release by hand (docs/runbook.md), a JSON merge patch: the holder cleared."""
+KUBECTL_RETRY = 15.0
+"""Seconds a kubectl call is tried again while it cannot reach the API server."""
+UNREACHED = ("connection refused",)
+"""What kubectl says when its request never reached the API server (not a timeout: that one may
+have landed)."""
+
 HANDOVER_REFUSED_WAIT = 20.0
 """Seconds a handover refused for want of a ready standby is tried again. After an API server
 restart the kubelet posts the Ready conditions that changed meanwhile at its next status sync
@@ -288,6 +314,7 @@ class Injector:
             "kubelet-restart": self._server_restart, "containerd-restart": self._server_restart,
             "partition-pg": self._partition, "partition-api": self._partition, "delete-pod": self._delete_pod,
             "drain-timeout": self._drain_timeout, "handover": self._handover, "step-down": self._step_down,
+            "lease-release": self._lease_change, "lease-delete": self._lease_change,
         }
         after = actions[kind](record)
         return record.t0 if after is None else after
@@ -447,6 +474,29 @@ class Injector:
             raise CampaignError(f"POST /step-down on {record.pod}: {exc}") from exc
         if status != 202:
             raise CampaignError(f"POST /step-down on {record.pod}: {status} {body}")
+
+    def _lease_change(self, record: FaultRecord) -> None:
+        """The group's Lease (named as the group, in its namespace) cleared of its holder by a
+        merge patch, or deleted, with kubectl as a person would. Tried again only when kubectl
+        could not reach the API server (nothing was changed then): a change that may have landed
+        is never made twice, which could end the next term too."""
+        group = self.group
+        if record.kind == "lease-release":
+            argv = ["patch", "lease", group.name, "--type=merge", "-p", RELEASE_PATCH]
+        else:
+            argv = ["delete", "lease", group.name, "--wait=false"]
+        deadline = time.monotonic() + KUBECTL_RETRY
+        while True:
+            began = time.monotonic()
+            done = self.bed.cp.kubectl("-n", group.namespace, *argv, "--request-timeout=5s", check=False)
+            if done.returncode == 0:
+                break
+            said = (done.stderr or done.stdout).strip()
+            if not any(unreached in said for unreached in UNREACHED) or time.monotonic() > deadline:
+                raise CampaignError(f"kubectl {' '.join(argv)}: {said}")
+            time.sleep(0.5)
+        record.t0 = time.time()
+        record.detail = f"kubectl {time.monotonic() - began:.2f}s"
 
     @staticmethod
     def _until(moment: float) -> None:

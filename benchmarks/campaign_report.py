@@ -16,6 +16,13 @@ frozen app finished, on waking, an act it had begun, or had decided on, in its t
 and no check can stop: only a fence refuses it. Every other acting overlap is a failure: any in
 another fault, any with a late act that was not so decided (an app that woke and acted without
 looking, or looked after its term had ended).
+What such an overlap cost is counted in acts (``caught_mid_act``): the frozen term's acts that
+ended after its successor's first act (begun before the freeze, or decided before it and begun on
+waking), how many, how long after the successor's first act the latest ended, and how each ended
+(refused by the fence, written, failed). The excuse is only that no gate can help: an act already
+begun (or decided on) when the whole pod froze is finished on waking whatever anyone does, and
+only a fence refuses it; in an unfenced group it is done. The render says so in a line of its own
+(``CampaignResult.caught_line``).
 The fenced ledger must show no overlap, regression or stale write in the fenced segments (in the
 unfenced ones an act finished late is written too: their ledger is reported, and judged by the act
 log alone). Terms must begin acting in token order (a term that begins acting after a newer one is
@@ -34,10 +41,12 @@ import os
 import platform
 import statistics
 from dataclasses import dataclass, field
+from typing import Any
 
-from benchmarks.campaign_bed import LEASE, RETRY, PodProfile, Variant
+from benchmarks.campaign_bed import CHILD_ITEMS, DETACHED_CHILD, LEASE, RETRY, PodProfile, Variant
 from benchmarks.campaign_faults import ALL_KINDS, ALL_PATHS, FROZEN, FaultRecord
-from singleton_testbed.ledger import ActingOverlap, LedgerReport, percentile
+from singleton_testbed.actlog import REFUSED, WRITTEN
+from singleton_testbed.ledger import Act, ActingOverlap, LedgerReport, percentile
 
 WORKER_SLACK = 1.5
 WARM_UP = "warm-up"
@@ -52,6 +61,47 @@ def classify(overlap: ActingOverlap, fault: FaultRecord | None) -> bool:
     module docstring."""
     return (fault is not None and fault.kind == FROZEN and overlap.earlier == fault.old_token
             and overlap.late_acts == overlap.late_decided)
+
+
+@dataclass(frozen=True)
+class LoggedAct:
+    """One act of the act log, as the campaign keeps it: of the terms that are the earlier one in
+    an acting overlap (``Segment.acts``)."""
+
+    token: int
+    identity: str
+    pid: int
+    item: int | None
+    began: float
+    end: float
+    """The logged end, or for an act never ended ``began + max_seconds`` (``Act.end``)."""
+    outcome: str | None
+    """``written``, ``refused`` (by the fence), ``failed``; None when its end was never logged."""
+
+    @classmethod
+    def of(cls, row: Any) -> LoggedAct:
+        """From an ``acts`` row (with ``item`` and ``outcome``)."""
+        act = Act.of(row)
+        item = row["item"]
+        return cls(act.token, act.identity, act.pid, None if item is None else int(item), act.began.timestamp(),
+                   act.end.timestamp(), row["outcome"])
+
+    @property
+    def detached(self) -> bool:
+        """Acted by a pod's detached worker (``campaign_bed.DETACH_IDIOMS``)."""
+        return self.item is not None and DETACHED_CHILD * CHILD_ITEMS <= self.item < (DETACHED_CHILD + 1) * CHILD_ITEMS
+
+
+def caught_mid_act(overlap: ActingOverlap, acts: list[LoggedAct]) -> list[LoggedAct]:
+    """The earlier actor's acts that ended after the later one's first act: for an overlap in
+    flight through a freeze, the acts the freeze caught begun (or decided on) and that were
+    finished on waking. Without the acts (not read) the overlap stands for one act, ending where
+    it ends."""
+    start = overlap.start.timestamp()
+    found = [a for a in acts if a.token == overlap.earlier and a.identity == overlap.earlier_identity
+             and a.end > start]
+    return found or [LoggedAct(overlap.earlier, overlap.earlier_identity, 0, None, start,
+                               overlap.end.timestamp(), None)]
 
 
 @dataclass
@@ -73,6 +123,14 @@ class Stats:
     inflight_longest: float = 0.0
     inflight_decided: int = 0
     """Of ``inflight``, those with acts begun after the successor's first but decided before it."""
+    caught: int = 0
+    """Acts of those overlaps that ended after the successor's first act (``caught_mid_act``)."""
+    caught_longest: float = 0.0
+    """How long after the successor's first act the latest of them ended."""
+    caught_refused: int = 0
+    """Of ``caught``, refused by the fence."""
+    caught_written: int = 0
+    """Of ``caught``, written (unfenced groups; the rest failed or never logged an end)."""
     unfenced_ledger: int = 0
     """Unfenced segments: ledger overlaps and stale writes (judged by the act log, not counted)."""
     idle: list[float] = field(default_factory=list)
@@ -99,12 +157,12 @@ class Stats:
 
     def merge(self, other: Stats) -> None:
         for name in ("count", "overlaps", "regressions", "stale", "acting", "inflight", "inflight_decided",
-                     "unfenced_ledger", "changed",
+                     "caught", "caught_refused", "caught_written", "unfenced_ledger", "changed",
                      "unrecovered", "long_gaps", "lost"):
             setattr(self, name, getattr(self, name) + getattr(other, name))
         for name in ("idle", "failovers", "outages"):
             getattr(self, name).extend(getattr(other, name))
-        for name in ("inflight_longest", "max_gap", "write_stall"):
+        for name in ("inflight_longest", "caught_longest", "max_gap", "write_stall"):
             setattr(self, name, max(getattr(self, name), getattr(other, name)))
 
     @property
@@ -125,6 +183,14 @@ class Segment:
     report: LedgerReport | None = None
     seconds: float = 0.0
     aborted: str | None = None
+    acts: list[LoggedAct] = field(default_factory=list)
+    """The acts of every term that is the earlier one of an acting overlap (``caught_mid_act``)."""
+    detached_acts: int = 0
+    """Acts logged by the pods' detached workers."""
+    detached_processes: int = 0
+    """How many detached workers (pids) logged them."""
+    findings: list[str] = field(default_factory=list)
+    """Each acting overlap, judged, with its fault and the acts that made it (filled by the attribution)."""
 
     def describe(self) -> str:
         pods = "; ".join(f"{pod.rsplit('-', 1)[-1]}: {profile}" for pod, profile in self.profiles.items())
@@ -133,6 +199,10 @@ class Segment:
         if self.report is not None:
             ledger = "" if self.variant.fence else " (unfenced: not judged)"
             head += f"\n  ledger{ledger}: {self.report.summary()}"
+            if self.report.acts_checked:
+                head += (f"\n  act log: {self.report.acting.acts} acts, {self.detached_acts} of them by "
+                         f"{self.detached_processes} detached workers")
+        head += "".join(f"\n  {finding}" for finding in self.findings)
         if self.aborted:
             head += f"\n  ABORTED: {self.aborted}"
         return head
@@ -165,6 +235,7 @@ class _Attribution:
         return self.kinds[fault.kind], self.paths[fault.path]
 
     def run(self) -> None:
+        self.segment.findings = []
         for fault in self.faults:
             self.kinds[fault.kind].add_fault(fault)
             self.paths[fault.path].add_fault(fault)
@@ -215,13 +286,20 @@ class _Attribution:
         for overlap in report.acting_overlaps:
             fault = self.during(overlap.start.timestamp())
             inflight = classify(overlap, fault)
+            caught = caught_mid_act(overlap, self.segment.acts)
+            past = max(a.end for a in caught) - overlap.start.timestamp()
             for entry in self.entries(fault):
                 if inflight:
                     entry.inflight += 1
                     entry.inflight_decided += overlap.late_decided > 0
                     entry.inflight_longest = max(entry.inflight_longest, overlap.seconds)
+                    entry.caught += len(caught)
+                    entry.caught_longest = max(entry.caught_longest, past)
+                    entry.caught_refused += sum(a.outcome == REFUSED for a in caught)
+                    entry.caught_written += sum(a.outcome == WRITTEN for a in caught)
                 else:
                     entry.acting += 1
+            self.segment.findings.append(self.finding(overlap, fault, inflight, caught))
         newest = 0
         for actor in report.acting.actors:  # in the order they began acting
             if actor.token < newest:
@@ -231,6 +309,20 @@ class _Attribution:
         for idle in report.idle_gaps:
             for entry in self.entries(self.ender(idle.before, idle.end.timestamp())):
                 entry.idle.append(idle.seconds)
+
+    @staticmethod
+    def finding(overlap: ActingOverlap, fault: FaultRecord | None, inflight: bool, caught: list[LoggedAct]) -> str:
+        """One acting overlap as the render lists it: the verdict, the fault, and the earlier
+        term's acts that ended after the later term's first act (the act log's evidence)."""
+        verdict = "in flight through a freeze" if inflight else "ACTING OVERLAP (failure)"
+        during = f"{fault.kind} #{fault.index} on {fault.pod}" if fault is not None else WARM_UP
+        start = overlap.start.timestamp()
+        acts = "; ".join(
+            f"pid {a.pid}{' (detached)' if a.detached else ''} item {a.item}: {(a.began - start) * 1000:+.0f} ms to "
+            f"{(a.end - start) * 1000:+.0f} ms, {a.outcome or 'never ended'}" for a in caught[:8])
+        more = f"; {len(caught) - 8} more" if len(caught) > 8 else ""
+        return (f"{verdict} during {during}: {overlap}; token {overlap.earlier}'s acts ending after token "
+                f"{overlap.later}'s first (times from it): {acts}{more}")
 
 
 @dataclass
@@ -297,7 +389,8 @@ def _total(rows: list[Stats]) -> Stats:
 
 def _acting_cells(entry: Stats) -> list[str]:
     decided = f"; {entry.inflight_decided} decided before, begun after" if entry.inflight_decided else ""
-    inflight = f"{entry.inflight} ({_duration(entry.inflight_longest)}{decided})" if entry.inflight else "0"
+    acts = f"; {entry.caught} act{'' if entry.caught == 1 else 's'}"
+    inflight = f"{entry.inflight} ({_duration(entry.inflight_longest)}{acts}{decided})" if entry.inflight else "0"
     return [str(entry.acting), inflight]
 
 
@@ -380,6 +473,36 @@ class CampaignResult:
         return self._sum("inflight_decided")
 
     @property
+    def total_caught(self) -> int:
+        """Acts a whole-pod freeze caught mid-act that ended after the successor began acting."""
+        return self._sum("caught")
+
+    @property
+    def caught_longest(self) -> float:
+        """How long after the successor's first act the latest of those ended."""
+        return max((s.caught_longest for b in self.backends for s in b.stats.values()), default=0.0)
+
+    @property
+    def freezes(self) -> int:
+        """Whole-pod freezes injected."""
+        return sum(1 for b in self.backends for f in b.faults if f.kind == FROZEN)
+
+    def caught_line(self) -> str:
+        """The acts a whole-pod freeze caught mid-act, and the rule that excuses them."""
+        caught, refused, written = self.total_caught, self._sum("caught_refused"), self._sum("caught_written")
+        head = (f"Acts a whole-pod freeze caught mid-act that finished after the successor began acting: {caught} "
+                f"(in {self.total_inflight} of {self.freezes} freezes)")
+        if caught:
+            other = caught - refused - written
+            head += (f", the latest ending {_duration(self.caught_longest)} after the successor's first act; "
+                     f"{refused} refused by the fence, {written} written"
+                     + (f", {other} failed or never ended" if other else ""))
+        return (f"{head}. Not counted as acting overlaps, and excused only so: a frozen app finishes on "
+                f"waking an act it had begun (or decided on) in its term, which no gate and no deadline check "
+                f"can stop; only a fence refuses those. Any act begun after the successor's first without "
+                f"such a decision, and any overlap in another fault, is a failure.")
+
+    @property
     def total_overlaps(self) -> int:
         """Fenced ledger overlaps (fenced segments)."""
         return self._sum("overlaps")
@@ -448,9 +571,12 @@ class CampaignResult:
 
     def verdict(self) -> str:
         per = ", ".join(f"{b.backend} {len(b.faults)}" for b in self.backends)
+        longest = f", the latest {_duration(self.caught_longest)} after it" if self.total_caught else ""
         figures = (f"{self.total_faults} faults ({per}) in {self.seconds:.0f} s, seed {self.seed}: "
-                   f"{self.total_acting_failures} acting overlaps ({self.total_inflight} acts in flight through a "
-                   f"freeze, {self.total_inflight_decided} of them decided before it and begun after, not counted), "
+                   f"{self.total_acting_failures} acting overlaps ({self.total_inflight} in flight through a "
+                   f"freeze, {self.total_inflight_decided} of them with acts decided before it and begun after: "
+                   f"{self.total_caught} acts caught mid-act finished after the successor began{longest}; "
+                   f"not counted, only a fence refuses those), "
                    f"{self.total_overlaps} fenced overlaps, {self.total_regressions} "
                    f"regressions, {self.total_stale} stale writes accepted, {len(self.unrecovered)} unrecovered")
         if self.verdict_ok:
@@ -469,5 +595,5 @@ class CampaignResult:
         if len(self.backends) > 1:
             parts += ["\nAll backends, per fault kind:", "", kind_table(self.backends)]
         parts += ["\nAll backends, per path (how the old term ended):", "", path_table(self.backends)]
-        parts += ["", self.goals(), self.verdict()]
+        parts += ["", self.goals(), self.caught_line(), self.verdict()]
         return "\n".join(parts)

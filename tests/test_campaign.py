@@ -20,9 +20,12 @@
   check their deadline, the whole pod frozen past the lease: the verdict must be FAIL.
 - The CI quick campaign (``benchmarks.campaign``, ``--quick``) on the session's real node
   (its control plane restarted by the faults, its own PostgreSQL): 3 sidecar pods per group, two
-  groups per backend (exec gate and file gate, fenced and not), every fault kind, 0 acting
-  overlaps (but acts in flight through a freeze), 0 fenced overlaps, 0 regressions, bounded in
-  time (about 2.6 minutes on the 2-core development machine).
+  groups per backend (exec gate and file gate, fenced and not), every pod's app detaching a
+  worker (setsid, Popen(start_new_session=True), a daemon's double fork), every fault kind
+  (the Lease forced free and deleted included), 0 acting overlaps (but acts in flight through
+  a freeze), 0 fenced overlaps, 0 regressions, bounded in time (under 5 minutes on the 2-core
+  development machine).
+- The app's launcher (pure, local processes): it detaches its worker each way.
 """
 
 from __future__ import annotations
@@ -275,13 +278,15 @@ def test_the_verdict_rule_on_acts_in_flight_through_a_freeze() -> None:
     """``campaign_report``: an acting overlap is an act in flight through a freeze only during a
     whole-pod ``sigstop``, from the frozen term, with no act begun after its successor began but
     those decided (deadline check passed) before it;
-    anything else is a gate failure. Idle gaps go to the fault (and path) that ended the term.
-    An unfenced segment's ledger findings are reported, not counted."""
+    anything else is a gate failure. Such an overlap's acts that ended after the successor's
+    first act are counted, with the latest's end and their outcomes, in a line of the render
+    that states the rule (only a fence refuses those). Idle gaps go to the fault (and path)
+    that ended the term. An unfenced segment's ledger findings are reported, not counted."""
     from datetime import UTC, datetime, timedelta
 
     from benchmarks.campaign_bed import Variant
     from benchmarks.campaign_faults import FaultRecord
-    from benchmarks.campaign_report import BackendResult, Segment
+    from benchmarks.campaign_report import BackendResult, CampaignResult, LoggedAct, Segment
 
     from singleton_testbed.ledger import judge, judge_acts
 
@@ -291,7 +296,8 @@ def test_the_verdict_rule_on_acts_in_flight_through_a_freeze() -> None:
     def act(i: int, token: int, began: int, ended: int, decided: int | None = None) -> dict[str, object]:
         return {"id": i, "identity": f"id-{token}", "token": token, "pid": token, "max_seconds": 0.05,
                 "began_at": t + timedelta(milliseconds=began), "ended_at": t + timedelta(milliseconds=ended),
-                "decided_at": None if decided is None else t + timedelta(milliseconds=decided)}
+                "decided_at": None if decided is None else t + timedelta(milliseconds=decided),
+                "item": i, "outcome": "refused" if token == 5 else "written"}
 
     def row(i: int, token: int, phase: str, ms: int) -> dict[str, object]:
         return {"id": i, "identity": f"id-{token}", "token": token, "item": 1, "phase": phase,
@@ -313,19 +319,45 @@ def test_the_verdict_rule_on_acts_in_flight_through_a_freeze() -> None:
     # in a step-down, whatever its late acts.
     step = [act(1, 7, 0, 10), act(2, 7, 5590, 5650), act(3, 9, 5600, 5610)]
     freeze = fault("sigstop", 5, 7, 1000, "pod frozen whole")
-    cases = [(inflight, [freeze], 1, 0), (late, [freeze], 0, 1), (decided, [freeze], 1, 0),
-             (checked_late, [freeze], 0, 1),
-             (step, [fault("step-down", 7, 9, 5000, "step-down (POST /step-down)")], 0, 1),
+    # (acts, faults, in flight, failures, acts caught mid-act that ended after token 7's first
+    # act and the latest's end after it in ms: counted for overlaps in flight only)
+    cases = [(inflight, [freeze], 1, 0, 1, 50), (late, [freeze], 0, 1, 0, 0), (decided, [freeze], 1, 0, 2, 70),
+             (checked_late, [freeze], 0, 1, 0, 0),
+             (step, [fault("step-down", 7, 9, 5000, "step-down (POST /step-down)")], 0, 1, 0, 0),
              # an overlap during a freeze whose earlier actor is not the frozen term
-             (inflight, [fault("sigstop", 3, 7, 1000, "pod frozen whole")], 0, 1)]
-    for acts, faults, in_flight, failures in cases:
+             (inflight, [fault("sigstop", 3, 7, 1000, "pod frozen whole")], 0, 1, 0, 0)]
+    for acts, faults, in_flight, failures, caught, latest_ms in cases:
         report = judge([row(1, 5, "start", 0)])  # type: ignore[list-item]
         report.acting = judge_acts(acts)
-        result = BackendResult("postgres", [Segment(0, "g", Variant("exec", True), faults=faults, report=report)])
+        earlier = {o.earlier for o in report.acting_overlaps}
+        segment = Segment(0, "g", Variant("exec", True), faults=faults, report=report,
+                          acts=[LoggedAct.of(a) for a in acts if a["token"] in earlier])
+        result = BackendResult("postgres", [segment])
         result.attribute()
         entry = result.stats[faults[0].kind]
         assert (entry.inflight, entry.acting) == (in_flight, failures), (acts, faults)
         assert result.paths[faults[0].path].acting == failures
+        assert (entry.caught, entry.caught_refused) == (caught, caught), (acts, faults)
+        assert entry.caught_longest == pytest.approx(latest_ms / 1000), (acts, faults)
+        # Every acting overlap is listed with its verdict, its fault and the acts that made it.
+        assert len(segment.findings) == 1 and (("in flight through a freeze" in segment.findings[0]) == bool(in_flight))
+        assert f"{faults[0].kind} #0" in segment.findings[0]
+        campaign = CampaignResult(seed=1, quick=True, backends=[result])
+        line = campaign.caught_line()
+        assert line.startswith(f"Acts a whole-pod freeze caught mid-act that finished after the successor began "
+                               f"acting: {caught} (in {in_flight} of {int(faults[0].kind == 'sigstop')} freezes)")
+        assert "only a fence refuses those" in line and line in campaign.render()
+        if caught:
+            assert f"the latest ending {latest_ms} ms after the successor's first act; {caught} refused" in line
+            assert f"{caught} acts caught mid-act finished after the successor began" in campaign.verdict()
+
+    # Without the acts read, an overlap in flight stands for one act ending where it ends.
+    report = judge([row(1, 5, "start", 0)])  # type: ignore[list-item]
+    report.acting = judge_acts(inflight)
+    result = BackendResult("postgres", [Segment(0, "g", Variant("exec", True), faults=[freeze], report=report)])
+    result.attribute()
+    assert (result.stats["sigstop"].caught, result.stats["sigstop"].caught_refused) == (1, 0)
+    assert result.stats["sigstop"].caught_longest == pytest.approx(0.05)
 
     # Idle gaps by kind and path; an unfenced segment's ledger overlap is reported, not counted.
     acts = [act(1, 5, 0, 10), act(2, 7, 800, 810)]
@@ -400,10 +432,11 @@ def borrowed(real_node: RealNode, project_image: str, test_apps_image: str) -> B
 def test_ci_quick_campaign_all_faults_no_overlap_no_regression(borrowed: Borrowed, tmp_path: Path) -> None:
     """CI's quick fault campaign (``python -m benchmarks.campaign --quick``): each backend in
     turn, an exec-gated and a file-gated group, fenced and not, every fault kind that applies to
-    it, seeded; safety must hold by what the apps did (the act log) and by the fenced ledger, and
-    time is bounded."""
+    it (the API server and etcd restarts on one backend each), seeded, every pod's app detaching
+    a worker that acts too; safety must hold by what the apps did (the act log: the detached
+    workers' acts included) and by the fenced ledger, and time is bounded."""
     from benchmarks.campaign import CampaignOptions, run_campaign
-    from benchmarks.campaign_faults import ALL_KINDS, DRAIN_TIMEOUT_PATH, NEW_KINDS
+    from benchmarks.campaign_faults import ACT_LOG_KINDS, ALL_KINDS, DRAIN_TIMEOUT_PATH, NEW_KINDS, PATHS
 
     seed = int(os.environ.get("SINGLETON_CAMPAIGN_SEED", "1"))
     started = time.monotonic()
@@ -421,12 +454,102 @@ def test_ci_quick_campaign_all_faults_no_overlap_no_regression(borrowed: Borrowe
         (b, g) for b in ("postgres", "lease", "both") for g in ("exec", "file")}, "each gate on every backend"
     assert {s.variant.fence for _, s in segments} == {True, False}
     injected = {record.kind for backend in result.backends for record in backend.faults}
+    assert set(ACT_LOG_KINDS) <= injected, f"act-log kinds not injected: {set(ACT_LOG_KINDS) - injected}"
     assert set(NEW_KINDS) <= injected, f"new kinds not injected: {set(NEW_KINDS) - injected}"
     assert injected == set(ALL_KINDS), f"not injected: {set(ALL_KINDS) - injected}"
+    # The forced Lease releases and deletions, on both backends with a Lease, each ended its term.
+    lease_faults = [(b.backend, r) for b in result.backends for r in b.faults if r.kind in NEW_KINDS]
+    assert {(backend, r.kind) for backend, r in lease_faults} == {
+        (b, k) for b in ("lease", "both") for k in NEW_KINDS}, lease_faults
+    assert all(r.changed and r.path == PATHS[r.kind] for _, r in lease_faults), lease_faults
+    # Every pod detached a worker, and in every segment the detached workers acted and logged it.
+    assert all(p.detach for _, s in segments for p in s.profiles.values()), result.render()
+    assert all(s.detached_acts > 0 and s.detached_processes > 0 for _, s in segments), result.render()
+    assert "Acts a whole-pod freeze caught mid-act that finished after the successor began acting: " in (
+        result.render())
     # The slow pod's drain always outlasts its timeout, pod deleted or not: the report must say so.
     timed_out = [(r.kind, r.detail, r.path) for b in result.backends for r in b.faults if r.kind == "drain-timeout"]
     assert timed_out and all(path == DRAIN_TIMEOUT_PATH for _, _, path in timed_out), timed_out
     assert elapsed < 300, f"the quick campaign took {elapsed:.0f}s (about 160 s on 2 cores)"
+
+
+def test_the_launcher_detaches_a_worker_each_way(tmp_path: Path) -> None:
+    """``campaign_bed.APP_COMMAND``: the app's launcher starts one more worker outside the app's
+    process group and session (``setsid``, ``popen``, ``daemon``: orphaned, its parent gone), as
+    child ``DETACHED_CHILD`` with no children of its own, then becomes the worker itself (same
+    pid, still in the launcher's group); with no idiom it only becomes the worker."""
+    import json
+
+    from benchmarks.campaign_bed import APP_COMMAND, DETACH_IDIOMS, DETACHED_CHILD
+
+    worker = tmp_path / "worker.py"
+    worker.write_text(
+        "import json, os, sys, time\n"
+        "record = {'pid': os.getpid(), 'ppid': os.getppid(), 'pgid': os.getpgid(0), 'sid': os.getsid(0),\n"
+        "          'child': os.environ.get('LEDGER_CHILD'), 'children': os.environ.get('LEDGER_CHILDREN'),\n"
+        "          'detach': os.environ.get('LEDGER_DETACH')}\n"
+        "with open(sys.argv[0] + '.out', 'a') as out:\n"
+        "    out.write(json.dumps(record) + '\\n')\n"
+        "time.sleep(0.3)\n")
+    command = [sys.executable, *APP_COMMAND[1:-1], str(worker)]
+    assert APP_COMMAND[-1].endswith("/data/ledger_worker.py")
+    for idiom in (*DETACH_IDIOMS, ""):
+        out = Path(f"{worker}.out")
+        out.unlink(missing_ok=True)
+        env = {**os.environ, "LEDGER_DETACH": idiom, "LEDGER_DETACHED_CHILD": str(DETACHED_CHILD),
+               "LEDGER_CHILDREN": "2"}
+        launcher = subprocess.Popen(command, env=env, start_new_session=True, stderr=subprocess.PIPE)
+        _, said = launcher.communicate(timeout=10)
+        assert launcher.returncode == 0, said
+        deadline = time.monotonic() + 5
+        while len(out.read_text().splitlines() if out.exists() else []) < (2 if idiom else 1):
+            assert time.monotonic() < deadline, (idiom, said)
+            time.sleep(0.02)
+        records = [json.loads(line) for line in out.read_text().splitlines()]
+        app = next(r for r in records if r["pid"] == launcher.pid)
+        assert app["pgid"] == launcher.pid and app["child"] is None and app["children"] == "2", records
+        assert app["detach"] is None, "the worker itself runs without LEDGER_DETACH"
+        detached = [r for r in records if r["pid"] != launcher.pid]
+        if not idiom:
+            assert not detached, records
+            continue
+        assert len(detached) == 1, records
+        assert detached[0]["child"] == str(DETACHED_CHILD) and detached[0]["children"] == "0", records
+        assert detached[0]["pgid"] != app["pgid"] and detached[0]["sid"] != app["sid"], (idiom, records)
+        assert detached[0]["sid"] == detached[0]["pgid"], records  # a session and group of its own
+        if idiom == "daemon":
+            assert detached[0]["sid"] != detached[0]["pid"], "the middle process led the session"
+            assert detached[0]["ppid"] != launcher.pid, "orphaned: its parent, the middle process, exited"
+        else:
+            assert detached[0]["sid"] == detached[0]["pid"] and detached[0]["ppid"] == launcher.pid, records
+        assert f"detached a worker ({idiom})" in said.decode()
+        time.sleep(0.4)  # the workers end
+
+
+def test_the_lease_faults_apply_where_a_lease_elects() -> None:
+    """``lease-release`` and ``lease-delete`` apply to the backends with a Lease, each with a
+    path of its own; quick mode deals every kind that applies, the API server and etcd
+    restarts once per run (on one backend each), the rest on every backend they apply to."""
+    from benchmarks.campaign import CampaignOptions, _kinds
+    from benchmarks.campaign_faults import ALL_KINDS, APPLIES, NEW_KINDS, PATHS, RELEASE_PATCH
+
+    assert set(NEW_KINDS) == {"lease-release", "lease-delete"} and set(NEW_KINDS) <= set(ALL_KINDS)
+    for kind in NEW_KINDS:
+        assert kind in APPLIES["lease"] and kind in APPLIES["both"] and kind not in APPLIES["postgres"]
+    assert set(APPLIES["both"]) == set(ALL_KINDS) and set(PATHS) == set(ALL_KINDS)
+    for kind in NEW_KINDS:
+        assert [k for k, path in PATHS.items() if path == PATHS[kind]] == [kind]
+    quick = {b: _kinds(b, CampaignOptions(quick=True)) for b in ("postgres", "lease", "both")}
+    assert [len(kinds) for kinds in quick.values()] == [12, 13, 16]
+    assert set(quick["postgres"]) | set(quick["lease"]) | set(quick["both"]) == set(ALL_KINDS)
+    # The API server and etcd restarts once per quick run, on a backend each; everything else wherever it applies.
+    assert ("apiserver-restart" in quick["lease"], "etcd-restart" in quick["both"]) == (True, True)
+    assert "apiserver-restart" not in quick["both"] and "etcd-restart" not in quick["lease"]
+    assert all(set(NEW_KINDS) <= set(quick[b]) for b in ("lease", "both"))
+    assert [len(_kinds(b, CampaignOptions())) for b in ("postgres", "lease", "both")] == [12, 14, 17]
+    one = CampaignOptions(quick=True, backends=("both",))
+    assert {"apiserver-restart", "etcd-restart"} <= set(_kinds("both", one))
+    assert RELEASE_PATCH == '{"spec":{"holderIdentity":null}}'  # the runbook's
 
 
 @pytest.mark.k8s
