@@ -17,6 +17,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -199,3 +200,52 @@ def test_the_kill_grace_counts_from_the_deadline_when_gate_sh_notices_late(tmp_p
         for pid in {int(line.split()[1]) for line in acts.read_text().splitlines()} if acts.exists() else ():
             with contextlib.suppress(ProcessLookupError):
                 os.kill(pid, signal.SIGKILL)
+
+
+FOLLOWER = """
+import asyncio, sys
+from pathlib import Path
+from singleton_sidecar.core.lock import Identity, Term, Token
+from singleton_sidecar.core.status import ElectionStatus, Role
+from singleton_sidecar.gate import FileGate
+
+async def main() -> None:
+    gate = FileGate(Path(sys.argv[1]), kill_grace=0.3, on_app_stopping=lambda: print("handover", flush=True))
+    gate.install()
+    term = Term(identity=Identity("me"), token=Token(7), version="1", written_at=0.0)
+    gate.on_status(ElectionStatus(group="g", identity=Identity("me"), role=Role.LEADER, term=term,
+                                  leader=Identity("me"), leader_token=Token(7), leader_since=0.0,
+                                  transitions=1, reason="test"))
+    print("ready", flush=True)
+    await gate.run()
+
+asyncio.run(main())
+"""
+
+
+@pytest.mark.skipif(os.geteuid() != 0 or shutil.which("setpriv") is None, reason="needs root and setpriv")
+def test_the_sidecar_follows_gate_sh_requests_it_cannot_remove() -> None:
+    """An emptyDir is a sticky folder (tmpfs, mode 1777): the sidecar, another user than the main
+    container's, cannot remove the ``draining.requested`` that gate.sh wrote. It used to die of
+    the PermissionError (its whole task group with it, the pod's label left unwritten)."""
+    gate_dir = Path(tempfile.mkdtemp(prefix="sticky-gate-", dir="/tmp"))
+    try:
+        gate_dir.chmod(0o1777)
+        (gate_dir / "draining.requested").write_text("")  # left by gate.sh (root) before the sidecar started
+        follower = subprocess.Popen(
+            ["setpriv", "--reuid=65534", "--regid=65534", "--clear-groups", sys.executable, "-c", FOLLOWER,
+             str(gate_dir)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+            env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)})
+        try:
+            assert follower.stdout is not None
+            assert follower.stdout.readline().strip() == "ready"
+            time.sleep(0.5)  # the request left from before is not a new one
+            os.utime(gate_dir / "draining.requested")  # gate.sh's SIGTERM: a new request
+            assert follower.stdout.readline().strip() == "handover"
+            time.sleep(0.5)
+            assert follower.poll() is None, follower.communicate(timeout=5)[1]
+        finally:
+            follower.kill()
+            follower.wait()
+    finally:
+        shutil.rmtree(gate_dir, ignore_errors=True)

@@ -325,6 +325,7 @@ class FileGate:
         self._deadline = 0.0
         self._stop_nonce = ""
         self._container_ended = False
+        self._handled_request: tuple[int, int] | None = None  # the draining.requested acted on
 
     def __repr__(self) -> str:
         return f"<FileGate directory={self.directory}>"
@@ -342,7 +343,11 @@ class FileGate:
         tmp.chmod(0o755)
         tmp.replace(target)
         for name in ("leader", "draining", "draining.requested"):
-            (self.directory / name).unlink(missing_ok=True)
+            # draining.requested is gate.sh's: in an emptyDir (tmpfs, sticky) another user's file
+            # cannot be removed; one left from before is then known as handled instead.
+            with contextlib.suppress(OSError):
+                (self.directory / name).unlink(missing_ok=True)
+        self._handled_request = _file_id(self.directory / "draining.requested")
         self._request_stop()
 
     def on_status(self, status: ElectionStatus) -> None:
@@ -413,14 +418,26 @@ class FileGate:
         requested = self.directory / "draining.requested"
         while True:
             await asyncio.sleep(self.poll * 4)
-            if not requested.exists():
+            request = _file_id(requested)
+            if request is None or request == self._handled_request:
                 continue
-            requested.unlink(missing_ok=True)
+            self._handled_request = request
+            with contextlib.suppress(OSError):  # gate.sh's file: see install()
+                requested.unlink(missing_ok=True)
             status = self._status
             if status is not None and status.role is Role.LEADER and self._on_app_stopping is not None:
                 log.info("file gate: the main container is stopping; handing the term over",
                          extra={"group": status.group, "token": status.token})
                 self._on_app_stopping()
+
+
+def _file_id(path: Path) -> tuple[int, int] | None:
+    """Which file ``path`` is (inode, modification time), or None when there is none."""
+    try:
+        stat = path.stat()
+    except OSError:
+        return None
+    return stat.st_ino, stat.st_mtime_ns
 
 
 class CooperativeGate:
