@@ -124,16 +124,16 @@ class Sidecar:
 
     @staticmethod
     def _stop_hook(gate: Gate, reporter: PodReporter | None) -> Callable[[bool], Awaitable[None]]:
-        """The stop step: the app has stopped, and (in a pod) the pod no longer shows this
-        replica as leader, so the leader Service cannot send a request to two pods. The elector
+        """The stop step: the app has stopped, and (in a pod) the pod's role label no longer says
+        leader, so the leader Service cannot send a request to two pods. The elector
         bounds the wait (``stop_timeout``): a label not written by then (the API server
         unreachable) means no release, and the lock expires by itself; meanwhile ``/candidate``
         says 503, so the pod's readiness takes it out of the endpoints."""
         async def stop(urgent: bool) -> None:
             await gate.stop(urgent)
-            if reporter is not None and not reporter.shown:
-                log.info("the app has stopped; waiting for the pod to show the term's end before releasing")
-                await reporter.wait_shown()
+            if reporter is not None and reporter.labelled_leader_unduly:
+                log.info("the app has stopped; waiting for the pod's label to stop saying leader before releasing")
+                await reporter.wait_unlabelled()
 
         return stop
 

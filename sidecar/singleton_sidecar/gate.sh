@@ -156,7 +156,7 @@ stop_child() {
       fi
       [ "$(now_cs)" -ge "$kill_at" ] && each_app_process kill_now
     fi
-    sleep 0.05
+    sleep 0.02
   done
   [ -z "$child" ] || wait "$child" 2>/dev/null
   child=""
@@ -185,5 +185,6 @@ while :; do
     stop_child
     acknowledge
   fi
-  sleep 0.1
+  # In the background: a SIGTERM (the container stopping) ends the wait at once, not the sleep.
+  sleep 0.1 & wait $!
 done

@@ -109,20 +109,16 @@ class PodReporter:
     @property
     def labelled_leader_unduly(self) -> bool:
         """The pod's role label still says leader (the leader Service selects by it) while this
-        replica leads no more: the write saying otherwise has not reached the API server yet."""
-        if self._written is None or self._latest is None or self._latest.role is Role.LEADER:
+        replica leads no more: the write saying otherwise has not reached the API server yet.
+        (A pod that is gone is named by no endpoints.)"""
+        if self._pod_gone or self._written is None or self._latest is None or self._latest.role is Role.LEADER:
             return False
         return bool(self._written[0]["metadata"]["labels"].get(contract.LABEL_ROLE) == Role.LEADER.value)
 
-    @property
-    def shown(self) -> bool:
-        """The pod shows the newest status (or is gone: no endpoints name it then)."""
-        return self._pod_gone or self._latest is None or self._shown(self._latest) == self._written
-
-    async def wait_shown(self) -> None:
-        """Until the pod shows the newest status: its role label, and so the leader Service's
-        endpoints, no longer name this replica once it leads no more."""
-        while not self.shown:
+    async def wait_unlabelled(self) -> None:
+        """Until the pod's role label no longer names this replica leader once it leads no more
+        (a drain's "draining" label, written when the drain began, is enough)."""
+        while self.labelled_leader_unduly:
             await self._wrote.wait()
 
     def _shown(self, status: ElectionStatus) -> tuple[dict[str, Any], bool]:
@@ -217,7 +213,7 @@ class PodReporter:
         stopped = {c["name"] for c in statuses if "terminated" in (c.get("state") or {})}
         if deleted or (pod.get("status") or {}).get("phase") in ("Succeeded", "Failed"):
             self._pod_gone = True
-            self._wrote.set()  # wait_shown: nothing left to show
+            self._wrote.set()  # wait_unlabelled: no endpoints name a pod that is gone
         if stopped != self._stopped_containers or self._pod_gone:
             self._stopped_containers = stopped
             self._containers_changed.set()
