@@ -314,7 +314,7 @@ class FileGate:
     """
 
     def __init__(self, directory: Path, *, monotonic: Callable[[], float] = time.monotonic,
-                 kill_grace: float, poll: float = 0.05,
+                 kill_grace: float, poll: float = 0.02,
                  on_app_stopping: Callable[[], None] | None = None) -> None:
         self.directory = directory
         self._monotonic = monotonic
@@ -355,6 +355,8 @@ class FileGate:
         # Synchronously, inside the listener: the flag changes before any other I/O.
         self._write()
         if status.role is not Role.LEADER and (previous is None or previous.role != status.role):
+            if previous is not None and previous.role is Role.DRAINING and self._acknowledged():
+                return  # the drain's stop was acknowledged, and no app starts under a drain's flags
             # After the flags: gate.sh acknowledges this nonce only once it saw them and no app runs.
             self._request_stop()
 
@@ -417,7 +419,7 @@ class FileGate:
         """Hand over when the main container is being stopped while this replica leads."""
         requested = self.directory / "draining.requested"
         while True:
-            await asyncio.sleep(self.poll * 4)
+            await asyncio.sleep(self.poll * 10)
             request = _file_id(requested)
             if request is None or request == self._handled_request:
                 continue
