@@ -83,6 +83,18 @@ def runs(out: Path) -> list[tuple[int, str]]:
     return [(int(pid), path) for pid, _, path in (line.partition(" ") for line in out.read_text().splitlines())]
 
 
+def lead(gate: ExecGate) -> None:
+    """A term begins, a minute long: what the elector tells a gate."""
+    gate.on_status(status(Role.LEADER, 1))
+    gate.on_deadline(time.monotonic() + 60)
+
+
+def end_term(gate: ExecGate) -> None:
+    """The term ends: what the elector's ``_finish`` tells a gate before it stops the app."""
+    gate.on_status(status(Role.STANDBY))
+    gate.on_deadline(0.0)
+
+
 async def wait_for(what: Callable[[], bool], timeout: float = 10.0, failure: str = "timed out") -> None:
     deadline = time.monotonic() + timeout
     while not what():
@@ -112,14 +124,11 @@ async def test_a_stop_while_the_keeper_is_spawned_waits_until_the_app_is_gone(
         monkeypatch: pytest.MonkeyPatch, out: Path, started: Callable[[str], ExecGate]) -> None:
     spawns = HeldSpawns(monkeypatch, hold={1})
     gate = started("")
-    gate.on_status(status(Role.LEADER, 1))
-    gate.on_deadline(time.monotonic() + 60)
+    lead(gate)
     await spawns.holding.wait()
     await wait_for(lambda: len(runs(out)) == 1)  # the app runs; the keeper's pipe is not ours yet
     [(pid, _)] = runs(out)
-    # The term ends: what the elector's _finish does.
-    gate.on_status(status(Role.STANDBY))
-    gate.on_deadline(0.0)
+    end_term(gate)
     stopping = asyncio.create_task(gate.stop())
     await asyncio.sleep(0.2)
     spawns.release()
@@ -131,13 +140,11 @@ async def test_a_stop_while_an_exited_app_is_restarted_waits_until_it_is_gone(
         monkeypatch: pytest.MonkeyPatch, out: Path, started: Callable[[str], ExecGate]) -> None:
     spawns = HeldSpawns(monkeypatch, hold={2})  # the first run exits at once; its restart is held
     gate = started("once")
-    gate.on_status(status(Role.LEADER, 1))
-    gate.on_deadline(time.monotonic() + 60)
+    lead(gate)
     await spawns.holding.wait()
     await wait_for(lambda: len(runs(out)) == 2)
     pid, _ = runs(out)[1]
-    gate.on_status(status(Role.STANDBY))
-    gate.on_deadline(0.0)
+    end_term(gate)
     stopping = asyncio.create_task(gate.stop(urgent=True))
     await asyncio.sleep(0.2)
     spawns.release()
@@ -151,8 +158,7 @@ async def test_a_renewal_while_the_keeper_is_spawned_reaches_it(
         monkeypatch: pytest.MonkeyPatch, out: Path, started: Callable[[str], ExecGate]) -> None:
     spawns = HeldSpawns(monkeypatch, hold={1})
     gate = started("")
-    gate.on_status(status(Role.LEADER, 1))
-    gate.on_deadline(time.monotonic() + 60)
+    lead(gate)
     await spawns.holding.wait()
     await wait_for(lambda: len(runs(out)) == 1)
     [(_, deadline_file)] = runs(out)
@@ -169,7 +175,6 @@ async def test_a_failed_spawn_leaves_nothing_to_wait_for(
         monkeypatch: pytest.MonkeyPatch, started: Callable[[str], ExecGate]) -> None:
     HeldSpawns(monkeypatch, hold=set(), fail=OSError(errno.EMFILE, "too many open files"))
     gate = started("")
-    gate.on_status(status(Role.LEADER, 1))
-    gate.on_deadline(time.monotonic() + 60)
+    lead(gate)
     await asyncio.sleep(0.1)
     await asyncio.wait_for(gate.stop(), 2)  # not waiting for a keeper that was never started

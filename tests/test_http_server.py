@@ -11,7 +11,7 @@ import json
 import logging
 from collections.abc import AsyncIterator, Callable, Mapping
 from contextlib import asynccontextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import pytest
 
@@ -110,6 +110,22 @@ async def connect(server: HttpServer) -> AsyncIterator[Client]:
         yield client
     finally:
         client.close()
+
+
+@dataclass
+class Blocking:
+    """A handler that never answers: ``entered`` once called, ``cancelled`` once cancelled."""
+
+    entered: asyncio.Event = field(default_factory=asyncio.Event)
+    cancelled: asyncio.Event = field(default_factory=asyncio.Event)
+
+    async def __call__(self, _request: Request) -> Response:
+        self.entered.set()
+        try:
+            await asyncio.Event().wait()
+        finally:
+            self.cancelled.set()
+        raise AssertionError("unreachable")
 
 
 def other_tasks() -> set[asyncio.Task[object]]:
@@ -304,16 +320,8 @@ async def test_a_connection_over_the_limit_closes_the_least_recently_active_one(
 
 
 async def test_a_long_poll_is_closed_to_make_room_once_least_recently_active() -> None:
-    entered = asyncio.Event()
-    cancelled = asyncio.Event()
-
-    async def long_poll(_request: Request) -> Response:
-        entered.set()
-        try:
-            await asyncio.Event().wait()
-        finally:
-            cancelled.set()
-        raise AssertionError("unreachable")
+    long_poll = Blocking()
+    entered, cancelled = long_poll.entered, long_poll.cancelled
 
     server = HttpServer({("GET", "/poll"): long_poll, ("GET", "/hello"): hello}, max_connections=1)
     await server.start("127.0.0.1", 0)
@@ -372,16 +380,8 @@ async def test_close_answers_long_polls_through_on_shutdown_and_leaves_nothing_o
 
 
 async def test_close_gives_up_on_a_handler_after_the_shutdown_timeout() -> None:
-    cancelled = asyncio.Event()
-    entered = asyncio.Event()
-
-    async def stuck(_request: Request) -> Response:
-        entered.set()
-        try:
-            await asyncio.Event().wait()
-        finally:
-            cancelled.set()
-        raise AssertionError("unreachable")
+    stuck = Blocking()
+    entered, cancelled = stuck.entered, stuck.cancelled
 
     server = HttpServer({("GET", "/stuck"): stuck}, shutdown_timeout=0.2)
     await server.start("127.0.0.1", 0)
