@@ -6,6 +6,7 @@
 | ``sigstop`` | the leader's whole pod frozen (below) | ✓ | ✓ | ✓ |
 | ``sigstop-sidecar`` | SIGSTOP of the leader's sidecar process alone (below) | ✓ | ✓ | ✓ |
 | ``pg-terminate`` | ``pg_terminate_backend`` of the leader's lock session | ✓ | | ✓ |
+| ``pg-terminate-stalled`` | the leader's sidecar stalled, its PostgreSQL sessions terminated (below) | ✓ | | ✓ |
 | ``pg-restart`` | restart of PostgreSQL (fast shutdown, start) | ✓ | | ✓ |
 | ``apiserver-restart`` | restart of kube-apiserver | | ✓ | ✓ |
 | ``etcd-restart`` | restart of etcd | | ✓ | ✓ |
@@ -25,6 +26,13 @@
 - ``sigstop-sidecar``: SIGSTOP of the sidecar process alone for lease + 0.5..1.5 s, then
   SIGCONT; its keeper (exec gate) or ``gate.sh`` (file gate) and its app run on, and the gate's
   own deadline must stop the app.
+- ``pg-terminate-stalled``: SIGSTOP of the sidecar process alone (as ``sigstop-sidecar``), then
+  ``pg_terminate_backend`` of its PostgreSQL sessions (its lock session, found by the group's row,
+  and any other of the same sidecar: same client address and ``application_name``), the stall
+  held for lease + 0.5..1.5 s (past any successor's takeover wait), then SIGCONT. The server frees
+  the lock at once and the stalled sidecar cannot tell its gate: the exec gate's keeper freezes
+  the app once the sidecar's heartbeat is late, the file gate's ``gate.sh`` stops it at its flag's
+  deadline, and the successor acts only after the old term's stop bound or expiry.
 - ``drain-timeout``: the slow pod's app finishes in 0.5..1 s and its drain timeout is 0.2 s;
   seeded, its pod is deleted or its sidecar process gets SIGTERM (as the kubelet sends it).
 - ``handover``: ``singletonctl handover`` of the group, to a seeded ready standby (``--to``) or
@@ -69,7 +77,7 @@ import random
 import signal
 import subprocess
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
 from benchmarks.campaign_bed import LEASE, Bed, CampaignError, Group
@@ -79,18 +87,18 @@ from singleton_sidecar import contract
 
 ALL_KINDS = ("sigkill", "sigstop", "sigstop-sidecar", "pg-terminate", "pg-restart", "apiserver-restart",
              "etcd-restart", "partition-pg", "partition-api", "delete-pod", "drain-timeout", "handover", "step-down",
-             "kubelet-restart", "containerd-restart", "lease-release", "lease-delete")
-# Next (issue 31, being built in the keeper): a PostgreSQL session terminated while the
-# holder's sidecar is stalled. Add it to ALL_KINDS, POSTGRES_KINDS, PATHS and Injector._act.
+             "kubelet-restart", "containerd-restart", "lease-release", "lease-delete", "pg-terminate-stalled")
 ACT_LOG_KINDS = ("sigstop-sidecar", "drain-timeout", "handover", "step-down")
 """The kinds added with the act log (quick mode must inject each at least once)."""
-NEW_KINDS = ("lease-release", "lease-delete")
+FORCED_LEASE_KINDS = ("lease-release", "lease-delete")
+"""The group's Lease changed by hand (its holder not asked)."""
+NEW_KINDS = (*FORCED_LEASE_KINDS, "pg-terminate-stalled")
 """The kinds added with issue 31 (quick mode must inject each at least once)."""
 NODE_RESTARTS = frozenset({"kubelet-restart", "containerd-restart"})
 """The node's agents restarted: the containers, and so the election, should not notice."""
 _EVERYWHERE = ("sigkill", "sigstop", "sigstop-sidecar", "delete-pod", "drain-timeout", "handover", "step-down",
                *NODE_RESTARTS)
-POSTGRES_KINDS = ("pg-terminate", "pg-restart", "partition-pg")
+POSTGRES_KINDS = ("pg-terminate", "pg-restart", "partition-pg", "pg-terminate-stalled")
 """Where the election uses PostgreSQL."""
 LEASE_KINDS = ("apiserver-restart", "etcd-restart", "partition-api", "lease-release", "lease-delete")
 """Where the election uses a Lease."""
@@ -129,6 +137,7 @@ PATHS: dict[str, str] = {
     "step-down": "step-down (POST /step-down)",
     "lease-release": "Lease holder cleared (forced release)",
     "lease-delete": "Lease deleted",
+    "pg-terminate-stalled": "PostgreSQL session ended, sidecar stalled",
 }
 DRAIN_TIMEOUT_PATH = "drain timeout"
 SIGTERM_PATH = "drain (SIGTERM)"
@@ -177,9 +186,9 @@ class FaultRecord:
         detail = f" [{self.detail}]" if self.detail else ""
         if self.failover is None:
             what = "NOT INJECTED" if self.not_injected else "NOT RECOVERED"
-            return f"{self.kind:<17} {self.pod} token {self.old_token}{detail}: {what} ({self.error})"
+            return f"{self.kind:<20} {self.pod} token {self.old_token}{detail}: {what} ({self.error})"
         same = "same pod, " if self.new_pod == self.pod else ""
-        return (f"{self.kind:<17} {self.pod} token {self.old_token}{detail} -> {self.new_pod} token "
+        return (f"{self.kind:<20} {self.pod} token {self.old_token}{detail} -> {self.new_pod} token "
                 f"{self.new_token} ({same}{self.failover * 1000:.0f} ms; {self.path})")
 
 
@@ -225,6 +234,19 @@ class Deck:
         return kind
 
 
+STALLED_SESSIONS = """\
+WITH lock AS (SELECT a.pid, a.client_addr, a.application_name FROM pg_stat_activity a
+              WHERE a.pid = (SELECT holder_pid FROM singleton_leases
+                             WHERE group_name = $1 AND split_part(holder, '/', 1) = $2)),
+     sessions AS MATERIALIZED (SELECT a.pid FROM pg_stat_activity a, lock
+                               WHERE a.pid = lock.pid OR (a.client_addr = $3::inet AND lock.client_addr = $3::inet
+                                                          AND a.application_name = lock.application_name))
+SELECT array_agg(pid ORDER BY pid) FILTER (WHERE ended)
+FROM (SELECT pid, pg_terminate_backend(pid) AS ended FROM sessions) AS terminated"""
+"""``pg-terminate-stalled``: ends the PostgreSQL sessions of the sidecar of pod ``$2`` (its
+identity's first part) that holds the group's row (``$1``, the lock key): its lock session and,
+when that one comes from the pod's own address (``$3``), any other from there with the same
+``application_name`` (the group's sidecars'); returns their pids (NULL when none was ended)."""
 RELEASE_PATCH = '{"spec":{"holderIdentity":null}}'
 """The runbook's release by hand (docs/runbook.md), a JSON merge patch: the holder cleared."""
 KUBECTL_RETRY = 15.0
@@ -310,6 +332,7 @@ class Injector:
         actions: dict[str, Callable[[FaultRecord], float | None]] = {
             "sigkill": self._sigkill, "sigstop": self._sigstop, "sigstop-sidecar": self._sigstop_sidecar,
             "pg-terminate": self._pg_terminate, "pg-restart": self._pg_restart,
+            "pg-terminate-stalled": self._pg_terminate_stalled,
             "apiserver-restart": self._server_restart, "etcd-restart": self._server_restart,
             "kubelet-restart": self._server_restart, "containerd-restart": self._server_restart,
             "partition-pg": self._partition, "partition-api": self._partition, "delete-pod": self._delete_pod,
@@ -352,16 +375,25 @@ class Injector:
         finally:
             self.group.thaw(frozen)
 
-    def _sigstop_sidecar(self, record: FaultRecord) -> None:
+    @contextlib.contextmanager
+    def _sidecar_stalled(self, record: FaultRecord) -> Iterator[None]:
+        """SIGSTOP of the leader's sidecar process alone (its container's main process: the
+        keeper or ``gate.sh``, and the app, run on) until ``record.hold`` after it took effect,
+        then SIGCONT. The body runs while it is stopped."""
         self._hold(record)
         pid = self.group.sidecar_pid(record.pod)
         os.kill(pid, signal.SIGSTOP)
         try:
             self._begins(record, "stopped")
+            yield
             self._until(record.t0 + record.hold)
         finally:
             with contextlib.suppress(ProcessLookupError):
                 os.kill(pid, signal.SIGCONT)
+
+    def _sigstop_sidecar(self, record: FaultRecord) -> None:
+        with self._sidecar_stalled(record):
+            pass
 
     def _pg_terminate(self, record: FaultRecord) -> None:
         bed = self.bed
@@ -369,6 +401,16 @@ class Injector:
                       contract.lock_key(self.group.name, self.group.namespace))
         if pid is None or not bed.sql("SELECT pg_terminate_backend($1)", pid):
             raise CampaignError(f"no lock session to terminate (holder pid {pid})")
+
+    def _pg_terminate_stalled(self, record: FaultRecord) -> None:
+        """The leader's sidecar stalled, then its PostgreSQL sessions ended under it
+        (``STALLED_SESSIONS``); SIGCONT once the hold is over."""
+        with self._sidecar_stalled(record):
+            ended = self.bed.sql(STALLED_SESSIONS, contract.lock_key(self.group.name, self.group.namespace),
+                                 record.pod, self.group.pods.get(record.pod) or None)
+            if not ended:
+                raise CampaignError(f"no lock session of {record.pod} to terminate (the server said {ended!r})")
+            record.detail = f"{len(ended)} session{'s' if len(ended) > 1 else ''} terminated"
 
     def _pg_restart(self, record: FaultRecord) -> None:
         self.bed.pg.restart()

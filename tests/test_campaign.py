@@ -22,7 +22,8 @@
   (its control plane restarted by the faults, its own PostgreSQL): 3 sidecar pods per group, two
   groups per backend (exec gate and file gate, fenced and not), every pod's app detaching a
   worker (setsid, Popen(start_new_session=True), a daemon's double fork), every fault kind
-  (the Lease forced free and deleted included), 0 acting overlaps (but acts in flight through
+  (the Lease forced free and deleted, and a PostgreSQL session ended while its sidecar is stalled,
+  included), 0 acting overlaps (but acts in flight through
   a freeze), 0 fenced overlaps, 0 regressions, bounded in time (under 5 minutes on the 2-core
   development machine).
 - The app's launcher (pure, local processes): it detaches its worker each way.
@@ -436,7 +437,14 @@ def test_ci_quick_campaign_all_faults_no_overlap_no_regression(borrowed: Borrowe
     a worker that acts too; safety must hold by what the apps did (the act log: the detached
     workers' acts included) and by the fenced ledger, and time is bounded."""
     from benchmarks.campaign import CampaignOptions, run_campaign
-    from benchmarks.campaign_faults import ACT_LOG_KINDS, ALL_KINDS, DRAIN_TIMEOUT_PATH, NEW_KINDS, PATHS
+    from benchmarks.campaign_faults import (
+        ACT_LOG_KINDS,
+        ALL_KINDS,
+        DRAIN_TIMEOUT_PATH,
+        FORCED_LEASE_KINDS,
+        NEW_KINDS,
+        PATHS,
+    )
 
     seed = int(os.environ.get("SINGLETON_CAMPAIGN_SEED", "1"))
     started = time.monotonic()
@@ -458,10 +466,15 @@ def test_ci_quick_campaign_all_faults_no_overlap_no_regression(borrowed: Borrowe
     assert set(NEW_KINDS) <= injected, f"new kinds not injected: {set(NEW_KINDS) - injected}"
     assert injected == set(ALL_KINDS), f"not injected: {set(ALL_KINDS) - injected}"
     # The forced Lease releases and deletions, on both backends with a Lease, each ended its term.
-    lease_faults = [(b.backend, r) for b in result.backends for r in b.faults if r.kind in NEW_KINDS]
+    lease_faults = [(b.backend, r) for b in result.backends for r in b.faults if r.kind in FORCED_LEASE_KINDS]
     assert {(backend, r.kind) for backend, r in lease_faults} == {
-        (b, k) for b in ("lease", "both") for k in NEW_KINDS}, lease_faults
+        (b, k) for b in ("lease", "both") for k in FORCED_LEASE_KINDS}, lease_faults
     assert all(r.changed and r.path == PATHS[r.kind] for _, r in lease_faults), lease_faults
+    # A PostgreSQL session ended while its sidecar was stalled, on both backends with PostgreSQL,
+    # each with a new term (the stall outlasts the takeover wait) and its sessions named.
+    stalled = [(b.backend, r) for b in result.backends for r in b.faults if r.kind == "pg-terminate-stalled"]
+    assert {backend for backend, _ in stalled} == {"postgres", "both"}, stalled
+    assert all(r.changed and r.path == PATHS[r.kind] and "terminated" in r.detail for _, r in stalled), stalled
     # Every pod detached a worker, and in every segment the detached workers acted and logged it.
     assert all(p.detach for _, s in segments for p in s.profiles.values()), result.render()
     assert all(s.detached_acts > 0 and s.detached_processes > 0 for _, s in segments), result.render()
@@ -526,27 +539,41 @@ def test_the_launcher_detaches_a_worker_each_way(tmp_path: Path) -> None:
         time.sleep(0.4)  # the workers end
 
 
-def test_the_lease_faults_apply_where_a_lease_elects() -> None:
-    """``lease-release`` and ``lease-delete`` apply to the backends with a Lease, each with a
-    path of its own; quick mode deals every kind that applies, the API server and etcd
-    restarts once per run (on one backend each), the rest on every backend they apply to."""
+def test_the_issue_31_faults_apply_where_they_elect() -> None:
+    """``lease-release`` and ``lease-delete`` apply to the backends with a Lease,
+    ``pg-terminate-stalled`` to those with PostgreSQL, each with a path of its own; quick mode
+    deals every kind that applies, the API server and etcd restarts once per run (on one backend
+    each), the rest on every backend they apply to."""
     from benchmarks.campaign import CampaignOptions, _kinds
-    from benchmarks.campaign_faults import ALL_KINDS, APPLIES, NEW_KINDS, PATHS, RELEASE_PATCH
+    from benchmarks.campaign_faults import (
+        ALL_KINDS,
+        APPLIES,
+        FORCED_LEASE_KINDS,
+        NEW_KINDS,
+        PATHS,
+        POSTGRES_KINDS,
+        RELEASE_PATCH,
+    )
 
-    assert set(NEW_KINDS) == {"lease-release", "lease-delete"} and set(NEW_KINDS) <= set(ALL_KINDS)
-    for kind in NEW_KINDS:
+    assert set(FORCED_LEASE_KINDS) == {"lease-release", "lease-delete"}
+    assert set(NEW_KINDS) == {*FORCED_LEASE_KINDS, "pg-terminate-stalled"} and set(NEW_KINDS) <= set(ALL_KINDS)
+    assert len(set(ALL_KINDS)) == len(ALL_KINDS) == 18
+    for kind in FORCED_LEASE_KINDS:
         assert kind in APPLIES["lease"] and kind in APPLIES["both"] and kind not in APPLIES["postgres"]
+    assert "pg-terminate-stalled" in POSTGRES_KINDS
+    assert [b for b in ("postgres", "lease", "both") if "pg-terminate-stalled" in APPLIES[b]] == ["postgres", "both"]
     assert set(APPLIES["both"]) == set(ALL_KINDS) and set(PATHS) == set(ALL_KINDS)
     for kind in NEW_KINDS:
         assert [k for k, path in PATHS.items() if path == PATHS[kind]] == [kind]
     quick = {b: _kinds(b, CampaignOptions(quick=True)) for b in ("postgres", "lease", "both")}
-    assert [len(kinds) for kinds in quick.values()] == [12, 13, 16]
+    assert [len(kinds) for kinds in quick.values()] == [13, 13, 17]
     assert set(quick["postgres"]) | set(quick["lease"]) | set(quick["both"]) == set(ALL_KINDS)
     # The API server and etcd restarts once per quick run, on a backend each; everything else wherever it applies.
     assert ("apiserver-restart" in quick["lease"], "etcd-restart" in quick["both"]) == (True, True)
     assert "apiserver-restart" not in quick["both"] and "etcd-restart" not in quick["lease"]
-    assert all(set(NEW_KINDS) <= set(quick[b]) for b in ("lease", "both"))
-    assert [len(_kinds(b, CampaignOptions())) for b in ("postgres", "lease", "both")] == [12, 14, 17]
+    assert all(set(FORCED_LEASE_KINDS) <= set(quick[b]) for b in ("lease", "both"))
+    assert all("pg-terminate-stalled" in quick[b] for b in ("postgres", "both"))
+    assert [len(_kinds(b, CampaignOptions())) for b in ("postgres", "lease", "both")] == [13, 14, 18]
     one = CampaignOptions(quick=True, backends=("both",))
     assert {"apiserver-restart", "etcd-restart"} <= set(_kinds("both", one))
     assert RELEASE_PATCH == '{"spec":{"holderIdentity":null}}'  # the runbook's
