@@ -38,7 +38,7 @@ graceful deletion. The exit status is 0 on PASS.
 
 ``--quick`` (CI): as many faults per backend as kinds apply to it, in two segments (exec gate and
 file gate on every backend, fenced and unfenced on every gate): each kind dealt once per backend
-it applies to, but the API server and etcd restarts once per run (``QUICK_ONCE``: 12, 13 and 16
+it applies to, but the API server and etcd restarts once per run (``QUICK_ONCE``: 13, 13 and 17
 faults); a kind whose leader never came (``drain-timeout`` needs the slow pod to lead) is dealt in
 further faults, up to twice the count.
 ``--faults N`` is the total over the backends, ``--duration S`` the total seconds of injecting;
