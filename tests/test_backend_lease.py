@@ -14,7 +14,7 @@ from typing import Any
 import pytest
 import pytest_asyncio
 
-from singleton_sidecar.backends.lease import LeaseBackend, micro_time
+from singleton_sidecar.backends.lease import NEWCOMER_DEFERENCE, LeaseBackend, micro_time
 from singleton_sidecar.contract import (
     ANNOTATION_TOKEN,
     LABEL_GROUP,
@@ -564,7 +564,66 @@ async def test_a_release_by_its_holder_is_marked_and_taken_at_once(
     annotations = lease_json(cluster, namespace)["metadata"]["annotations"]
     assert annotations[LEASE_ANNOTATION_RELEASED] == annotations[LEASE_ANNOTATION_TOKEN] == str(term.token)
     started = time.monotonic()
-    fresh = await acquired(make_backend(), "pod-b")  # a process that saw nothing before
-    assert time.monotonic() - started < 1.0
+    fresh = await acquired(make_backend(), "pod-b")  # a process that saw nothing before: after its deference
+    assert time.monotonic() - started < NEWCOMER_DEFERENCE + 0.5
     assert LEASE_ANNOTATION_RELEASED not in lease_json(cluster, namespace)["metadata"]["annotations"]
     assert fresh.token > term.token
+
+
+@pytest.mark.parametrize("newcomer_arrives", ["before the release", "after the release"])
+async def test_a_warm_standby_wins_a_released_lease_over_a_newcomer(
+    cluster: Cluster, namespace: str, make_backend: Factory, newcomer_arrives: str
+) -> None:
+    """A pod deletion: the leader releases while a standby has followed the Lease for long
+    (its app is up) and the replacement pod's fresh sidecar campaigns too, even first. The
+    standby gets the Lease; the newcomer, deferring for NEWCOMER_DEFERENCE after its first
+    look, finds it taken. It used to take the Lease at once, with its app not even started."""
+    holder, warm, newcomer = make_backend(), make_backend(), make_backend()
+    term = await acquired(holder, "pod-a")
+    warm.follow()
+    await asyncio.sleep(NEWCOMER_DEFERENCE + 0.3)  # the standby is warm
+    if newcomer_arrives == "after the release":
+        await holder.release(term, timeout=5)
+    released_at = time.monotonic()
+    late = asyncio.create_task(newcomer.acquire(Identity("pod-c"), timeout=NEWCOMER_DEFERENCE + 1.0))
+    await asyncio.sleep(0.1)  # the newcomer's acquire is called first
+    early = asyncio.create_task(warm.acquire(Identity("pod-b"), timeout=5))
+    if newcomer_arrives == "before the release":
+        await asyncio.sleep(0.05)  # both wait on their watches
+        assert not late.done() and not early.done()
+        released_at = time.monotonic()
+        await holder.release(term, timeout=5)
+    won = await early
+    assert isinstance(won, Term) and won.identity == "pod-b", won
+    assert time.monotonic() - released_at < 0.3, "the warm standby took the released Lease at once"
+    lost = await late
+    assert isinstance(lost, LockRecord), lost
+    assert (lost.holder, lost.token) == ("pod-b", won.token)
+    spec = lease_json(cluster, namespace)["spec"]
+    assert (spec["holderIdentity"], spec["leaseTransitions"]) == ("pod-b", 1)
+
+
+async def test_a_newcomer_alone_takes_a_released_lease_after_its_deference(make_backend: Factory) -> None:
+    """Nobody else campaigns: the newcomer takes the released Lease once NEWCOMER_DEFERENCE has
+    passed since its first look, not before, and not much later."""
+    holder = make_backend()
+    term = await acquired(holder, "pod-a")
+    await holder.release(term, timeout=5)
+    newcomer = make_backend()
+    started = time.monotonic()
+    early = await newcomer.acquire(Identity("pod-c"), timeout=NEWCOMER_DEFERENCE * 0.6)
+    assert isinstance(early, LockRecord), early  # not before the deference
+    assert (early.holder, early.token) == (None, term.token)
+    taken = await acquired(newcomer, "pod-c")
+    took = time.monotonic() - started
+    assert NEWCOMER_DEFERENCE <= took < NEWCOMER_DEFERENCE + 0.5, f"took {took:.3f}s"
+    assert taken.token > term.token
+
+
+async def test_a_newcomer_creates_a_new_groups_lease_at_once(make_backend: Factory) -> None:
+    """No Lease, no pod of the group: a new group's first leader is not delayed by the deference."""
+    started = time.monotonic()
+    term = await acquired(make_backend(), "pod-a")
+    took = time.monotonic() - started
+    assert took < NEWCOMER_DEFERENCE / 2, f"took {took:.3f}s"
+    assert term.identity == "pod-a"

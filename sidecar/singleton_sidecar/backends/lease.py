@@ -9,14 +9,21 @@ Called by the election core through ``LockBackend``. Design (after client-go's l
   lives in the annotation ``singleton.dev/token``.
 - **Free** means released by its holder: an empty holder with ``singleton.dev/released-token``
   equal to the token, written by the holder's own release once its app had stopped; such a
-  Lease is taken at once. An empty holder without it (``kubectl singleton release``, a hand
-  edit) or no Lease at all (``kubectl delete lease``) says nothing of whether the last holder's
-  app has stopped, so it is taken only when the last term seen here would have expired had its
-  holder crashed: ``max(lease_duration, leaseDurationSeconds)`` after that term's last renewal
-  was observed here (after the holder-less Lease was first observed, by a process that saw no
-  term). A process that finds no Lease and saw none before asks the group's pods: while one
-  carries a token (its sidecar leads, or led and did not step down cleanly), it waits the lease
-  duration before creating the Lease; a new group's first term is not delayed.
+  Lease is taken at once by a warm standby, one whose backend first observed the Lease at
+  least ``NEWCOMER_DEFERENCE`` ago (or that held a term on it). A newcomer, typically the
+  sidecar of the pod replacing a deleted leader's, takes it only once that much time has
+  passed since its own first observation (its first read, or the watch's first list): a
+  standby whose app is already running wins the release, not a pod whose app has not started
+  yet (PostgreSQL's lock queue gives the same order). An empty holder without the mark
+  (``kubectl singleton release``, a hand edit) or no Lease at all (``kubectl delete lease``)
+  says nothing of whether the last holder's app has stopped, so it is taken only when the
+  last term seen here would have expired had its holder crashed: ``max(lease_duration,
+  leaseDurationSeconds)`` after that term's last renewal was observed here (after the
+  holder-less Lease was first observed, by a process that saw no term); no newcomer
+  deference applies there, nor to a missing Lease. A process that finds no Lease and saw
+  none before asks the group's pods: while one carries a token (its sidecar leads, or led and
+  did not step down cleanly), it waits the lease duration before creating the Lease; a new
+  group's first term is not delayed.
 - **Tokens** follow the rule of every backend, a hybrid logical clock: a new term's token is
   ``max(the Lease's token + 1, the wall clock in milliseconds, the high-water mark + 1)``.
   The high-water mark is the highest token this process has observed for the group: on the
@@ -88,6 +95,11 @@ WATCH_TIMEOUT = 290.0
 _BACKOFF_MIN, _BACKOFF_MAX = 0.2, 5.0
 _WRITE_RESERVE_MAX = 0.5  # seconds of an acquire's budget kept for the write after waiting
 _MAX_CONFLICTS = 3  # renew/release re-read and retry this often while the Lease is still ours
+NEWCOMER_DEFERENCE = 0.5
+"""Seconds after its first observation of the Lease before a candidate takes a released Lease.
+A warm standby's watch sees a release within tens of milliseconds and takes it at once, so
+half a second leaves the race to the standbys with room for a slow API server, and still
+costs a lone newcomer little."""
 
 Lease = dict[str, Any]
 
@@ -169,6 +181,9 @@ class LeaseBackend:
         self._high_water: Token | None = None  # the highest token of the group observed here
         self._pods_read = False  # the group's pod tokens were read (or tried) for a first term
         self._seen: Observed | None = None
+        # When a released Lease may be taken here: NEWCOMER_DEFERENCE after our first
+        # observation (set then), -inf once a term was held here.
+        self._warm_at = math.inf
         # When a holder-less Lease that its holder did not release (or a missing one) may be
         # taken: the expiry of the last term seen here; see the module docstring.
         self._free_at = -math.inf
@@ -223,7 +238,7 @@ class LeaseBackend:
         self.follow()
         if not self._synced or self._seen is None:
             await self._read(deadline)
-        stop_waiting = deadline - reserve
+        stop_waiting, deferred = deadline - reserve, False
         while True:
             changed, seen = self._changed, self._seen
             assert seen is not None
@@ -232,6 +247,10 @@ class LeaseBackend:
                 return None
             if now >= stop_waiting:
                 return seen
+            if seen.released and now < self._warm_at and not deferred:
+                deferred = True
+                log.info("the Lease was released: leaving it to warm standbys for a while first",
+                         extra=self._fields(identity=identity, wait_seconds=round(self._warm_at - now, 3)))
             with suppress(TimeoutError):
                 async with asyncio.timeout(min(self._expires_at(seen), stop_waiting) - now):
                     await changed.wait()
@@ -292,7 +311,7 @@ class LeaseBackend:
 
     def _expires_at(self, seen: Observed) -> float:
         if seen.holder is None:
-            return -math.inf if seen.released else self._free_at
+            return self._warm_at if seen.released else self._free_at
         return self._term_expiry(seen)
 
     def _term_expiry(self, seen: Observed) -> float:
@@ -361,6 +380,7 @@ class LeaseBackend:
 
     def _began(self, term: Term, written: Lease, transitions: int) -> Term:
         self._term, self._held = term, written
+        self._warm_at = -math.inf  # a process that held a term here is no newcomer
         self._observe(written)
         log.info("acquired the Lease",
                  extra=self._fields(identity=term.identity, token=term.token, transitions=transitions))
@@ -443,6 +463,8 @@ class LeaseBackend:
         """Record what we saw; a new version restarts the expiry count and wakes waiters."""
         seen, now = self._seen, observed(lease, self._clock())
         self._note(now.token)
+        if seen is None:  # our first observation of the Lease
+            self._warm_at = now.first_seen + NEWCOMER_DEFERENCE
         if seen is None or seen.version != now.version or (lease is None) != (seen.lease is None):
             self._note_absence(seen, now)
             seen = self._seen = now
