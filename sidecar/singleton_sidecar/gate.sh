@@ -9,6 +9,8 @@
 #   stop      a nonce; this script copies it into "$dir/idle" once no gated process runs,
 #             which is how the sidecar knows the app has stopped ("exited" once this script
 #             has stopped the app and exited for good)
+#   wake      a FIFO: the sidecar writes a line to it after each change of the files above, so
+#             this script acts on a change at once instead of at its next check
 # On SIGTERM (its container is stopping) this script writes "$dir/draining.requested", so
 # the sidecar hands the term over, stops the app and exits.
 # What "the app" is: as PID 1 of its container (the operator's wiring) every other process of
@@ -20,6 +22,7 @@ child=""
 stopping=0
 last_deadline=""
 trap 'stopping=1' TERM INT
+trap : USR1  # the wake reader's signal (below): it only ends the main loop's wait
 
 now_cs() {
   read -r up _ < /proc/uptime
@@ -55,7 +58,7 @@ acknowledge() {
 # the children it starts are stopped with it; without setsid only the app process is signalled.
 own_group=0
 start_app() {
-  if command -v setsid >/dev/null 2>&1; then own_group=1; setsid "$@" & else own_group=0; "$@" & fi
+  if command -v setsid >/dev/null 2>&1; then own_group=1; setsid "$@" 3<&- & else own_group=0; "$@" 3<&- & fi
   child=$!
 }
 
@@ -162,6 +165,38 @@ stop_child() {
   child=""
 }
 
+# The wake pipe: held open here for reading and writing (so a wake written while this script is
+# busy waits in the pipe), read by a subshell that turns each line into a USR1 to this script. The
+# subshell holds a read end only: once this script is gone (even killed) no writer is left, its
+# read ends and so does it. Without the pipe (an older sidecar, no permission) the files are
+# checked every 0.1 s instead.
+reader=""
+if [ -p "$dir/wake" ] && { command exec 3<>"$dir/wake"; } 2>/dev/null; then
+  { exec 3<&-; while read -r _ && kill -USR1 $$ 2>/dev/null; do :; done; } < "$dir/wake" &
+  reader=$!
+fi
+
+# Waits until a wake, a SIGTERM or the next check: while the app runs, the flag's deadline or
+# half a second (an app that exited is started again within it), else a second; 0.1 s without
+# the wake pipe. The sleep runs in the background so that a signal ends the wait; one cut short is
+# killed and reaped here, so none is left behind.
+pause() {
+  nap=100
+  [ -n "$child" ] && nap=50
+  [ -n "$reader" ] || nap=10
+  if [ -n "$child" ] && [ -n "$last_deadline" ]; then
+    left=$(( last_deadline - $(now_cs) + 1 ))
+    [ "$left" -lt "$nap" ] && nap=$left
+    [ "$nap" -lt 2 ] && nap=2
+  fi
+  sleep "$(( nap / 100 )).$(( nap % 100 / 10 ))$(( nap % 10 ))" &
+  nap_pid=$!
+  if ! wait "$nap_pid"; then
+    kill "$nap_pid" 2>/dev/null
+    wait "$nap_pid" 2>/dev/null
+  fi
+}
+
 rm -f "$dir/draining.requested"
 acknowledge
 while :; do
@@ -170,6 +205,7 @@ while :; do
     stop_child
     # Whatever the sidecar asks from now on, no gated process will run: say so for good.
     printf 'exited\n' > "$dir/idle.tmp" && mv -f "$dir/idle.tmp" "$dir/idle"
+    [ -z "$reader" ] || kill "$reader" 2>/dev/null
     exit 0
   fi
   if [ -n "$child" ] && ! app_alive; then
@@ -185,6 +221,5 @@ while :; do
     stop_child
     acknowledge
   fi
-  # In the background: a SIGTERM (the container stopping) ends the wait at once, not the sleep.
-  sleep 0.1 & wait $!
+  pause
 done
