@@ -20,9 +20,17 @@ import sys
 
 import asyncpg
 
-from singleton_sdk import LeaderClient, StaleToken, Term, uninterrupted
-from singleton_sdk.asyncpg import ensure_fence_table, fenced
 from singleton_sidecar.logs import setup_logging
+
+try:
+    from singleton_sdk import LeaderClient, StaleToken, Term, uninterrupted
+    from singleton_sdk.asyncpg import ensure_fence_table, fenced
+except ModuleNotFoundError as exc:
+    # The SDK is the extra [sample] of kube-singleton, not a dependency (the image has it).
+    if exc.name != "singleton_sdk":
+        raise
+    raise SystemExit("singleton-sample-poller: error: it is an app of the SDK, which is missing; install it with: "
+                     "pip install 'kube-singleton[sample]' (from a checkout: pip install ./sdk)") from exc
 
 log = logging.getLogger("sample-poller")
 
