@@ -44,6 +44,7 @@ def test_a_forgotten_group_loses_its_series() -> None:
     for group in ("a", "b"):
         metrics.reconcile_failed("feeds", group, "SecretNotFound")
         metrics.leader_changes.labels("feeds", group).inc()
+        metrics.group_leaders.labels("feeds", group).set(1)
     metrics.reconcile_failed("feeds", "a", "InvalidSpec")
     metrics.forget("feeds", "a")
     errors = {tuple(sample.labels.values()) for family in metrics.registry.collect() for sample in family.samples
@@ -53,6 +54,8 @@ def test_a_forgotten_group_loses_its_series() -> None:
                                              {"namespace": "feeds", "group": "a"}) is None
     assert metrics.registry.get_sample_value("singleton_operator_leader_changes_total",
                                              {"namespace": "feeds", "group": "b"}) == 1
+    assert metrics.registry.get_sample_value("singleton_group_leaders", {"namespace": "feeds", "group": "a"}) is None
+    assert metrics.registry.get_sample_value("singleton_group_leaders", {"namespace": "feeds", "group": "b"}) == 1
     metrics.forget("feeds", "never-seen")  # a group without series is fine
 
 

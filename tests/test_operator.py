@@ -190,6 +190,48 @@ def test_status_follows_the_pods_within_a_second_with_an_event(
     assert samples[("singleton_operator_leader_changes_total", (("group", name), ("namespace", namespace)))] == 2
 
 
+def operator_samples(operator: OperatorProcess) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
+    return {(sample.name, tuple(sorted(sample.labels.items()))): sample.value
+            for family in text_string_to_metric_families(operator.get("/metrics")[1]) for sample in family.samples}
+
+
+def test_the_group_leaders_gauge_follows_the_pods_role_labels(
+    controllers: Cluster, namespace: str, operators: Factory
+) -> None:
+    """singleton_group_leaders, from the operator alone (no sidecar scraped): what SingletonNoLeader
+    and SingletonTwoLeaders read when the groups' pods are not scraped."""
+    cluster = controllers
+    operator = operators()
+    name = "gl-" + uuid.uuid4().hex[:4]
+    series = ("singleton_group_leaders", (("group", name), ("namespace", namespace)))
+    cluster.apply(service(name), namespace=namespace)
+    pods = wait_for(lambda: (items := get_json(cluster, "pods", "-n", namespace, "-l",
+                                               f"{contract.LABEL_GROUP}={name}")["items"]) and len(items) == 2
+                    and [p["metadata"]["name"] for p in items], 30, "two pods from the ReplicaSet", 0.2)
+
+    def role(pod: str, value: str) -> None:
+        cluster.kubectl("label", "pod", pod, "-n", namespace, "--overwrite", f"{contract.LABEL_ROLE}={value}")
+
+    def gauge_is(value: float) -> bool:
+        return operator_samples(operator).get(series) == value
+
+    # No pod says it leads yet (no sidecar runs here): 0, exported, so "no leader" can fire.
+    wait_for(lambda: gauge_is(0.0) or None, 10, "the gauge at 0", 0.1)
+    role(pods[0], contract.ROLE_LEADER)
+    role(pods[1], contract.ROLE_STANDBY)
+    wait_for(lambda: gauge_is(1.0) or None, 5, "the gauge at 1", 0.05)
+    # Draining counts as leading (its term goes on until it releases the lock).
+    role(pods[0], contract.ROLE_DRAINING)
+    role(pods[1], contract.ROLE_LEADER)
+    wait_for(lambda: gauge_is(2.0) or None, 5, "the gauge at 2", 0.05)
+    role(pods[0], contract.ROLE_RELEASED)
+    role(pods[1], contract.ROLE_STANDBY)
+    wait_for(lambda: gauge_is(0.0) or None, 5, "the gauge back at 0", 0.05)
+    # A deleted group's series goes with it.
+    cluster.kubectl("delete", "singletonservice", name, "-n", namespace)
+    wait_for(lambda: series not in operator_samples(operator) or None, 20, "the series to go", 0.2)
+
+
 def test_deleting_the_service_removes_everything(controllers: Cluster, namespace: str, operators: Factory) -> None:
     cluster = controllers
     operators()

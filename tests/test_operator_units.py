@@ -20,7 +20,8 @@ from singleton_operator.spec import (
     parse_quantity,
     read_spec,
 )
-from singleton_operator.status import Observed, compute_status, find_leader, spec_error_status, status_changed
+from singleton_operator.status import (Observed, compute_status, find_leader, labelled_leaders, spec_error_status,
+                                       status_changed)
 from singleton_sidecar import contract
 from singleton_sidecar.config import ConfigError, SidecarConfig, load_config
 from singleton_sidecar.core.timings import TimingError, Timings
@@ -270,6 +271,21 @@ def test_terminating_pods_do_not_count_as_standbys() -> None:
     status = compute_status(spec, Observed([pod("a", "leader", 3), pod("b", "standby", deleting=True)],
                                            READY_DEPLOYMENT), {}, NOW)
     assert status["readyStandbys"] == 0 and status["phase"] == "Degraded"
+
+
+def test_leaders_are_counted_from_the_role_label_draining_and_terminating_included() -> None:
+    def labelled(role: str | None, phase: str = "Running", deleting: bool = False) -> dict[str, Any]:
+        meta: dict[str, Any] = {"name": "p", "labels": {contract.LABEL_ROLE: role} if role else {}}
+        if deleting:
+            meta["deletionTimestamp"] = "2026-11-25T12:00:00Z"
+        return {"metadata": meta, "status": {"phase": phase}}
+
+    assert labelled_leaders([]) == 0
+    assert labelled_leaders([labelled("standby"), labelled(None), labelled("released")]) == 0
+    assert labelled_leaders([labelled("leader"), labelled("standby")]) == 1
+    assert labelled_leaders([labelled("draining", deleting=True), labelled("leader")]) == 2
+    # A finished pod's label is whatever it was when it ended: it leads nothing.
+    assert labelled_leaders([labelled("leader", phase="Failed"), labelled("leader", phase="Succeeded")]) == 0
 
 
 # --- the operator agrees with admission (tests/test_crd.py) ------------------------------------

@@ -39,7 +39,7 @@ from singleton_operator.resources import (
     uninjected_template,
 )
 from singleton_operator.spec import GroupSpec, SpecError, WorkloadSpecError, read_spec
-from singleton_operator.status import find_leader
+from singleton_operator.status import find_leader, labelled_leaders
 from singleton_sidecar.kube import KubeClient, KubeError, KubeNotFound
 
 log = logging.getLogger(__name__)
@@ -433,6 +433,7 @@ class Groups:
         observed = await reads.observed(spec, self.problems.get(key) if kept else None,
                                         self.applied.get(key) if kept else None)
         leader_changes = self.metrics.leader_changes.labels(namespace, name)  # exported from 0 on
+        self.metrics.group_leaders.labels(namespace, name).set(labelled_leaders(observed.pods))
         if await write_status(self.client, spec, body.get("status") or {}, observed):
             self.metrics.status_updates.inc()
             # The same rule as write_status's LeaderChanged Event.

@@ -30,6 +30,11 @@ class OperatorMetrics:
         self.leader_changes = Counter("singleton_operator_leader_changes",
                                       "new leaders the operator saw per group (the LeaderChanged Events)",
                                       GROUP_LABELS, registry=self.registry)
+        # From the pods' role labels the operator reads for each status write: "no leader"
+        # can be told without scraping any sidecar (charts/singleton/files/alerts.yaml).
+        self.group_leaders = Gauge("singleton_group_leaders",
+                                   "pods of the group the operator sees labelled leader or draining",
+                                   GROUP_LABELS, registry=self.registry)
         build_info = Gauge("singleton_operator_build_info", "always 1; the operator's version in labels",
                            ["version", "python_version"], registry=self.registry)
         build_info.labels(version=operator_version(), python_version=platform.python_version()).set(1)
@@ -47,6 +52,7 @@ class OperatorMetrics:
     def forget(self, namespace: str, group: str) -> None:
         """Drop a deleted group's series."""
         self.leader_changes.remove(namespace, group)
+        self.group_leaders.remove(namespace, group)
         for reason in self._error_reasons.pop((namespace, group), set()):
             self.reconcile_errors.remove(namespace, group, reason)
 

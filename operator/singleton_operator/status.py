@@ -82,6 +82,16 @@ def find_leader(pods: list[dict[str, Any]]) -> LeaderView | None:
     return best
 
 
+def labelled_leaders(pods: list[dict[str, Any]]) -> int:
+    """The pods whose role label says they lead (leader or draining, as the sidecar's
+    ``singleton_is_leader``), terminating ones included: a draining pod is often being deleted
+    and holds the lock until it releases it. 0 is "no leader" (``singleton_group_leaders``)."""
+    return sum(1 for pod in pods
+               if ((pod.get("metadata") or {}).get("labels") or {}).get(contract.LABEL_ROLE)
+               in (contract.ROLE_LEADER, contract.ROLE_DRAINING)
+               and (pod.get("status") or {}).get("phase") not in ("Succeeded", "Failed"))
+
+
 def _condition(kind: str, ok: bool, reason: str, message: str, generation: int, *,
                previous: dict[str, dict[str, Any]], now: str) -> dict[str, Any]:
     status = "True" if ok else "False"
