@@ -20,8 +20,14 @@ from singleton_operator.spec import (
     parse_quantity,
     read_spec,
 )
-from singleton_operator.status import (Observed, compute_status, find_leader, labelled_leaders, spec_error_status,
-                                       status_changed)
+from singleton_operator.status import (
+    Observed,
+    compute_status,
+    find_leader,
+    labelled_leaders,
+    spec_error_status,
+    status_changed,
+)
 from singleton_sidecar import contract
 from singleton_sidecar.config import ConfigError, SidecarConfig, load_config
 from singleton_sidecar.core.timings import TimingError, Timings
