@@ -6,7 +6,7 @@ VENV ?= .venv
 BIN := $(VENV)/bin
 PACKAGES := sidecar testbed operator sdk
 
-.PHONY: test lint unit venv testbed testbed-up testbed-down testbed-node-test e2e-existing clean
+.PHONY: prerequisites test lint unit venv testbed testbed-up testbed-down testbed-node-test e2e-existing clean
 
 # The test bed (testbed/pyproject.toml) is a distribution of its own, for development only.
 $(BIN)/.installed: pyproject.toml testbed/pyproject.toml sdk/pyproject.toml
@@ -15,9 +15,14 @@ $(BIN)/.installed: pyproject.toml testbed/pyproject.toml sdk/pyproject.toml
 	$(BIN)/pip install --quiet -e '.[dev]' -e ./testbed -e ./sdk
 	touch $@
 
-venv: $(BIN)/.installed
+# What the goals need from the machine (testbed/prerequisites.sh: the list, and why): as root
+# with apt it installs what is missing first, saying what; SINGLETON_NO_APT=1 only checks.
+prerequisites: ## install (root, apt) or name the Debian packages `make test` and `make demo` need
+	@PYTHON=$(PYTHON) bash testbed/prerequisites.sh install $(or $(MAKECMDGOALS),venv)
 
-testbed: ## build (once) the control plane binaries, kubelet, kube-proxy and pause from Go modules
+venv: prerequisites $(BIN)/.installed
+
+testbed: prerequisites ## build (once) the control plane binaries, kubelet, kube-proxy and pause from Go modules
 	bash testbed/build.sh
 
 lint: venv
@@ -26,7 +31,7 @@ lint: venv
 	$(BIN)/mypy --strict demo
 	$(BIN)/lint-imports --no-logo --no-cache  # the layer contracts: [tool.importlinter] in pyproject.toml
 
-test: venv testbed lint
+test: prerequisites venv testbed lint
 	$(BIN)/pytest -ra --durations=12 $(PYTEST_ARGS)
 
 unit: venv ## fast tests that need no server
@@ -48,7 +53,7 @@ e2e-existing: venv testbed ## root: the e2e suite with USE_EXISTING_CLUSTER=true
 	BIN=$(BIN) bash testbed/e2e-existing.sh $(PYTEST_ARGS)
 
 .PHONY: demo demo-down
-demo: venv ## root: test bed + real node + the image (built, cached) + operator + 3 pollers; a live view of scripted handovers
+demo: prerequisites venv ## root: test bed + real node + the image (built, cached) + operator + 3 pollers; a live view of scripted handovers
 	$(BIN)/python -m demo run $(DEMO_ARGS)
 
 demo-down: venv ## stop everything `make demo` started and remove its files
