@@ -280,6 +280,8 @@ VALID: list[Any] = [
     pytest.param({"spec.backend": "postgres", "spec.postgres": {"secretRef": {"name": "db"}}}, id="postgres"),
     pytest.param({"spec.backend": "postgres", "spec.postgres": {"mode": "pooled", "secretRef": {"name": "db"}}},
                  id="postgres-pooled"),
+    *(pytest.param({"spec.backend": "both", "spec.postgres": {"connectionCheck": check, "secretRef": {"name": "db"}}},
+                   id=f"postgres-connection-check-{check}") for check in ("block", "warn", "skip")),
     pytest.param(
         {"spec.backend": "postgres", "spec.postgres": {"secretRef": {"name": "db", "key": ".dsn"}}},
         id="secret-key-starting-with-one-dot",
@@ -465,6 +467,11 @@ INVALID: list[Any] = [
         {"spec.backend": "postgres", "spec.postgres": {"mode": "transaction", "secretRef": {"name": "db"}}},
         ["spec.postgres.mode", "Unsupported value"],
         id="postgres-mode-transaction",
+    ),
+    pytest.param(
+        {"spec.backend": "postgres", "spec.postgres": {"connectionCheck": "Warn", "secretRef": {"name": "db"}}},
+        ["spec.postgres.connectionCheck", 'Unsupported value: "Warn"', '"block", "warn", "skip"'],
+        id="postgres-connection-check-unknown",
     ),
     *(pytest.param({"spec.backend": "postgres", "spec.postgres": {"secretRef": {"name": "db", "key": key}}},
                    ["spec.postgres.secretRef.key", SECRET_KEY_MSG], id=f"secret-key-{key}")

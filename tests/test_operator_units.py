@@ -21,6 +21,7 @@ from singleton_operator.spec import (
     read_spec,
 )
 from singleton_operator.status import (
+    DatabaseCheck,
     Observed,
     compute_status,
     find_leader,
@@ -373,6 +374,7 @@ OPERATOR_REFUSES = {
     "secret-key-..": "spec.postgres.secretRef.key",
     "secret-key-..dsn": "spec.postgres.secretRef.key",
     "postgres-mode-transaction": "spec.postgres.mode",
+    "postgres-connection-check-unknown": "spec.postgres.connectionCheck",
     "drain-equals-grace": "spec.drain.timeout",
     "drain-within-2s-of-grace": "spec.drain.timeout",
     "drain-1ns-over-grace-less-2s": "spec.drain.timeout",
@@ -740,3 +742,48 @@ def test_kopfs_own_annotations_are_cleared_from_an_essence_as_kopf_clears_them()
         assert ours == kopf.AnnotationsProgressStorage(prefix=prefix).clear(
             essence=cast(kopf.BodyEssence, copy.deepcopy(essence)))
         assert essence == before  # the essence handed in is left as it was
+
+
+def test_the_connection_check_is_block_unless_set_and_leaves_the_pods_alone() -> None:
+    specs = {check: read_spec(body(backend="postgres", postgres={"secretRef": {"name": "db"}, **extra}),
+                              default_sidecar_image=IMAGE)
+             for check, extra in (("unset", {}), ("warn", {"connectionCheck": "warn"}),
+                                  ("skip", {"connectionCheck": "skip"}))}
+    assert [s.postgres_connection_check for s in specs.values()] == ["block", "warn", "skip"]
+    # The operator's own business: switching it rolls no pod out.
+    assert len({resources.sidecar_config_digest(s) for s in specs.values()}) == 1
+    assert len({str(resources.deployment(s)) for s in specs.values()}) == 1
+    with pytest.raises(SpecError, match=r"^spec\.postgres\.connectionCheck: must be block, warn or skip, got 'Warn'$"):
+        read_spec(body(backend="postgres", postgres={"secretRef": {"name": "db"}, "connectionCheck": "Warn"}),
+                  default_sidecar_image=IMAGE)
+
+
+def test_the_database_condition_says_the_last_check_and_is_kept_until_the_first() -> None:
+    spec = read_spec(body(replicas=3, backend="postgres", postgres={"secretRef": {"name": "db"}}),
+                     default_sidecar_image=IMAGE)
+
+    def database(status: dict[str, Any]) -> tuple[str, str, str] | None:
+        found = next((c for c in status["conditions"] if c["type"] == "DatabaseReachable"), None)
+        return found and (found["status"], found["reason"], found["lastTransitionTime"])
+
+    unreachable = DatabaseCheck(False, "PostgresUnreachable", "cannot connect with the DSN in Secret ns/db: ...")
+    warned = compute_status(spec, Observed(RUNNING, READY_DEPLOYMENT, applied_generation=3, database=unreachable),
+                            {}, NOW)
+    assert database(warned) == ("False", "PostgresUnreachable", "2026-11-25T12:00:00Z")
+    # Applied all the same (warn): the group runs, is Ready, and is not Stalled for it.
+    assert (warned["phase"], gitops(warned)["Ready"], gitops(warned)["Stalled"]) == (
+        "Running", ("True", "Ready"), ("False", "AsExpected"))
+    later = NOW + dt.timedelta(minutes=1)
+    # An operator that has not checked yet (just started) keeps what the status said.
+    kept = compute_status(spec, Observed(RUNNING, READY_DEPLOYMENT, applied_generation=3), warned, later)
+    assert database(kept) == database(warned)
+    reachable = compute_status(spec, Observed(RUNNING, READY_DEPLOYMENT, applied_generation=3,
+                                              database=DatabaseCheck(True, "Connected", "connected")), warned, later)
+    assert database(reachable) == ("True", "Connected", "2026-11-25T12:01:00Z")
+    skipped = compute_status(spec, Observed(RUNNING, READY_DEPLOYMENT, applied_generation=3,
+                                            database=DatabaseCheck(None, "CheckSkipped", "not checked")), {}, NOW)
+    assert database(skipped) == ("Unknown", "CheckSkipped", "2026-11-25T12:00:00Z")
+    # A group without a database has no such condition.
+    lease = read_spec(body(replicas=3), default_sidecar_image=IMAGE)
+    assert database(compute_status(lease, Observed(RUNNING, READY_DEPLOYMENT, database=unreachable), warned,
+                                   NOW)) is None

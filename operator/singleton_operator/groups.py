@@ -25,6 +25,7 @@ from singleton_operator.reconcile import (
     ReconcileProblem,
     check_adoptable,
     check_not_a_group,
+    check_postgres,
     cr_path,
     read_workload,
     reconcile,
@@ -39,7 +40,7 @@ from singleton_operator.resources import (
     uninjected_template,
 )
 from singleton_operator.spec import GroupSpec, SpecError, WorkloadSpecError, read_spec
-from singleton_operator.status import find_leader, labelled_leaders
+from singleton_operator.status import DatabaseCheck, find_leader, labelled_leaders
 from singleton_sidecar.kube import KubeClient, KubeError, KubeNotFound
 
 log = logging.getLogger(__name__)
@@ -109,6 +110,10 @@ class Groups:
     """Per adopting group, what its last reconcile left on the workload (``adoption_state``)."""
     applied: dict[GroupKey, int] = field(default_factory=dict)
     """The newest generation of each group whose objects were all applied (for observedGeneration)."""
+    database: dict[GroupKey, DatabaseCheck] = field(default_factory=dict)
+    """The last database check of each group with a database (its DatabaseReachable condition)."""
+    _rechecks: dict[GroupKey, asyncio.Task[None]] = field(default_factory=dict)
+    """Database checks tried again for groups applied with their database unreachable (warn)."""
     _readopted: dict[GroupKey, float] = field(default_factory=dict)
     _dirty: dict[GroupKey, None] = field(default_factory=dict)
     """The groups marked for a refresh, in the order they were first marked (served in it:
@@ -175,7 +180,7 @@ class Groups:
                 raise ReconcileProblem("InvalidWorkload", str(exc)) from None
             if workload is not None:
                 await self._check_adoption(spec, workload)
-            await reconcile(self.client, spec, self.access, new=new)
+            database = await reconcile(self.client, spec, self.access, new=new)
         except SpecError as exc:
             if self._kept_for(body):
                 self.problems[key] = ReconcileProblem("InvalidSpec", str(exc))
@@ -184,6 +189,8 @@ class Groups:
         except ReconcileProblem as exc:
             if self._kept_for(body):
                 self.problems[key] = exc
+                if exc.database is not None:
+                    self.database[key] = exc.database
             self.metrics.reconcile_failed(*key, exc.reason)
             log.warning("reconcile failed: %s", exc.message,
                         extra={"namespace": key[0], "group": key[1], "reason": exc.reason})
@@ -200,14 +207,63 @@ class Groups:
         self.applied[key] = spec.generation
         if workload is not None:
             self.adopted[key] = wanted_adoption(spec)
+        self._database_checked(key, spec, database)
+
+    def _database_checked(self, key: GroupKey, spec: GroupSpec, database: DatabaseCheck | None) -> None:
+        """Keep the database check of a reconcile that applied the group."""
+        if database is None:
+            self.database.pop(key, None)
+            return
+        self.database[key] = database
+        if database.reachable is False:  # applied all the same: connectionCheck warn
+            self._rechecks[key] = asyncio.create_task(self._recheck(key, spec), name=f"recheck-{key[0]}/{key[1]}")
+
+    async def _recheck(self, key: GroupKey, spec: GroupSpec) -> None:
+        """Try the database check of a group applied without it again, backing off, until it
+        passes: nothing else would turn its condition True (no reconcile follows one that
+        succeeded). Ended by the group's next reconcile or its deletion."""
+        failures = 0
+        while True:
+            await asyncio.sleep(retry_delay(failures))
+            failures += 1
+            database: DatabaseCheck | None
+            try:
+                database = await check_postgres(self.client, spec)
+            except ReconcileProblem as exc:  # the Secret's problem, said by the condition
+                database = exc.database
+            except KubeError as exc:
+                log.warning("database check failed; retrying",
+                            extra={"namespace": key[0], "group": key[1], "error": exc})
+                continue
+            if database is not None:
+                self.database[key] = database
+                self.mark(*key)
+            if database is not None and database.reachable:
+                self._rechecks.pop(key, None)
+                return
+
+    def _stop_recheck(self, key: GroupKey) -> None:
+        task = self._rechecks.pop(key, None)
+        if task is not None:
+            task.cancel()
+
+    async def close(self) -> None:
+        """Stop the work of this term: the database checks tried again, the access reviews."""
+        rechecks = list(self._rechecks.values())
+        self._rechecks.clear()
+        for task in rechecks:
+            task.cancel()
+        await asyncio.gather(*rechecks, return_exceptions=True)
+        await self.access.close()
 
     def _begin(self, key: GroupKey, body: dict[str, Any]) -> None:
         """The bookkeeping of a reconcile that starts."""
         uid = _uid(body)
+        self._stop_recheck(key)  # this reconcile checks again
         if self._uids.get(key, uid) != uid:
             # Deleted and made again under its name, before kopf handled the old object's
             # DELETED event: what is kept under the name is the old object's.
-            for kept in (self.applied, self.problems, self.adopted):
+            for kept in (self.applied, self.problems, self.adopted, self.database):
                 kept.pop(key, None)
             self._attempted.discard(key)
         self._uids[key] = uid
@@ -272,6 +328,8 @@ class Groups:
         self.adopted.pop((namespace, name), None)
         self._readopted.pop((namespace, name), None)
         self.applied.pop((namespace, name), None)
+        self.database.pop((namespace, name), None)
+        self._stop_recheck((namespace, name))
         self._dirty.pop((namespace, name), None)
         self._deferred_since.pop((namespace, name), None)
         self._attempted.discard((namespace, name))
@@ -432,6 +490,7 @@ class Groups:
         kept = self._kept_for(body)
         observed = await reads.observed(spec, self.problems.get(key) if kept else None,
                                         self.applied.get(key) if kept else None)
+        observed = dataclasses.replace(observed, database=self.database.get(key) if kept else None)
         leader_changes = self.metrics.leader_changes.labels(namespace, name)  # exported from 0 on
         self.metrics.group_leaders.labels(namespace, name).set(labelled_leaders(observed.pods))
         if await write_status(self.client, spec, body.get("status") or {}, observed):

@@ -20,7 +20,14 @@ import asyncpg
 
 from singleton_operator import resources
 from singleton_operator.spec import GroupSpec, WorkloadRef, workload_ref
-from singleton_operator.status import Observed, compute_status, spec_error_status, status_changed
+from singleton_operator.status import (
+    DATABASE_REACHABLE,
+    DatabaseCheck,
+    Observed,
+    compute_status,
+    spec_error_status,
+    status_changed,
+)
 from singleton_sidecar import contract
 from singleton_sidecar.kube import (
     KubeClient,
@@ -50,12 +57,14 @@ _PATHS = {
 
 
 class ReconcileProblem(Exception):
-    """Something the user must fix; ``reason`` is a CamelCase word for conditions and Events."""
+    """Something the user must fix; ``reason`` is a CamelCase word for conditions and Events.
+    ``database``: the group's database check, when it was made before the problem was found."""
 
-    def __init__(self, reason: str, message: str) -> None:
+    def __init__(self, reason: str, message: str, database: DatabaseCheck | None = None) -> None:
         super().__init__(message)
         self.reason = reason
         self.message = message
+        self.database = database
 
 
 def object_path(api_version: str, kind: str, namespace: str, name: str | None = None) -> str:
@@ -118,32 +127,42 @@ def _redact(text: str) -> str:
     return _DSN_PASSWORD.sub(r"\1***@", text)
 
 
-async def check_postgres(client: KubeClient, spec: GroupSpec) -> None:
-    """The Secret exists, holds the key, and its DSN reaches PostgreSQL."""
+async def check_postgres(client: KubeClient, spec: GroupSpec) -> DatabaseCheck:
+    """The Secret exists, holds the key, and its DSN reaches PostgreSQL. A problem with the
+    Secret is raised whatever ``spec.postgres.connectionCheck`` says (the pods could not start
+    without it); the connection's outcome is returned, not tried with ``skip``."""
     assert spec.postgres_secret is not None
     where = f"Secret {spec.namespace}/{spec.postgres_secret}"
+
+    def secret_problem(reason: str, message: str) -> ReconcileProblem:
+        return ReconcileProblem(reason, message, DatabaseCheck(False, reason, f"not checked: {message}"))
+
     try:
         secret = await client.request("GET", f"/api/v1/namespaces/{spec.namespace}/secrets/{spec.postgres_secret}",
                                       timeout=CALL_TIMEOUT)
     except KubeNotFound:
-        raise ReconcileProblem("SecretNotFound", f"{where} (spec.postgres.secretRef.name) does not exist") from None
+        raise secret_problem("SecretNotFound", f"{where} (spec.postgres.secretRef.name) does not exist") from None
     except KubeForbidden as exc:
-        raise ReconcileProblem("RBACDenied", f"the operator may not read {where}: {exc}") from None
+        raise secret_problem("RBACDenied", f"the operator may not read {where}: {exc}") from None
     data = secret.get("data") or {}
     if spec.postgres_secret_key not in data:
         keys = ", ".join(sorted(data)) or "none"
-        raise ReconcileProblem("SecretKeyMissing", f"{where} has no key {spec.postgres_secret_key!r} "
-                               f"(spec.postgres.secretRef.key); its keys: {keys}")
+        raise secret_problem("SecretKeyMissing", f"{where} has no key {spec.postgres_secret_key!r} "
+                             f"(spec.postgres.secretRef.key); its keys: {keys}")
     dsn = base64.b64decode(data[spec.postgres_secret_key]).decode(errors="replace").strip()
     if not dsn.startswith(("postgres://", "postgresql://")):
-        raise ReconcileProblem("InvalidDSN", f"{where} key {spec.postgres_secret_key!r} is not a postgres:// or "
-                               "postgresql:// URL")
+        raise secret_problem("InvalidDSN", f"{where} key {spec.postgres_secret_key!r} is not a postgres:// or "
+                             "postgresql:// URL")
+    if spec.postgres_connection_check == "skip":
+        return DatabaseCheck(None, "CheckSkipped", f"not checked (spec.postgres.connectionCheck: skip); the DSN in "
+                             f"{where} is only used by the group's pods")
     try:
         conn = await asyncpg.connect(dsn, timeout=POSTGRES_CHECK_TIMEOUT)
     except (OSError, asyncpg.PostgresError, asyncpg.InterfaceError, TimeoutError) as exc:
-        raise ReconcileProblem("PostgresUnreachable", f"cannot connect with the DSN in {where}: "
-                               f"{type(exc).__name__}: {_redact(str(exc))}") from None
+        return DatabaseCheck(False, "PostgresUnreachable", f"cannot connect with the DSN in {where}: "
+                             f"{type(exc).__name__}: {_redact(str(exc))}")
     await conn.close()
+    return DatabaseCheck(True, "Connected", f"the operator connected with the DSN in {where}")
 
 
 ACCESS_REVIEW_TTL = 60.0
@@ -252,14 +271,29 @@ def desired_objects(spec: GroupSpec) -> list[dict[str, Any]]:
 
 
 async def reconcile(client: KubeClient, spec: GroupSpec, access: AccessReviews | None = None, *,
-                    new: bool = False) -> None:
+                    new: bool = False) -> DatabaseCheck | None:
     """Make the owned objects match ``spec``. Inputs are checked first and nothing is
     applied while one is wrong: a new group gets no pods stuck on a missing Secret, and a
-    running one keeps its pods (they hold their DSN) until the problem is fixed. ``new``: the
-    group's first reconcile since its creation, so nothing can be owned by it yet and there is
-    nothing to delete (a request less per unwanted object for each group created)."""
-    if spec.uses_postgres:
-        await check_postgres(client, spec)
+    running one keeps its pods (they hold their DSN) until the problem is fixed. A database
+    the operator cannot reach blocks too, unless ``spec.postgres.connectionCheck`` says warn
+    (or skip): only the app's pods may be able to reach it (a proxy sidecar on localhost, a
+    database-side rule). ``new``: the group's first reconcile since its creation, so nothing
+    can be owned by it yet and there is nothing to delete (a request less per unwanted object
+    for each group created). Returns the database check (None without a database); a
+    ``ReconcileProblem`` raised after the check carries it."""
+    database = await check_postgres(client, spec) if spec.uses_postgres else None
+    try:
+        await _check_and_apply(client, spec, access, new=new, database=database)
+    except ReconcileProblem as exc:
+        exc.database = exc.database or database
+        raise
+    return database
+
+
+async def _check_and_apply(client: KubeClient, spec: GroupSpec, access: AccessReviews | None, *, new: bool,
+                           database: DatabaseCheck | None) -> None:
+    if database is not None and database.reachable is False and spec.postgres_connection_check == "block":
+        raise ReconcileProblem(database.reason, database.message)
     objects = desired_objects(spec)
     await check_access(access or AccessReviews(client), spec, objects)
     current = "the workload"
@@ -388,7 +422,16 @@ async def write_status(client: KubeClient, spec: GroupSpec, current: dict[str, A
         await post_event(client, spec, "LeaderChanged", message)
     if new["phase"] == "Failed" and current.get("phase") != "Failed":
         await post_event(client, spec, observed.problem_reason, new["message"], warning=True)
+    database, was = _find_condition(new, DATABASE_REACHABLE), _find_condition(current, DATABASE_REACHABLE)
+    if (database is not None and database["status"] == "False" and (was or {}).get("status") != "False"
+            and observed.problem is None):
+        # Warn: the group runs, so no Failed Event says it (with block, that Event does).
+        await post_event(client, spec, database["reason"], database["message"], warning=True)
     return True
+
+
+def _find_condition(status: dict[str, Any], kind: str) -> dict[str, Any] | None:
+    return next((c for c in status.get("conditions") or [] if c.get("type") == kind), None)
 
 
 async def write_spec_error(client: KubeClient, body: dict[str, Any], message: str,

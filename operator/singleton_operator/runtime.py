@@ -341,7 +341,7 @@ async def _run_kopf_while_leading(config: OperatorConfig, client: KubeClient, me
         for task in (*helpers, kopf_task):
             task.cancel()
         await asyncio.gather(*helpers, kopf_task, return_exceptions=True)
-        await groups.access.close()
+        await groups.close()
 
 
 def _future_event(future: asyncio.Future[None]) -> asyncio.Event:

@@ -33,6 +33,8 @@ from singleton_sidecar.core.timings import BACKEND_DEFAULTS, TimingError, Timing
 
 Backend = Literal["postgres", "lease", "both"]
 PostgresMode = Literal["session", "pooled"]
+ConnectionCheck = Literal["block", "warn", "skip"]
+CONNECTION_CHECKS = ("block", "warn", "skip")
 GatingMode = Literal["cooperative", "file"]
 
 # Names the operator puts into every pod; the CRD reserves them too.
@@ -207,6 +209,10 @@ class GroupSpec:
     postgres_secret_key: str = "dsn"
     postgres_mode: PostgresMode = "session"
     """``spec.postgres.mode``: ``session`` (advisory lock) or ``pooled`` (through a transaction pooler)."""
+    postgres_connection_check: ConnectionCheck = "block"
+    """``spec.postgres.connectionCheck``: whether the operator's own connection to the database,
+    before it applies anything, blocks the group when it fails (``block``), only warns (``warn``:
+    where only the app's pods can reach the database), or is not tried (``skip``)."""
     service_type: str = "ClusterIP"
     service_ports: tuple[ServicePort, ...] = ()
     service_annotations: dict[str, str] = field(default_factory=dict)
@@ -510,6 +516,9 @@ def _read_spec(body: dict[str, Any], template: dict[str, Any], replicas: int, de
     postgres_mode: PostgresMode = postgres.get("mode", "session")
     if postgres_mode not in ("session", "pooled"):
         raise SpecError(f"spec.postgres.mode: must be session or pooled, got {postgres_mode!r}")
+    connection_check: ConnectionCheck = postgres.get("connectionCheck", "block")
+    if connection_check not in CONNECTION_CHECKS:
+        raise SpecError(f"spec.postgres.connectionCheck: must be block, warn or skip, got {connection_check!r}")
     sidecar = spec.get("sidecar") or {}
     sidecar_port = int(sidecar.get("port", DEFAULT_SIDECAR_PORT))
     _check_sidecar_port(sidecar_port, pod)
@@ -549,6 +558,7 @@ def _read_spec(body: dict[str, Any], template: dict[str, Any], replicas: int, de
         postgres_secret=secret_ref.get("name"),
         postgres_secret_key=secret_key,
         postgres_mode=postgres_mode,
+        postgres_connection_check=connection_check,
         service_type=service.get("type", "ClusterIP"),
         service_ports=service_ports,
         service_annotations=service_annotations,

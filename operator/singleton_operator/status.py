@@ -23,7 +23,20 @@ from singleton_operator.spec import SIDECAR_CONTAINER, GroupSpec
 from singleton_sidecar import contract
 
 CONDITION_TYPES = ("Ready", "Reconciling", "Stalled", "Available", "LeaderElected", "Progressing", "Degraded",
-                   "WorkloadSuitable")
+                   "WorkloadSuitable", "DatabaseReachable")
+DATABASE_REACHABLE = "DatabaseReachable"
+"""Groups with a database only: whether the operator's own connection with the group's DSN
+succeeded (``spec.postgres.connectionCheck``; Unknown when it is skipped)."""
+
+
+@dataclass(frozen=True)
+class DatabaseCheck:
+    """The outcome of the operator's check of a group's database: ``reachable`` None when it
+    was not tried (``CheckSkipped``); ``reason`` is a CamelCase word for the condition."""
+
+    reachable: bool | None
+    reason: str
+    message: str
 
 
 @dataclass(frozen=True)
@@ -46,6 +59,8 @@ class Observed:
     applied_generation: int | None = None
     """The newest generation whose objects were all applied; None while unknown (an operator
     that just started has not applied anything yet: the status keeps what it said)."""
+    database: DatabaseCheck | None = None
+    """The last database check of this object; None while unknown (the status keeps what it said)."""
 
 
 def _ready(pod: dict[str, Any]) -> bool:
@@ -92,9 +107,9 @@ def labelled_leaders(pods: list[dict[str, Any]]) -> int:
                and (pod.get("status") or {}).get("phase") not in ("Succeeded", "Failed"))
 
 
-def _condition(kind: str, ok: bool, reason: str, message: str, generation: int, *,
+def _condition(kind: str, ok: bool | None, reason: str, message: str, generation: int, *,
                previous: dict[str, dict[str, Any]], now: str) -> dict[str, Any]:
-    status = "True" if ok else "False"
+    status = "Unknown" if ok is None else "True" if ok else "False"
     old = previous.get(kind)
     changed = old is None or old.get("status") != status
     return {"type": kind, "status": status, "reason": reason, "message": message[:1000],
@@ -224,6 +239,13 @@ def compute_status(spec: GroupSpec, observed: Observed, previous: dict[str, Any]
         suitable, reason, message = workload_suitability(spec, observed.deployment)
         conditions.append(_condition(WORKLOAD_SUITABLE, suitable, reason, message, spec.generation,
                                      previous=old_conditions, now=stamp))
+    if spec.uses_postgres and observed.database is not None:
+        check = observed.database
+        conditions.append(_condition(DATABASE_REACHABLE, check.reachable, check.reason, check.message,
+                                     spec.generation, previous=old_conditions, now=stamp))
+    elif spec.uses_postgres and DATABASE_REACHABLE in old_conditions:
+        # Not checked by this process yet (it just started): kept until its first check.
+        conditions.append(old_conditions[DATABASE_REACHABLE])
     return {
         "leader": leader.pod if leader else None,
         "leaderIdentity": leader.identity if leader else None,
