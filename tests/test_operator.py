@@ -116,6 +116,8 @@ def test_missing_secret_is_reported_and_nothing_is_created_until_it_exists(
                   namespace=namespace)
     degraded = wait_for(lambda: condition(cr(cluster, namespace, name), "Degraded"), 20, "a Degraded condition", 0.2)
     assert degraded["status"] == "True" and degraded["reason"] == "SecretNotFound"
+    database = condition(cr(cluster, namespace, name), "DatabaseReachable")
+    assert database is not None and (database["status"], database["reason"]) == ("False", "SecretNotFound")
     # The failed reconciles are counted per group and reason; the build is described.
     samples = {(sample.name, tuple(sorted(sample.labels.items()))): sample.value
                for family in text_string_to_metric_families(operator.get("/metrics")[1]) for sample in family.samples}
@@ -140,12 +142,53 @@ def test_missing_secret_is_reported_and_nothing_is_created_until_it_exists(
                    c["reason"] == "PostgresUnreachable" and c, 20, "PostgresUnreachable", 0.2)
     assert "hunter2" not in bad["message"]
     assert not exists(cluster, namespace, "deployment", name)
+    database = condition(cr(cluster, namespace, name), "DatabaseReachable")
+    assert database is not None and (database["status"], database["reason"]) == ("False", "PostgresUnreachable")
+    assert "cannot connect with the DSN in Secret" in database["message"] and "hunter2" not in database["message"]
     # Fixed: the workload appears and the problem is gone.
     patch = {"data": {"dsn": base64.b64encode(pg_dsn.encode()).decode()}}
     cluster.kubectl("patch", "secret", "feed-db", "-n", namespace, "--type=merge", "-p", json.dumps(patch))
     wait_for(lambda: exists(cluster, namespace, "deployment", name) or None, 20, "the Deployment", 0.2)
     wait_for(lambda: (condition(cr(cluster, namespace, name), "Degraded") or {}).get("reason") != "PostgresUnreachable",
              20, "the problem to clear", 0.2)
+    database = condition(cr(cluster, namespace, name), "DatabaseReachable")
+    assert database is not None and (database["status"], database["reason"]) == ("True", "Connected")
+
+
+def test_with_connection_check_warn_an_unreachable_database_is_applied_with_a_condition_and_an_event(
+    cluster: Cluster, namespace: str, operators: Factory, pg_dsn: str
+) -> None:
+    """Where only the app's pods reach the database (a proxy sidecar on localhost, say)."""
+    operators()
+    name = "pgw-" + uuid.uuid4().hex[:4]
+    unreachable = "postgresql://singleton:hunter2@127.0.0.1:1/singleton"
+    cluster.kubectl("create", "secret", "generic", "feed-db", "-n", namespace, f"--from-literal=dsn={unreachable}")
+    cluster.apply(service(name, backend="postgres",
+                          postgres={"secretRef": {"name": "feed-db"}, "connectionCheck": "warn"}), namespace=namespace)
+    wait_for(lambda: exists(cluster, namespace, "deployment", name) or None, 20, "the Deployment", 0.2)
+    database = wait_for(lambda: condition(cr(cluster, namespace, name), "DatabaseReachable"), 20,
+                        "a DatabaseReachable condition", 0.2)
+    assert (database["status"], database["reason"]) == ("False", "PostgresUnreachable")
+    assert "cannot connect with the DSN in Secret" in database["message"] and "hunter2" not in database["message"]
+    status = cr(cluster, namespace, name)["status"]
+    assert status["phase"] != "Failed" and status["observedGeneration"] == cr(cluster, namespace, name)["metadata"][
+        "generation"]
+    assert (condition(cr(cluster, namespace, name), "Stalled") or {}).get("status") == "False"
+    events = wait_for(lambda: [e for e in get_json(cluster, "events", "-n", namespace, "--field-selector",
+                                                   f"involvedObject.name={name}")["items"]
+                               if e["reason"] == "PostgresUnreachable"] or None, 10, "a Warning Event", 0.2)
+    assert events[0]["type"] == "Warning" and "hunter2" not in events[0]["message"]
+    # Reachable now: the check, tried again (after 5 s the first time), turns the condition True.
+    patch = {"data": {"dsn": base64.b64encode(pg_dsn.encode()).decode()}}
+    cluster.kubectl("patch", "secret", "feed-db", "-n", namespace, "--type=merge", "-p", json.dumps(patch))
+    wait_for(lambda: (condition(cr(cluster, namespace, name), "DatabaseReachable") or {}).get("status") == "True",
+             20, "the condition to turn True", 0.2)
+    # skip: no connection at all, and the condition says so.
+    cluster.kubectl("patch", "singletonservice", name, "-n", namespace, "--type=merge", "-p",
+                    json.dumps({"spec": {"postgres": {"connectionCheck": "skip"}}}))
+    skipped = wait_for(lambda: (c := condition(cr(cluster, namespace, name), "DatabaseReachable")) and
+                       c["reason"] == "CheckSkipped" and c, 20, "CheckSkipped", 0.2)
+    assert skipped["status"] == "Unknown"
 
 
 def play_sidecar(cluster: Cluster, namespace: str, pod: str, role: str, token: int | None) -> None:
