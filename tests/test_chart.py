@@ -23,6 +23,7 @@ import pytest
 import yaml
 
 from singleton_testbed.controlplane import wait_established
+from tests import chart_objects
 from tests.conftest import CRD_PATH, Cluster, use_existing_cluster
 from tests.kubehelpers import get_json
 
@@ -305,6 +306,59 @@ def test_the_pod_webhook_renders_scoped_and_fail_closed(tmp_path: Path) -> None:
 
 
 @needs_helm
+def test_the_webhook_port_host_network_and_failure_policy_values_reach_every_object(tmp_path: Path) -> None:
+    defaults = render(tmp_path)
+    pod = one(defaults, "Deployment")["spec"]["template"]["spec"]
+    assert "hostNetwork" not in pod and "dnsPolicy" not in pod
+    assert one(defaults, "Deployment")["spec"]["strategy"]["rollingUpdate"] == {"maxSurge": 1, "maxUnavailable": 0}
+    objects = render(tmp_path, {"webhook": {"port": 10443, "hostNetwork": True, "failurePolicy": "Ignore"},
+                                "healthPort": 10280})
+    deployment = one(objects, "Deployment")
+    pod = deployment["spec"]["template"]["spec"]
+    assert (pod["hostNetwork"], pod["dnsPolicy"]) == (True, "ClusterFirstWithHostNet")
+    # The node's ports: no two operator pods on one node, so no surge pod during a rollout.
+    assert deployment["spec"]["strategy"]["rollingUpdate"] == {"maxSurge": 0, "maxUnavailable": 1}
+    container = operator_container(objects)
+    assert container["args"][:2] == ["--health-listen=0.0.0.0:10280", "--webhook-listen=0.0.0.0:10443"]
+    assert container["ports"] == [{"name": "http", "containerPort": 10280, "protocol": "TCP"},
+                                  {"name": "webhook", "containerPort": 10443, "protocol": "TCP"}]
+    # The Services reach the ports by name; the API server still calls the webhook Service on 443.
+    assert named(objects, "Service", "demo-singleton-operator-webhook")["spec"]["ports"] == [
+        {"name": "webhook", "port": 443, "targetPort": "webhook", "protocol": "TCP"}]
+    assert named(objects, "Service", "demo-singleton-operator-metrics")["spec"]["ports"][0]["targetPort"] == "http"
+    hook = one(objects, "MutatingWebhookConfiguration")["webhooks"][0]
+    assert hook["failurePolicy"] == "Ignore"
+    assert hook["clientConfig"]["service"]["port"] == 443
+    assert [rule["ports"] for rule in one(objects, "NetworkPolicy")["spec"]["ingress"]] == [
+        [{"port": 10280, "protocol": "TCP"}], [{"port": 10443, "protocol": "TCP"}]]
+    # hostNetwork is for the webhook: without it, the pods stay on the pod network.
+    off = one(render(tmp_path, {"webhook": {"enabled": False, "hostNetwork": True}}), "Deployment")
+    assert "hostNetwork" not in off["spec"]["template"]["spec"]
+    # One port for both would fail at start (address in use): refused at render, saying why.
+    clash = template(tmp_path, {"webhook": {"port": 8080}}, check=False)
+    assert clash.returncode != 0
+    assert "webhook.port and healthPort are both 8080: the operator serves the webhook and its health checks on " \
+        "two ports" in clash.stderr, clash.stderr
+
+
+@needs_helm
+def test_the_readme_objects_table_is_what_the_chart_renders() -> None:
+    text = chart_objects.README.read_text()
+    rows = chart_objects.expected_rows(text, "helm")
+    assert chart_objects.read_table(text) == rows, (
+        "charts/singleton/README.md's objects table differs from helm template: run "
+        "`.venv/bin/python -m tests.chart_objects --write` and write the notes of new rows")
+    assert [row for row in rows if row.notes == chart_objects.TODO] == []
+    # What the README owes its readers most: the cluster-wide webhook, installed by default.
+    assert chart_objects.Row("MutatingWebhookConfiguration", "<fullname>-operator", "cluster", "default",
+                             rows[[r.kind for r in rows].index("MutatingWebhookConfiguration")].notes) in rows
+    assert ("PrometheusRule", "with `monitoring.prometheusRule.enabled`") in {(r.kind, r.installed) for r in rows}
+    # A row the chart no longer renders, or one missing, is a difference.
+    edited = text.replace("| Issuer | `<fullname>-operator-selfsigned` |", "| Issuer | `<fullname>-operator-gone` |")
+    assert chart_objects.read_table(edited) != chart_objects.expected_rows(edited, "helm")
+
+
+@needs_helm
 def test_release_named_singleton_gives_the_documented_names(tmp_path: Path) -> None:
     objects = render(tmp_path, release="singleton")
     assert one(objects, "Deployment")["metadata"]["name"] == "singleton-operator"
@@ -475,6 +529,16 @@ BAD_VALUES = [
     pytest.param({"nodeSelector": ["linux"]}, "/nodeSelector", id="node-selector-not-map"),
     pytest.param({"admissionPolicy": {"validationActions": ["Block"]}}, "/admissionPolicy/validationActions/0",
                  id="validation-action"),
+    pytest.param({"webhook": {"failurePolicy": "Maybe"}},
+                 "at '/webhook/failurePolicy': value must be one of 'Fail', 'Ignore'", id="failure-policy"),
+    pytest.param({"webhook": {"port": 0}}, "at '/webhook/port': minimum: got 0, want 1,024", id="webhook-port-0"),
+    pytest.param({"webhook": {"port": 443}}, "at '/webhook/port': minimum: got 443, want 1,024",
+                 id="webhook-port-privileged"),
+    pytest.param({"webhook": {"port": 65536}}, "at '/webhook/port': maximum: got 65,536, want 65,535",
+                 id="webhook-port-65536"),
+    pytest.param({"webhook": {"port": "9443"}}, "/webhook/port", id="webhook-port-string"),
+    pytest.param({"webhook": {"hostNetwork": "yes"}}, "/webhook/hostNetwork", id="host-network-string"),
+    pytest.param({"healthPort": 80}, "at '/healthPort': minimum: got 80, want 1,024", id="health-port-80"),
 ]
 
 
@@ -582,6 +646,9 @@ def test_install_upgrade_uninstall(cluster: Cluster, singleton_crd: Path, releas
         "kubernetes.io/metadata.name": namespace}}}}
     out = release.helm("install", release.name, str(CHART), *values_args(own_namespace, tmp_path)).stdout
     assert "kubectl get singletonservices -A" in out and "singleton.dev/role=leader" in out  # NOTES.txt
+    assert (f"Pod webhook: MutatingWebhookConfiguration {release.name}-singleton-operator (cluster-wide, webhook "
+            "pods.singleton.dev, failurePolicy Fail)") in out, out
+    assert "While no operator replica answers, such pods are refused" in out, out
     crd = get_json(cluster, "crd/singletonservices.singleton.dev")
     assert {c["type"]: c["status"] for c in crd["status"]["conditions"]}["Established"] == "True"
 
