@@ -25,6 +25,8 @@ from pathlib import Path
 import pytest
 
 from singleton_sidecar import gate
+from singleton_sidecar.core.lock import Identity, Term, Token
+from singleton_sidecar.core.status import ElectionStatus, Role
 from tests.acting import APP, FINISH, Factory, assert_never_two_actors, spans
 from tests.sidecars import one_leader, wait_for
 
@@ -200,6 +202,65 @@ def test_the_kill_grace_counts_from_the_deadline_when_gate_sh_notices_late(tmp_p
         for pid in {int(line.split()[1]) for line in acts.read_text().splitlines()} if acts.exists() else ():
             with contextlib.suppress(ProcessLookupError):
                 os.kill(pid, signal.SIGKILL)
+
+
+def test_gate_sh_starts_the_app_on_the_sidecars_wake_not_at_its_next_look(tmp_path: Path) -> None:
+    """A flag written with a wake starts the app at once: with nothing to do, gate.sh looks on
+    its own only every second (it used to poll every 0.1 s: a few percent of a core at rest)."""
+    gate_dir, acts = tmp_path / "gate", tmp_path / "acts.log"
+    follower = gate.FileGate(gate_dir, kill_grace=1.0)
+    follower.install()
+    script = subprocess.Popen(["/bin/sh", str(gate_dir / "gate.sh"), sys.executable, APP],
+                              env={**os.environ, "ACT_LOG": str(acts)}, start_new_session=True,
+                              stderr=subprocess.DEVNULL)
+    try:
+        wait_for((gate_dir / "idle").exists, 10, "gate.sh to acknowledge the first stop nonce")
+        time.sleep(1.2)  # past gate.sh's first look on its own: the next is a second away
+        term = Term(identity=Identity("me"), token=Token(9), version="1", written_at=0.0)
+        follower.on_deadline(time.monotonic() + 30)
+        written = time.monotonic()
+        follower.on_status(ElectionStatus(group="g", identity=Identity("me"), role=Role.LEADER, term=term,
+                                          leader=Identity("me"), leader_token=Token(9), leader_since=0.0,
+                                          transitions=1, reason="test"))
+        wait_for(acts.exists, 10, "the app to act")
+        first = spans(acts)[0]
+        assert first.token == 9
+        assert first.first - written < 0.5, f"the app began {first.first - written:.3f} s after the flag"
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(script.pid, signal.SIGKILL)
+        script.wait()
+        for pid in {int(line.split()[1]) for line in acts.read_text().splitlines()} if acts.exists() else ():
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+
+
+def test_a_killed_gate_sh_leaves_no_wake_reader_behind(tmp_path: Path) -> None:
+    """The subshell that reads the wake pipe holds a read end only, so once gate.sh is gone (here
+    SIGKILLed, outside a container) its read ends and it exits instead of blocking forever."""
+    gate_dir = tmp_path / "gate"
+    gate.FileGate(gate_dir, kill_grace=1.0).install()
+    script = subprocess.Popen(["/bin/sh", str(gate_dir / "gate.sh"), "sleep", "60"], start_new_session=True,
+                              stderr=subprocess.DEVNULL)
+    wake = str(gate_dir / "wake")
+
+    def holders() -> set[int]:
+        found = set()
+        for fd in Path("/proc").glob("[0-9]*/fd/*"):
+            with contextlib.suppress(OSError):
+                if os.readlink(fd) == wake:
+                    found.add(int(fd.parts[2]))
+        return found
+
+    try:
+        wait_for(lambda: len(holders()) >= 2, 10, "gate.sh and its wake reader to open the pipe")
+        assert script.pid in holders()
+        os.kill(script.pid, signal.SIGKILL)
+        script.wait()
+        wait_for(lambda: not holders(), 5, "the wake reader to exit once gate.sh is gone")
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(script.pid, signal.SIGKILL)
 
 
 FOLLOWER = """

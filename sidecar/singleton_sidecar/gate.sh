@@ -22,7 +22,8 @@ child=""
 stopping=0
 last_deadline=""
 trap 'stopping=1' TERM INT
-trap : USR1  # the wake reader's signal (below): it only ends the main loop's wait
+woke=0
+trap 'woke=1' USR1  # the wake reader's signal (below): the flags changed since the loop looked
 
 now_cs() {
   read -r up _ < /proc/uptime
@@ -191,7 +192,9 @@ pause() {
   fi
   sleep "$(( nap / 100 )).$(( nap % 100 / 10 ))$(( nap % 10 ))" &
   nap_pid=$!
-  if ! wait "$nap_pid"; then
+  # A wake that came while the loop was busy ends the wait before it starts (one that comes after
+  # this check ends the wait itself).
+  if [ "$woke" = 1 ] || ! wait "$nap_pid"; then
     kill "$nap_pid" 2>/dev/null
     wait "$nap_pid" 2>/dev/null
   fi
@@ -200,6 +203,7 @@ pause() {
 rm -f "$dir/draining.requested"
 acknowledge
 while :; do
+  woke=0  # before reading the files: a change after this wakes the next pause
   if [ "$stopping" = 1 ]; then
     : > "$dir/draining.requested"
     stop_child
