@@ -90,6 +90,12 @@ docker-build: ## build the image with Docker where an engine runs, else `make im
 image: venv ## build the Dockerfile with buildah into an OCI archive; prints its path, reference, size
 	$(BIN)/singleton-testbed image
 
+# Wheels and sdists of both distributions, the chart, SHA256SUMS, each checked (twine check
+# --strict, helm lint, their contents): singleton_testbed/dist.py; tests/test_dist.py runs it too.
+.PHONY: dist
+dist: venv ## build and check every release artifact into dist/ (nothing is pushed)
+	$(BIN)/python -m singleton_testbed.dist dist
+
 chart-crds: ## copy the CRDs (crds/ is the single source of truth) into the chart
 	cp crds/singleton.dev_singletonservices.yaml charts/singleton/crds/singleton.dev_singletonservices.yaml
 

@@ -1,0 +1,171 @@
+"""``make dist``: build every release artifact into one folder and check it, as a release
+would publish it (nothing is pushed from here)::
+
+    python -m singleton_testbed.dist [OUT_DIR]      # default: dist/
+
+- wheel and sdist of ``kube-singleton`` (the root) and ``kube-singleton-sdk`` (``sdk/``), by
+  ``python -m build``, checked by ``twine check --strict`` and by their contents: LICENSE in
+  each, and the package data the sidecar needs at run time (``gate.sh``, ``py.typed``);
+- the Helm chart, ``helm lint --strict`` then ``helm package``, with its values schema and CRD;
+- ``SHA256SUMS`` of all of them.
+
+Every check raises ``DistError`` naming what is wrong; the last line printed is the folder.
+``tests/test_dist.py`` runs it and checks the artifacts again from the outside.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import re
+import shutil
+import subprocess
+import sys
+import tarfile
+import tomllib
+import zipfile
+from pathlib import Path
+
+import yaml
+
+from singleton_testbed.binaries import find
+
+ROOT = Path(__file__).resolve().parent.parent.parent
+CHART = ROOT / "charts" / "singleton"
+KUBE_VERSION = "1.34.0"  # the test bed's helm assumes v1.20 without it; the chart needs >= 1.29
+PROJECTS = {"kube-singleton": ROOT, "kube-singleton-sdk": ROOT / "sdk"}
+# Files a wheel must hold besides its modules: what setuptools leaves out when package-data
+# is wrong, and nothing notices until a pod starts (the file gate runs gate.sh).
+WHEEL_DATA = {
+    "kube-singleton": ["singleton_sidecar/gate.sh", "singleton_sidecar/py.typed", "singleton_operator/py.typed",
+                       "singleton_ctl/py.typed"],
+    "kube-singleton-sdk": ["singleton_sdk/py.typed"],
+}
+CHART_FILES = ["Chart.yaml", "values.yaml", "values.schema.json", "crds/singleton.dev_singletonservices.yaml"]
+
+
+class DistError(Exception):
+    pass
+
+
+def version_of(project: Path) -> str:
+    version: str = tomllib.loads((project / "pyproject.toml").read_text())["project"]["version"]
+    return version
+
+
+def check_versions() -> str:
+    """One version for every artifact of a release."""
+    versions = {name: version_of(path) for name, path in PROJECTS.items()}
+    chart = yaml.safe_load((CHART / "Chart.yaml").read_text())
+    versions["chart version"], versions["chart appVersion"] = str(chart["version"]), str(chart["appVersion"])
+    if len(set(versions.values())) != 1:
+        raise DistError(f"the artifacts' versions differ: {versions}")
+    return versions["kube-singleton"]
+
+
+def build_python(out: Path) -> None:
+    """Both distributions at once (each ``build`` is mostly waiting on its isolated env)."""
+    running = [(name, subprocess.Popen([sys.executable, "-m", "build", "--outdir", str(out), str(path)],
+                                       stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
+               for name, path in PROJECTS.items()]
+    for name, process in running:
+        output, _ = process.communicate()
+        if process.returncode != 0:
+            raise DistError(f"python -m build failed for {name}:\n{output}")
+
+
+def python_artifacts(out: Path, version: str) -> list[Path]:
+    paths = []
+    for name in PROJECTS:
+        stem = f"{name.replace('-', '_')}-{version}"
+        paths += [out / f"{stem}-py3-none-any.whl", out / f"{stem}.tar.gz"]
+    missing = [path.name for path in paths if not path.is_file()]
+    if missing:
+        raise DistError(f"not built: {missing}")
+    return paths
+
+
+def twine_check(paths: list[Path]) -> None:
+    names = [path.name for path in paths]  # relative: rich wraps long lines at 80 columns
+    result = subprocess.run([sys.executable, "-m", "twine", "check", "--strict", *names], cwd=paths[0].parent,
+                            capture_output=True, text=True, check=False)
+    plain = re.sub(r"\x1b\[[0-9;]*m", "", result.stdout)  # rich colours it whatever NO_COLOR says
+    passed = re.findall(r"^Checking (\S+): PASSED$", plain, re.MULTILINE)
+    if result.returncode != 0 or sorted(passed) != sorted(names):
+        raise DistError(f"twine check --strict failed:\n{result.stdout}{result.stderr}")
+
+
+def check_contents(out: Path, version: str) -> None:
+    license_text = (ROOT / "LICENSE").read_bytes()
+    for name in PROJECTS:
+        stem = f"{name.replace('-', '_')}-{version}"
+        with zipfile.ZipFile(out / f"{stem}-py3-none-any.whl") as wheel:
+            names = set(wheel.namelist())
+            wanted = [f"{stem}.dist-info/licenses/LICENSE", *WHEEL_DATA[name]]
+            if missing := [member for member in wanted if member not in names]:
+                raise DistError(f"{stem} wheel lacks {missing}")
+            if wheel.read(f"{stem}.dist-info/licenses/LICENSE") != license_text:
+                raise DistError(f"{stem} wheel's LICENSE is not the repository's")
+        with tarfile.open(out / f"{stem}.tar.gz") as sdist:
+            member = sdist.extractfile(f"{stem}/LICENSE")
+            if member is None or member.read() != license_text:
+                raise DistError(f"{stem} sdist's LICENSE is not the repository's")
+
+
+def build_chart(out: Path, version: str) -> Path:
+    helm = str(find("helm"))
+    lint = subprocess.run([helm, "lint", "--strict", "--kube-version", KUBE_VERSION, str(CHART)],
+                          capture_output=True, text=True, check=False)
+    if lint.returncode != 0 or "[WARNING]" in lint.stdout or "[ERROR]" in lint.stdout:
+        raise DistError(f"helm lint --strict failed:\n{lint.stdout}{lint.stderr}")
+    package = subprocess.run([helm, "package", str(CHART), "--destination", str(out)], capture_output=True,
+                             text=True, check=False)
+    archive = out / f"singleton-{version}.tgz"
+    if package.returncode != 0 or not archive.is_file():
+        raise DistError(f"helm package failed:\n{package.stdout}{package.stderr}")
+    with tarfile.open(archive) as tar:
+        names = set(tar.getnames())
+    if missing := [name for name in CHART_FILES if f"singleton/{name}" not in names]:
+        raise DistError(f"the chart archive lacks {missing}")
+    return archive
+
+
+def write_sums(out: Path) -> Path:
+    sums = out / "SHA256SUMS"
+    lines = [f"{hashlib.sha256(path.read_bytes()).hexdigest()}  {path.name}\n"
+             for path in sorted(out.iterdir()) if path.is_file() and path != sums]
+    sums.write_text("".join(lines))
+    return sums
+
+
+def dist(out: Path) -> list[Path]:
+    version = check_versions()
+    if out.exists():
+        shutil.rmtree(out)  # only this run's artifacts, so SHA256SUMS lists exactly them
+    out.mkdir(parents=True)
+    build_python(out)
+    artifacts = python_artifacts(out, version)
+    twine_check(artifacts)
+    check_contents(out, version)
+    artifacts.append(build_chart(out, version))
+    artifacts.append(write_sums(out))
+    return artifacts
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(prog="python -m singleton_testbed.dist", description=__doc__.split("\n\n")[0])
+    parser.add_argument("out", nargs="?", type=Path, default=ROOT / "dist", help="the folder to (re)create")
+    args = parser.parse_args()
+    try:
+        artifacts = dist(args.out.resolve())
+    except DistError as exc:
+        print(f"make dist: error: {exc}", file=sys.stderr)
+        return 1
+    for path in artifacts:
+        print(f"{path.stat().st_size:>10}  {path.name}")
+    print(args.out.resolve())
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
