@@ -54,18 +54,18 @@ def programs() -> dict[str, str]:
     return {name: path for name in (*UTILITIES, *checked, "go", "initdb", "pgbouncer") if (path := shutil.which(name))}
 
 
-def bin_without(folder: Path, *missing: str, apt_get: bool = True) -> Path:
+def bin_without(folder: Path, *missing: str, apt_get: bool = True, stand_ins: dict[str, str] | None = None) -> Path:
     """A PATH folder: the programs above but ``missing`` and (``apt_get``) a stand-in apt-get,
-    never this machine's."""
+    never this machine's; ``stand_ins``: other programs' scripts in their place."""
+    scripts = {**({"apt-get": APT_STAND_IN} if apt_get else {}), **(stand_ins or {})}
     bin_dir = folder / "bin"
     bin_dir.mkdir()
     for name, path in programs().items():
-        if name not in missing:
+        if name not in missing and name not in scripts:
             (bin_dir / name).symlink_to(path)
-    if apt_get:
-        stand_in = bin_dir / "apt-get"
-        stand_in.write_text(APT_STAND_IN)
-        stand_in.chmod(0o755)
+    for name, script in scripts.items():
+        (bin_dir / name).write_text(script)
+        (bin_dir / name).chmod(0o755)
     log = folder / "apt-get.log"
     log.touch()
     log.chmod(0o666)
@@ -73,11 +73,11 @@ def bin_without(folder: Path, *missing: str, apt_get: bool = True) -> Path:
 
 
 def run(folder: Path, mode: str, *targets: str, missing: tuple[str, ...] = (), no_apt: bool = False,
-        as_nobody: bool = False, apt_get: bool = True) -> Run:
+        as_nobody: bool = False, apt_get: bool = True, stand_ins: dict[str, str] | None = None) -> Run:
     run_dir = Path(tempfile.mkdtemp(prefix=f"{mode}-", dir=folder))
     run_dir.chmod(0o755)
     env = {key: value for key, value in os.environ.items() if key != "SINGLETON_NO_APT"}
-    env["PATH"] = str(bin_without(run_dir, *missing, apt_get=apt_get))
+    env["PATH"] = str(bin_without(run_dir, *missing, apt_get=apt_get, stand_ins=stand_ins))
     env["PYTHON"] = sys.executable
     if no_apt:
         env["SINGLETON_NO_APT"] = "1"
@@ -178,7 +178,9 @@ def test_install_as_root_says_what_and_why_before_apt_get(folder: Path) -> None:
     said = after.output.index("installing with apt-get")
     assert said < after.output.index("stand-in apt-get update")
     why = next(line for line in after.output[said:].splitlines() if line.split()[:1] == [PACKAGE[tool]])
-    assert f"({tool})" in why and len(why.split()) > 2  # the package, why, and what shows it
+    listed = re.search(rf"^cmd:{tool} +{PACKAGE[tool]} +bed +(.+)$", SCRIPT.read_text(), re.MULTILINE)
+    assert listed, f"{tool} is not in the script's list as the test bed's"
+    assert why.split(None, 1)[1] == f"{listed.group(1)} ({tool})"  # the package, why, and what shows it
     assert f"still missing after apt-get install {' '.join(after.apt_calls[1].split()[4:])}" in after.output
     assert after.returncode == 1
 
@@ -190,6 +192,26 @@ def test_no_apt_get_on_path_prints_the_apt_get_line_and_fails(folder: Path) -> N
     if os.geteuid() == 0:
         assert "no apt-get here, installing nothing" in after.output
     assert PACKAGE[tool] in after.required, after.output
+
+
+def test_without_go_it_installs_debians_only_if_new_enough(folder: Path) -> None:
+    """testbed/build.sh builds with the machine's Go alone (GOTOOLCHAIN=local): Debian 12's 1.19
+    would not do, and installing it would not help."""
+    lines = [re.findall(r"^go (\S+)", (ROOT / "testbed" / "go" / module / "go.mod").read_text(), re.MULTILINE)
+             for module in ("etcd", "kubernetes", "helm", "pause")]
+    want = max((line for found in lines for line in found), key=lambda v: [int(part) for part in v.split(".")])
+    minor = int(want.split(".")[1])
+
+    def apt_cache(minor: int) -> dict[str, str]:
+        return {"apt-cache": f"#!/bin/sh\necho 'golang-go:'\necho '  Candidate: 2:1.{minor}~1'\n"}
+
+    old = run(folder, "check", "testbed", missing=("go",), stand_ins=apt_cache(minor - 1))
+    assert old.returncode == 1
+    assert old.required == set(), old.output
+    assert f"Debian's golang-go here is 1.{minor - 1}: testbed/go needs Go >= {want}" in old.output
+    new = run(folder, "check", "testbed", missing=("go",), stand_ins=apt_cache(minor))
+    assert new.returncode == 1
+    assert new.required == {"golang-go"}, new.output
 
 
 def test_make_runs_the_script_first_and_ci_run_uses_it() -> None:
@@ -209,7 +231,7 @@ def test_the_list_has_what_the_node_and_the_image_check(monkeypatch: pytest.Monk
     for path in (node.CONTAINERD, node.CTR, node.RUNC, *(node.CNI_BIN / name for name in ("bridge", "host-local",
                                                                                           "loopback"))):
         assert f"\nfile:{path} " in text
-    monkeypatch.setattr(images.shutil, "which", lambda *_args, **_kwargs: None)
+    monkeypatch.setattr(shutil, "which", lambda *_args, **_kwargs: None)
     assert images.missing_tools()
     for tool in images.missing_tools():
         assert f"\ncmd:{tool} " in text
