@@ -930,11 +930,12 @@ def test_explain_documents_fields(cluster: Cluster, singleton_crd: Path) -> None
     assert "FIELD: leaseDuration <string>" in lease
     assert "valid without renewal" in lease
     conditions = _explain(cluster, "singletonservice.status.conditions")
-    for condition_type in ("Available", "LeaderElected", "Progressing", "Degraded"):
+    for condition_type in ("Available", "LeaderElected", "Progressing", "Degraded", "DatabaseReachable"):
         assert condition_type in conditions
     postgres = _explain(cluster, "sgl.spec.postgres")
     assert "Secret" in postgres
     assert "secretRef" in postgres
+    assert "connectionCheck\t<string>" in postgres, postgres
 
 
 def test_printer_columns_short_name_category_and_status(cluster: Cluster, namespace: str, singleton_crd: Path) -> None:
