@@ -29,7 +29,7 @@ from tests.conftest import Cluster
 from tests.kubehelpers import get_json
 from tests.operators import OperatorProcess
 from tests.sidecars import wait_for
-from tests.test_operator import Factory, condition, cr, operators  # noqa: F401
+from tests.test_operator import Factory, condition, cr, operator_samples, operators  # noqa: F401
 
 IMAGE = "example.invalid/singleton:test"
 
@@ -271,6 +271,25 @@ def test_the_operator_adopts_a_deployment_and_gives_it_back(cluster: Cluster, na
     cluster.kubectl("delete", "singletonservice", name, "-n", namespace, "--wait=true", "--timeout=30s")
     assert contract.LABEL_GROUP not in template_labels(cluster, namespace, name)
     assert template_labels(cluster, namespace, name)["app"] == name
+
+
+def test_an_adopted_workload_scaled_to_zero_exports_no_leader_count(cluster: Cluster, namespace: str,
+                                                                    adopting_operator: OperatorProcess) -> None:
+    """No leader is what a workload scaled to zero asks for: singleton_group_leaders leaves it
+    out (SingletonNoLeader reads 0 as an alert); scaled up with no leader yet, it says 0."""
+    name = "zero-" + uuid.uuid4().hex[:4]
+    series = ("singleton_group_leaders", (("group", name), ("namespace", namespace)))
+    vendor = vendor_deployment(name)
+    vendor["spec"]["replicas"] = 0
+    cluster.apply(json.dumps(vendor), namespace=namespace)
+    cluster.apply(json.dumps(adopting(name, workload=name)), namespace=namespace)
+    wait_for(lambda: (cr(cluster, namespace, name).get("status") or {}).get("phase") or None, 20, "a status", 0.2)
+    wait_for(lambda: contract.LABEL_GROUP in template_labels(cluster, namespace, name) or None, 20, "adopted", 0.2)
+    assert series not in operator_samples(adopting_operator)
+    cluster.kubectl("scale", "deployment", name, "-n", namespace, "--replicas=1")
+    # A change of the group makes the operator read the workload again at once.
+    cluster.kubectl("annotate", "singletonservice", name, "-n", namespace, "example.com/scaled=1")
+    wait_for(lambda: operator_samples(adopting_operator).get(series) == 0.0 or None, 20, "the count at 0", 0.2)
 
 
 def webhook_configuration(name: str, namespace: str, port: int) -> dict[str, Any]:

@@ -242,7 +242,7 @@ def test_the_group_leaders_gauge_follows_the_pods_role_labels(
     controllers: Cluster, namespace: str, operators: Factory
 ) -> None:
     """singleton_group_leaders, from the operator alone (no sidecar scraped): what SingletonNoLeader
-    and SingletonTwoLeaders read when the groups' pods are not scraped."""
+    reads when the groups' pods are not scraped."""
     cluster = controllers
     operator = operators()
     name = "gl-" + uuid.uuid4().hex[:4]

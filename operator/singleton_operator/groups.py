@@ -492,7 +492,10 @@ class Groups:
                                         self.applied.get(key) if kept else None)
         observed = dataclasses.replace(observed, database=self.database.get(key) if kept else None)
         leader_changes = self.metrics.leader_changes.labels(namespace, name)  # exported from 0 on
-        self.metrics.group_leaders.labels(namespace, name).set(labelled_leaders(observed.pods))
+        if spec.replicas > 0:
+            self.metrics.group_leaders.labels(namespace, name).set(labelled_leaders(observed.pods))
+        else:  # scaled to zero: no leader is what was asked for, not an alert
+            self.metrics.group_leaders.remove(namespace, name)
         if await write_status(self.client, spec, body.get("status") or {}, observed):
             self.metrics.status_updates.inc()
             # The same rule as write_status's LeaderChanged Event.
