@@ -9,7 +9,8 @@ PACKAGES := sidecar testbed operator sdk
 .PHONY: prerequisites test lint unit venv testbed testbed-up testbed-down testbed-node-test e2e-existing clean
 
 # The test bed (testbed/pyproject.toml) is a distribution of its own, for development only.
-$(BIN)/.installed: pyproject.toml testbed/pyproject.toml sdk/pyproject.toml
+# After the prerequisites (python3-venv), also under make -j; order-only: they are no reason to rebuild.
+$(BIN)/.installed: pyproject.toml testbed/pyproject.toml sdk/pyproject.toml | prerequisites
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install --quiet --upgrade pip
 	$(BIN)/pip install --quiet -e '.[dev]' -e ./testbed -e ./sdk
