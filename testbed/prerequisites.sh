@@ -123,7 +123,7 @@ check_one() {
 
 # survey: fills missing_required / missing_wanted (lines "PACKAGE  why (WHAT)") and unfit_lines.
 survey() {
-  missing_required= missing_wanted= unfit_lines=
+  missing_required='' missing_wanted='' unfit_lines=''
   local what package group why status
   while read -r what package group why; do
     case " $required $wanted " in *" $group "*) ;; *) continue ;; esac
@@ -170,7 +170,7 @@ mode=${1:-check}
 [ $# -gt 0 ] || set -- venv
 label="make $*"
 [ "$*" = ci ] && label=.ci/run
-required= wanted=
+required='' wanted=''
 for target in "$@"; do needs "$target"; done
 survey
 
