@@ -193,9 +193,10 @@ case $mode in
     install=$(packages "$missing_required$missing_wanted")
     echo "$label: installing with apt-get (SINGLETON_NO_APT=1 to only check):" >&2
     printf '%s' "$missing_required$missing_wanted" >&2
-    apt-get update -qq
+    # A failed apt-get decides nothing by itself: what is still missing after it does (below).
+    apt-get update -qq || echo "prerequisites: apt-get update failed" >&2
     # shellcheck disable=SC2086  # one word per package
-    DEBIAN_FRONTEND=noninteractive apt-get install -y -qq $install
+    DEBIAN_FRONTEND=noninteractive apt-get install -y -qq $install || echo "prerequisites: apt-get install failed" >&2
     survey
     if [ -n "$missing_required$missing_wanted" ]; then
       echo "prerequisites: still missing after apt-get install $install" >&2

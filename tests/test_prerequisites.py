@@ -185,6 +185,21 @@ def test_install_as_root_says_what_and_why_before_apt_get(folder: Path) -> None:
     assert after.returncode == 1
 
 
+@pytest.mark.skipif(os.geteuid() != 0, reason="the script installs only as root")
+def test_a_failed_apt_get_stops_make_test_only_for_what_it_needs(folder: Path) -> None:
+    """Without the image's packages `make test` goes on (their tests skip), as before it installed."""
+    tool = present("buildah", "mmdebstrap")
+    failing = {"apt-get": APT_STAND_IN + "exit 100\n"}
+    before = run(folder, "check", "test")
+    after = run(folder, "install", "test", missing=(tool,), stand_ins=failing)
+    assert "prerequisites: apt-get install failed" in after.output
+    assert after.wanted == before.wanted | {PACKAGE[tool]}, after.output
+    assert after.returncode == before.returncode
+    demo = run(folder, "install", "demo", missing=(tool,), stand_ins=failing)
+    assert PACKAGE[tool] in demo.required, demo.output
+    assert demo.returncode == 1
+
+
 def test_no_apt_get_on_path_prints_the_apt_get_line_and_fails(folder: Path) -> None:
     tool = present("openssl", "psql")
     after = run(folder, "install", "test", missing=(tool,), apt_get=False)
