@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # The machine's prerequisites, the one list: what shows each is there, the Debian package that
-# provides it, and what needs it. `make test`, `make demo`, `make testbed`, `make venv` and
-# .ci/run call this before anything else (the venv too needs it: Debian keeps `python3 -m venv`
-# in a package of its own).
+# provides it, and what needs it. `make test`, `make demo`, `make testbed`, `make image`, every
+# target that makes the venv, and .ci/run call this before anything else (the venv too needs it:
+# Debian keeps `python3 -m venv` in a package of its own); `make prerequisites`: everything.
 #
 #   testbed/prerequisites.sh check   [TARGET...]   say what is missing; non-zero if TARGET cannot run
 #   testbed/prerequisites.sh install [TARGET...]   as root with apt: install what is missing first
