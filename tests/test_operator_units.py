@@ -787,3 +787,20 @@ def test_the_database_condition_says_the_last_check_and_is_kept_until_the_first(
     lease = read_spec(body(replicas=3), default_sidecar_image=IMAGE)
     assert database(compute_status(lease, Observed(RUNNING, READY_DEPLOYMENT, database=unreachable), warned,
                                    NOW)) is None
+
+
+def test_the_operators_connection_check_is_the_default_of_groups_that_set_none() -> None:
+    from singleton_operator.cli import load, parser
+
+    assert load(parser().parse_args(["run"]), {}).postgres_connection_check == "block"
+    environ = {"SINGLETON_POSTGRES_CONNECTION_CHECK": "warn"}
+    assert load(parser().parse_args(["run"]), environ).postgres_connection_check == "warn"
+    assert load(parser().parse_args(["run", "--postgres-connection-check", "skip"]),
+                environ).postgres_connection_check == "skip"
+    with pytest.raises(ConfigError, match=r"^--postgres-connection-check \(SINGLETON_POSTGRES_CONNECTION_CHECK\): "
+                                          r"must be block, warn or skip, got 'Warn'$"):
+        load(parser().parse_args(["run"]), {"SINGLETON_POSTGRES_CONNECTION_CHECK": "Warn"})
+    unset, block = ({"secretRef": {"name": "db"}}, {"secretRef": {"name": "db"}, "connectionCheck": "block"})
+    assert [read_spec(body(backend="postgres", postgres=postgres), default_sidecar_image=IMAGE,
+                      default_connection_check="warn").postgres_connection_check
+            for postgres in (unset, block)] == ["warn", "block"]

@@ -18,9 +18,10 @@ import socket
 import sys
 import uuid
 from collections.abc import Mapping, Sequence
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, cast
 
 from singleton_operator import kopf_logs
+from singleton_operator.spec import CONNECTION_CHECKS, ConnectionCheck
 from singleton_sidecar.config import ConfigError, Listen, _listen
 from singleton_sidecar.early_stop import stop_on_sigterm_until_started
 from singleton_sidecar.kube import KubeConfigError
@@ -57,6 +58,10 @@ def parser() -> argparse.ArgumentParser:
                      help="a Secret (in each group's namespace) added to every group's pods' imagePullSecrets, "
                           "for the sidecar's image (repeatable) [SINGLETON_SIDECAR_IMAGE_PULL_SECRETS, "
                           "comma-separated]")
+    run.add_argument("--postgres-connection-check", default=None, choices=CONNECTION_CHECKS,
+                     help="for groups that do not set spec.postgres.connectionCheck: whether the operator's own "
+                          "connection to their database blocks them when it fails (default block), only warns, or "
+                          "is not tried [SINGLETON_POSTGRES_CONNECTION_CHECK]")
     run.add_argument("--lease-namespace", default=None, metavar="NS",
                      help="namespace of the operator's own Lease (default: its own namespace) "
                           "[SINGLETON_OPERATOR_NAMESPACE]")
@@ -112,6 +117,11 @@ def load(args: argparse.Namespace, environ: Mapping[str, str]) -> OperatorConfig
         if len(secret) > 253 or not _DNS1123_SUBDOMAIN.match(secret):
             raise ConfigError(f"--sidecar-image-pull-secret (SINGLETON_SIDECAR_IMAGE_PULL_SECRETS): {secret!r} is "
                               "not a Secret name")
+    connection_check = (args.postgres_connection_check or environ.get("SINGLETON_POSTGRES_CONNECTION_CHECK")
+                        or "block")
+    if connection_check not in CONNECTION_CHECKS:
+        raise ConfigError(f"--postgres-connection-check (SINGLETON_POSTGRES_CONNECTION_CHECK): must be block, warn "
+                          f"or skip, got {connection_check!r}")
     base = args.identity or environ.get("SINGLETON_OPERATOR_POD_NAME") or f"{socket.gethostname()}-{os.getpid()}"
     webhook = _webhook(args, environ)
     return OperatorConfig(
@@ -124,6 +134,7 @@ def load(args: argparse.Namespace, environ: Mapping[str, str]) -> OperatorConfig
         kubeconfig=args.kubeconfig,
         sidecar_pull_policy=pull_policy,
         image_pull_secrets=tuple(dict.fromkeys(pull_secrets)),
+        postgres_connection_check=cast("ConnectionCheck", connection_check),
     )
 
 

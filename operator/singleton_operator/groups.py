@@ -39,7 +39,7 @@ from singleton_operator.resources import (
     sidecar_config_digest,
     uninjected_template,
 )
-from singleton_operator.spec import GroupSpec, SpecError, WorkloadSpecError, read_spec
+from singleton_operator.spec import ConnectionCheck, GroupSpec, SpecError, WorkloadSpecError, read_spec
 from singleton_operator.status import DatabaseCheck, find_leader, labelled_leaders
 from singleton_sidecar.kube import KubeClient, KubeError, KubeNotFound
 
@@ -105,6 +105,8 @@ class Groups:
     webhook_serving: bool = False
     """Whether this operator serves the pod webhook (adopted pods get their sidecar from it)."""
     operator_namespace: str | None = None
+    postgres_connection_check: ConnectionCheck = "block"
+    """--postgres-connection-check: for groups that do not set spec.postgres.connectionCheck."""
     problems: dict[GroupKey, ReconcileProblem] = field(default_factory=dict)
     adopted: dict[GroupKey, AdoptionState] = field(default_factory=dict)
     """Per adopting group, what its last reconcile left on the workload (``adoption_state``)."""
@@ -148,7 +150,8 @@ class Groups:
             template = (workload.get("spec") or {}).get("template") or {}
             workload = {**workload, "spec": {**(workload.get("spec") or {}),
                                              "template": uninjected_template(template)}}
-        spec = read_spec(body, default_sidecar_image=self.sidecar_image, workload=workload)
+        spec = read_spec(body, default_sidecar_image=self.sidecar_image, workload=workload,
+                         default_connection_check=self.postgres_connection_check)
         return dataclasses.replace(spec, sidecar_pull_policy=self.sidecar_pull_policy,
                                    image_pull_secrets=self.image_pull_secrets)
 

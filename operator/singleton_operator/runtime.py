@@ -28,6 +28,7 @@ from singleton_operator import certs
 from singleton_operator.groups import Groups
 from singleton_operator.handlers import registry
 from singleton_operator.metrics import OperatorMetrics
+from singleton_operator.spec import ConnectionCheck
 from singleton_operator.webhook import PATH as WEBHOOK_PATH
 from singleton_operator.webhook import PodAdmission
 from singleton_sidecar.backends.lease import LeaseBackend
@@ -66,6 +67,7 @@ class OperatorConfig:
     sidecar_pull_policy: str | None = None
     image_pull_secrets: tuple[str, ...] = ()
     webhook: WebhookConfig | None = None
+    postgres_connection_check: ConnectionCheck = "block"
 
 
 def health_app(elector: Elector, metrics: OperatorMetrics,
@@ -299,7 +301,8 @@ async def _run_kopf_while_leading(config: OperatorConfig, client: KubeClient, me
                                   expiration: Callable[[], dt.datetime | None]) -> int:
     groups = Groups(client=client, sidecar_image=config.sidecar_image, metrics=metrics,
                     sidecar_pull_policy=config.sidecar_pull_policy, image_pull_secrets=config.image_pull_secrets,
-                    webhook_serving=config.webhook is not None, operator_namespace=config.lease_namespace)
+                    webhook_serving=config.webhook is not None, operator_namespace=config.lease_namespace,
+                    postgres_connection_check=config.postgres_connection_check)
     loop = asyncio.get_running_loop()
     stop_flag: asyncio.Future[None] = loop.create_future()
     ready_flag: asyncio.Future[None] = loop.create_future()

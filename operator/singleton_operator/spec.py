@@ -210,9 +210,10 @@ class GroupSpec:
     postgres_mode: PostgresMode = "session"
     """``spec.postgres.mode``: ``session`` (advisory lock) or ``pooled`` (through a transaction pooler)."""
     postgres_connection_check: ConnectionCheck = "block"
-    """``spec.postgres.connectionCheck``: whether the operator's own connection to the database,
-    before it applies anything, blocks the group when it fails (``block``), only warns (``warn``:
-    where only the app's pods can reach the database), or is not tried (``skip``)."""
+    """``spec.postgres.connectionCheck`` (unset: the operator's --postgres-connection-check):
+    whether the operator's own connection to the database, before it applies anything, blocks
+    the group when it fails (``block``), only warns (``warn``: where only the app's pods can
+    reach the database), or is not tried (``skip``)."""
     service_type: str = "ClusterIP"
     service_ports: tuple[ServicePort, ...] = ()
     service_annotations: dict[str, str] = field(default_factory=dict)
@@ -457,8 +458,11 @@ def _sidecar_resources(raw: Mapping[str, Any] | None) -> dict[str, Any] | None:
 
 
 def read_spec(body: dict[str, Any], *, default_sidecar_image: str,
-              workload: Mapping[str, Any] | None = None) -> GroupSpec:
+              workload: Mapping[str, Any] | None = None,
+              default_connection_check: ConnectionCheck = "block") -> GroupSpec:
     """The resolved spec of a SingletonService object (as the API server returns it).
+    ``default_connection_check``: the operator's --postgres-connection-check, for a group that
+    does not set ``spec.postgres.connectionCheck``.
 
     A group that adopts a workload (``spec.workloadRef``) is read with that workload as the
     API server returns it (or the pod being admitted, in the pod's own shape): its pod
@@ -470,7 +474,7 @@ def read_spec(body: dict[str, Any], *, default_sidecar_image: str,
         if workload is not None:
             raise ValueError("a workload was given for a group that carries its own template")
         return _read_spec(body, spec.get("template") or {}, int(spec.get("replicas", 2)), default_sidecar_image,
-                          None)
+                          None, default_connection_check=default_connection_check)
     if spec.get("template") is not None:
         raise SpecError("spec.template: must not be set together with spec.workloadRef (the group runs the adopted "
                         "workload's own pod template)")
@@ -480,7 +484,7 @@ def read_spec(body: dict[str, Any], *, default_sidecar_image: str,
     workload_spec = workload.get("spec") or {}
     try:
         return _read_spec(body, workload_spec.get("template") or {}, int(workload_spec.get("replicas", 1)),
-                          default_sidecar_image, ref)
+                          default_sidecar_image, ref, default_connection_check=default_connection_check)
     except SpecError as exc:
         if "spec.template" in str(exc):
             raise WorkloadSpecError(f"{exc} (in the adopted {where})") from None
@@ -488,7 +492,7 @@ def read_spec(body: dict[str, Any], *, default_sidecar_image: str,
 
 
 def _read_spec(body: dict[str, Any], template: dict[str, Any], replicas: int, default_sidecar_image: str,
-               ref: WorkloadRef | None) -> GroupSpec:
+               ref: WorkloadRef | None, *, default_connection_check: ConnectionCheck) -> GroupSpec:
     metadata, spec = body["metadata"], body.get("spec") or {}
     name = metadata["name"]
     backend: Backend = spec.get("backend", "lease")
@@ -516,7 +520,7 @@ def _read_spec(body: dict[str, Any], template: dict[str, Any], replicas: int, de
     postgres_mode: PostgresMode = postgres.get("mode", "session")
     if postgres_mode not in ("session", "pooled"):
         raise SpecError(f"spec.postgres.mode: must be session or pooled, got {postgres_mode!r}")
-    connection_check: ConnectionCheck = postgres.get("connectionCheck", "block")
+    connection_check: ConnectionCheck = postgres.get("connectionCheck", default_connection_check)
     if connection_check not in CONNECTION_CHECKS:
         raise SpecError(f"spec.postgres.connectionCheck: must be block, warn or skip, got {connection_check!r}")
     sidecar = spec.get("sidecar") or {}
