@@ -71,7 +71,7 @@ def parser() -> argparse.ArgumentParser:
     hook = run.add_argument_group("pod webhook", "the mutating webhook that adds the sidecar to adopted workloads' "
                                                  "pods (docs/adoption.md); served by every replica")
     hook.add_argument("--webhook-listen", default=None, metavar="HOST:PORT",
-                      help="serve the webhook (HTTPS) here; off when unset (the chart sets 0.0.0.0:9443) "
+                      help="serve the webhook (HTTPS) here; off when unset (the chart: 0.0.0.0:<webhook.port>) "
                            "[SINGLETON_WEBHOOK_LISTEN]")
     hook.add_argument("--webhook-service", default=None, metavar="NAME",
                       help=f"the webhook's Service, named in its certificate (default {DEFAULT_WEBHOOK_SERVICE}) "
