@@ -19,9 +19,8 @@ Conventions (kept small on purpose):
       plain, plus ``SINGLETON_POSTGRES_DSN`` exported (the session's PostgreSQL).
   ``chart``
       the chart is not installed yet; its pods run on the session's real node (below), so the
-      operator the chart installs really runs; namespace ``feeds`` exists and
-      ``my-singletonservice.yaml`` (the README's SingletonService example) is in the working
-      folder. Blocks of one document share one such context; it is torn down (helm uninstall,
+      operator the chart installs really runs; ``my-singletonservice.yaml`` (the README's
+      SingletonService example) is in the working folder (the blocks create its namespace). Blocks of one document share one such context; it is torn down (helm uninstall,
       the namespaces the block created deleted) before the next document's.
   ``group``
       the group of ``make demo``: ``demo/feed-poller.yaml`` running in namespace ``feeds``
@@ -364,7 +363,6 @@ class Contexts:
         self.current = context  # so close() undoes a half-done setup (the taint included)
         _set_node_taint(node, present=False)
         if setup == "chart":
-            _create_namespace(self.cluster, GROUP_NS)
             (self.mirror / "my-singletonservice.yaml").write_text(_readme_example())
             _kubeconfig_copy(self.cluster, context.kubeconfig, "default")
             return context
