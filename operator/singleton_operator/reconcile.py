@@ -154,8 +154,9 @@ async def check_postgres(client: KubeClient, spec: GroupSpec) -> DatabaseCheck:
         raise secret_problem("InvalidDSN", f"{where} key {spec.postgres_secret_key!r} is not a postgres:// or "
                              "postgresql:// URL")
     if spec.postgres_connection_check == "skip":
-        return DatabaseCheck(None, "CheckSkipped", f"not checked (spec.postgres.connectionCheck: skip); the DSN in "
-                             f"{where} is only used by the group's pods")
+        # Said as "connectionCheck": it may come from the operator's --postgres-connection-check.
+        return DatabaseCheck(None, "CheckSkipped", f"not checked (connectionCheck skip); the DSN in {where} is only "
+                             "used by the group's pods")
     try:
         conn = await asyncpg.connect(dsn, timeout=POSTGRES_CHECK_TIMEOUT)
     except (OSError, asyncpg.PostgresError, asyncpg.InterfaceError, TimeoutError) as exc:
