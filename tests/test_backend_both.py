@@ -14,7 +14,7 @@ import pytest
 import pytest_asyncio
 
 from singleton_sidecar.backends.both import BothBackend
-from singleton_sidecar.backends.lease import LeaseBackend
+from singleton_sidecar.backends.lease import NEWCOMER_DEFERENCE, LeaseBackend
 from singleton_sidecar.backends.postgres import PostgresBackend
 from singleton_sidecar.core.lock import BackendUnavailable, Identity, LockRecord, Term
 from singleton_sidecar.kube import KubeClient, load_kube_config
@@ -161,7 +161,7 @@ async def test_a_restarted_sole_candidate_takes_both_locks_at_once_beside_a_wait
 
 async def test_a_standby_that_loses_the_race_for_a_released_lease_keeps_off_the_postgres_lock(
         stores: Stores) -> None:
-    """The leader releases; both standbys find the Lease free at once and one wins. The loser
+    """The leader releases; both (warm) standbys find the Lease free at once and one wins. The loser
     must not wait on the PostgreSQL lock: it would get it the instant the winner's sidecar dies
     (its session ends) and keep out the winner's restarted incarnation, the one candidate that
     may take over at once, until its own attempt ends (measured on the real node: 1.5 to 2.3 s
@@ -173,7 +173,7 @@ async def test_a_standby_that_loses_the_race_for_a_released_lease_keeps_off_the_
     attempts = {asyncio.create_task(BothBackend(postgres=pg, lease=lease).acquire(Identity(prefix + "11111111"),
                                                                                   timeout=1.9)): prefix
                 for prefix, (pg, lease) in parts.items()}
-    await asyncio.sleep(0.3)  # both wait on the Lease
+    await asyncio.sleep(NEWCOMER_DEFERENCE + 0.1)  # both wait on the Lease, warm standbys by the release
     await leader.release(old, timeout=5)
     waiting: set[asyncio.Task[Term | LockRecord]] = set(attempts)
     winner = None
