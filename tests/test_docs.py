@@ -20,8 +20,9 @@ Conventions (kept small on purpose):
   ``chart``
       the chart is not installed yet; its pods run on the session's real node (below), so the
       operator the chart installs really runs; ``my-singletonservice.yaml`` (the README's
-      SingletonService example) is in the working folder (the blocks create its namespace). Blocks of one document share one such context; it is torn down (helm uninstall,
-      the namespaces the block created deleted) before the next document's.
+      SingletonService example) is in the working folder (the blocks create its namespace).
+      Blocks of one document share one such context; it is torn down (helm uninstall, the
+      namespaces the block created deleted) before the next document's.
   ``group``
       the group of ``make demo``: ``demo/feed-poller.yaml`` running in namespace ``feeds``
       (kubectl's namespace) on the session's real node, the operator (a process on this
