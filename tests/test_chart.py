@@ -12,6 +12,7 @@ import contextlib
 import json
 import re
 import secrets
+import shutil
 import subprocess
 import time
 import tomllib
@@ -356,6 +357,36 @@ def test_the_readme_objects_table_is_what_the_chart_renders() -> None:
     # A row the chart no longer renders, or one missing, is a difference.
     edited = text.replace("| Issuer | `<fullname>-operator-selfsigned` |", "| Issuer | `<fullname>-operator-gone` |")
     assert chart_objects.read_table(edited) != chart_objects.expected_rows(edited, "helm")
+
+
+def render_notes(tmp_path: Path, values: Obj | None = None) -> str:
+    """NOTES.txt as ``helm install`` prints it, without a cluster: a copy of the chart renders it
+    with ``tpl`` into a ConfigMap (``helm template`` leaves NOTES out)."""
+    copy = tmp_path / f"chart-{secrets.token_hex(4)}"
+    shutil.copytree(CHART, copy)
+    (copy / "templates" / "NOTES.txt").rename(copy / "notes.txt")
+    (copy / "templates" / "notes.yaml").write_text(
+        'apiVersion: v1\nkind: ConfigMap\nmetadata: {name: notes}\n'
+        'data: {notes: {{ tpl (.Files.Get "notes.txt") . | toJson }}}\n')
+    out = helm("template", "demo", str(copy), "--namespace", "singleton-system", "--kube-version", KUBE_VERSION,
+               "--show-only", "templates/notes.yaml", *values_args(values, tmp_path)).stdout
+    notes: str = yaml.safe_load(out)["data"]["notes"]
+    return notes
+
+
+@needs_helm
+def test_notes_say_the_webhook_is_installed_and_its_failure_policy(tmp_path: Path) -> None:
+    notes = render_notes(tmp_path)
+    assert ("Pod webhook: MutatingWebhookConfiguration demo-singleton-operator (cluster-wide, webhook "
+            "pods.singleton.dev, failurePolicy Fail)") in notes, notes
+    assert "While no operator replica answers, such pods are refused (their controller retries)" in notes
+    assert "Served by the operator pods on port 9443, through Service demo-singleton-operator-webhook." in notes
+    ignoring = render_notes(tmp_path, {"webhook": {"failurePolicy": "Ignore", "hostNetwork": True, "port": 10443}})
+    assert "failurePolicy Ignore)" in ignoring
+    assert "such pods start WITHOUT the sidecar and act beside the leader" in ignoring
+    assert "refused" not in ignoring
+    assert "on port 10443, on their nodes' network (hostNetwork)" in ignoring
+    assert "Pod webhook" not in render_notes(tmp_path, {"webhook": {"enabled": False}})
 
 
 @needs_helm
