@@ -91,8 +91,9 @@ docker-build: ## build the image with Docker where an engine runs, else `make im
 image: venv ## build the Dockerfile with buildah into an OCI archive; prints its path, reference, size
 	$(BIN)/singleton-testbed image
 
-# Wheels and sdists of both distributions, the chart, SHA256SUMS, each checked (twine check
-# --strict, helm lint, their contents): singleton_testbed/dist.py; tests/test_dist.py runs it too.
+# Wheels and sdists of both distributions, the chart, the krew plugin's zipapps and archives
+# (all four platforms: minutes), SHA256SUMS, each checked (twine check --strict, helm lint,
+# their contents): singleton_testbed/dist.py; tests/test_dist.py and test_krew.py run it too.
 .PHONY: dist
 dist: venv ## build and check every release artifact into dist/ (nothing is pushed)
 	$(BIN)/python -m singleton_testbed.dist dist

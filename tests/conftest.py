@@ -159,6 +159,18 @@ def testbed_binaries() -> dict[str, Path]:
 
 
 @pytest.fixture(scope="session")
+def dist_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """What `make dist` builds (the krew plugin for this machine only), built once for
+    tests/test_dist.py and tests/test_krew.py; no server."""
+    out = tmp_path_factory.mktemp("dist")
+    result = subprocess.run([sys.executable, "-m", "singleton_testbed.dist", "--krew-host", str(out)],
+                            capture_output=True, text=True, check=False, timeout=900)
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert result.stdout.splitlines()[-1] == str(out)
+    return out
+
+
+@pytest.fixture(scope="session")
 def real_node_reason(testbed_binaries: dict[str, Path]) -> str | None:
     """Why this session has no real node, or None when it can start one."""
     from singleton_testbed.node import unavailable_reason

@@ -1,9 +1,10 @@
 """``make dist`` (singleton_testbed.dist): the release artifacts are built, checked, and the
 root wheel installs into a fresh venv whose console scripts run. No server: helm lints and
-packages the chart offline."""
+packages the chart offline. The krew plugin's zipapp: tests/test_krew.py."""
 
 from __future__ import annotations
 
+import platform
 import re
 import subprocess
 import sys
@@ -21,18 +22,18 @@ WHEELS = [f"kube_singleton-{VERSION}-py3-none-any.whl", f"kube_singleton_sdk-{VE
 SDISTS = [f"kube_singleton-{VERSION}.tar.gz", f"kube_singleton_sdk-{VERSION}.tar.gz"]
 
 
-@pytest.fixture(scope="module")
-def dist(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    out = tmp_path_factory.mktemp("dist")
-    result = subprocess.run([sys.executable, "-m", "singleton_testbed.dist", str(out)], capture_output=True,
-                            text=True, check=False, timeout=600)
-    assert result.returncode == 0, result.stdout + result.stderr
-    assert result.stdout.splitlines()[-1] == str(out)
-    return out
+HOST = {"x86_64": "amd64", "aarch64": "arm64", "arm64": "arm64"}[platform.machine()]
+KREW = [f"kubectl-singleton-{sys.platform}-{HOST}.pyz", f"kubectl-singleton-{sys.platform}-{HOST}.tar.gz",
+        "singleton.yaml"]
+
+
+@pytest.fixture
+def dist(dist_dir: Path) -> Path:
+    return dist_dir  # conftest.py: built once for this module and tests/test_krew.py
 
 
 def test_every_artifact_is_built_and_summed(dist: Path) -> None:
-    expected = {*WHEELS, *SDISTS, f"singleton-{VERSION}.tgz", "SHA256SUMS"}
+    expected = {*WHEELS, *SDISTS, f"singleton-{VERSION}.tgz", *KREW, "SHA256SUMS"}
     assert {path.name for path in dist.iterdir()} == expected
     summed = {line.split("  ")[1] for line in (dist / "SHA256SUMS").read_text().splitlines()}
     assert summed == expected - {"SHA256SUMS"}

@@ -1,12 +1,15 @@
 """``make dist``: build every release artifact into one folder and check it, as a release
 would publish it (nothing is pushed from here)::
 
-    python -m singleton_testbed.dist [OUT_DIR]      # default: dist/
+    python -m singleton_testbed.dist [--krew-host] [OUT_DIR]      # default: dist/
 
 - wheel and sdist of ``kube-singleton`` (the root) and ``kube-singleton-sdk`` (``sdk/``), by
   ``python -m build``, checked by ``twine check --strict`` and by their contents: LICENSE in
   each, and the package data the sidecar needs at run time (``gate.sh``, ``py.typed``);
 - the Helm chart, ``helm lint --strict`` then ``helm package``, with its values schema and CRD;
+- kubectl singleton as self-contained zipapps and their krew archives, one per OS and
+  architecture, and the krew manifest naming them (plugins/krew/build.py; ``--krew-host``:
+  this machine's only, the tests' quick path);
 - ``SHA256SUMS`` of all of them.
 
 Every check raises ``DistError`` naming what is wrong; the last line printed is the folder.
@@ -130,6 +133,21 @@ def build_chart(out: Path, version: str) -> Path:
     return archive
 
 
+def build_krew(out: Path, version: str, host_only: bool) -> list[Path]:
+    wheel = out / f"kube_singleton-{version}-py3-none-any.whl"
+    command = [sys.executable, str(ROOT / "plugins" / "krew" / "build.py"), str(out), "--wheel", str(wheel)]
+    result = subprocess.run(command + (["--host"] if host_only else []), capture_output=True, text=True,
+                            check=False)
+    if result.returncode != 0:
+        raise DistError(f"plugins/krew/build.py failed:\n{result.stdout}{result.stderr}")
+    archives = [Path(line.split("  ", 1)[1]) for line in result.stdout.splitlines()]
+    manifest = yaml.safe_load((out / "singleton.yaml").read_text())
+    if manifest["spec"]["version"] != f"v{version}":
+        raise DistError(f"the krew manifest says {manifest['spec']['version']}, the release is v{version}")
+    pyzs = [archive.with_name(archive.name.removesuffix(".tar.gz") + ".pyz") for archive in archives]
+    return [*pyzs, *archives, out / "singleton.yaml"]
+
+
 def write_sums(out: Path) -> Path:
     sums = out / "SHA256SUMS"
     lines = [f"{hashlib.sha256(path.read_bytes()).hexdigest()}  {path.name}\n"
@@ -138,7 +156,7 @@ def write_sums(out: Path) -> Path:
     return sums
 
 
-def dist(out: Path) -> list[Path]:
+def dist(out: Path, krew_host_only: bool = False) -> list[Path]:
     version = check_versions()
     if out.exists():
         shutil.rmtree(out)  # only this run's artifacts, so SHA256SUMS lists exactly them
@@ -148,6 +166,7 @@ def dist(out: Path) -> list[Path]:
     twine_check(artifacts)
     check_contents(out, version)
     artifacts.append(build_chart(out, version))
+    artifacts += build_krew(out, version, krew_host_only)
     artifacts.append(write_sums(out))
     return artifacts
 
@@ -155,9 +174,10 @@ def dist(out: Path) -> list[Path]:
 def main() -> int:
     parser = argparse.ArgumentParser(prog="python -m singleton_testbed.dist", description=__doc__.split("\n\n")[0])
     parser.add_argument("out", nargs="?", type=Path, default=ROOT / "dist", help="the folder to (re)create")
+    parser.add_argument("--krew-host", action="store_true", help="the krew plugin for this machine only")
     args = parser.parse_args()
     try:
-        artifacts = dist(args.out.resolve())
+        artifacts = dist(args.out.resolve(), args.krew_host)
     except DistError as exc:
         print(f"make dist: error: {exc}", file=sys.stderr)
         return 1
