@@ -1,0 +1,72 @@
+""".github/workflows/release.yml: actionlint (built from its Go module by
+testbed/build-actionlint.sh, cached) finds nothing, shellcheck included, and the workflow
+publishes what `make dist` builds, the way the release needs (no server)."""
+
+from __future__ import annotations
+
+import shutil
+import subprocess
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+
+ROOT = Path(__file__).resolve().parent.parent
+WORKFLOW = ROOT / ".github" / "workflows" / "release.yml"
+
+
+@pytest.fixture(scope="module")
+def actionlint() -> Path:
+    folder = subprocess.run(["bash", str(ROOT / "testbed" / "build-actionlint.sh")], capture_output=True, text=True,
+                            check=True, timeout=600).stdout.strip().splitlines()[-1]
+    return Path(folder) / "actionlint"
+
+
+def lint(actionlint: Path, path: Path) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([str(actionlint), "-no-color", "-oneline", str(path)], capture_output=True, text=True,
+                          check=False, cwd=ROOT)
+
+
+def test_actionlint_and_shellcheck_find_nothing(actionlint: Path) -> None:
+    assert shutil.which("shellcheck"), "actionlint checks run: scripts only with shellcheck on PATH"
+    result = lint(actionlint, WORKFLOW)
+    assert result.returncode == 0 and result.stdout == "", result.stdout + result.stderr
+
+
+def test_actionlint_is_not_blind(actionlint: Path, tmp_path: Path) -> None:
+    """The same file with a job needing one that does not exist and an unquoted expansion."""
+    broken = tmp_path / ".github" / "workflows" / "release.yml"
+    broken.parent.mkdir(parents=True)
+    text = WORKFLOW.read_text().replace("needs: [dist, pypi, chart, image]", "needs: [dist, pypi, chart, images]")
+    text = text.replace('cd dist\n', 'cd $RUNNER_TEMP/dist\n')
+    broken.write_text(text)
+    result = lint(actionlint, broken)
+    assert result.returncode == 1
+    assert '"images"' in result.stdout and "SC2086" in result.stdout, result.stdout
+
+
+def workflow() -> dict[str, Any]:
+    doc: dict[str, Any] = yaml.safe_load(WORKFLOW.read_text())
+    return doc
+
+
+def steps_text(job: dict[str, Any]) -> str:
+    return "\n".join(str(step.get("uses", "")) + "\n" + str(step.get("run", "")) for step in job["steps"])
+
+
+def test_the_workflow_builds_with_make_dist_and_publishes_each_artifact() -> None:
+    doc = workflow()
+    assert doc[True]["push"]["tags"] == ["v[0-9]+.[0-9]+.[0-9]+"]  # YAML 1.1 reads the key `on` as true
+    assert doc["permissions"] == {"contents": "read"}
+    jobs = doc["jobs"]
+    assert "-m singleton_testbed.dist dist" in steps_text(jobs["dist"])
+    pypi = jobs["pypi"]
+    assert pypi["permissions"] == {"id-token": "write"}  # trusted publishing, no token secret
+    assert "pypa/gh-action-pypi-publish@release/v1" in steps_text(pypi)
+    assert "helm push" in steps_text(jobs["chart"]) and "oci://ghcr.io/" in steps_text(jobs["chart"])
+    (build,) = [step for step in jobs["image"]["steps"] if str(step.get("uses", "")).startswith("docker/build-push")]
+    assert build["with"]["platforms"] == "linux/amd64,linux/arm64" and build["with"]["sbom"] is True
+    assert "gh release create" in steps_text(jobs["github-release"])
+    assert set(jobs["github-release"]["needs"]) == {"dist", "pypi", "chart", "image"}
+    assert "secrets.PYPI" not in WORKFLOW.read_text()
