@@ -33,7 +33,8 @@ WORKDIR /src
 COPY requirements.lock ./
 RUN /opt/singleton/bin/pip install --only-binary=:all: --no-deps --requirement requirements.lock
 
-COPY pyproject.toml README.md ./
+# LICENSE: both projects' license-files (sdk/LICENSE is a link to it); the wheels carry it.
+COPY pyproject.toml README.md LICENSE ./
 COPY sidecar/ sidecar/
 COPY operator/ operator/
 # The application SDK, a distribution of its own (sdk/pyproject.toml): the sample poller the
