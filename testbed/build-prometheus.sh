@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Builds Prometheus' promtool (and, when asked, the server) from Go modules with the
-# machine's Go toolchain, like build.sh, into a cache folder of its own keyed by the version
+# Go that build.sh uses (the machine's, or the pinned one from the Go module proxy), into a cache folder of its own keyed by the version
 # (so that the control plane's folder keeps its key). Only missing binaries are built.
 # Prints the folder on its last line.
 #
@@ -29,6 +29,8 @@ for name in "${@:-promtool}"; do
     *) echo "build-prometheus.sh: unknown binary $name (promtool, prometheus)" >&2; exit 2 ;;
   esac
   if [ -x "$dest/$name" ]; then continue; fi
+  gobin=$(python3 "$here/singleton_testbed/gotoolchain.py" bin)
+  PATH="$gobin:$PATH"
   log "building $name from github.com/prometheus/prometheus ${PROMETHEUS_VERSION} (first time only; this takes minutes)"
   start=$SECONDS
   (cd "$here/go/prometheus" && go build -tags remove_all_sd -ldflags "$ldflags" -o "$dest/$name.tmp.$$" \

@@ -1,11 +1,14 @@
 #!/usr/bin/env bash
 # Builds the test bed's binaries (etcd, kube-apiserver, kube-controller-manager,
 # kube-scheduler, kubectl, helm, and for the real node kubelet, kube-proxy and
-# the sandbox's pause) from Go modules with the machine's Go
-# toolchain, into a cache folder outside the repository keyed by versions.
-# Only missing binaries are built. Prints the folder on its last line.
+# the sandbox's pause) from Go modules with the machine's Go toolchain when it
+# is new enough, else with the pinned one fetched from the Go module proxy
+# (singleton_testbed/gotoolchain.py), into a cache folder outside the repository
+# keyed by versions. Only missing binaries are built. Prints the folder on its last line.
 #
 #   SINGLETON_TESTBED_CACHE  cache root (default ~/.cache/singleton/testbed)
+#   SINGLETON_GO_CACHE       where a fetched Go goes (default ~/.cache/singleton/go)
+#   GOPROXY                  where it is fetched from (default https://proxy.golang.org)
 set -euo pipefail
 here=$(cd "$(dirname "$0")" && pwd)
 . "$here/go/versions.env"
@@ -17,10 +20,19 @@ mkdir -p "$dest"
 
 log() { printf '[testbed-build] %s\n' "$*" >&2; }
 
+go_ready=
+use_go() { # once, and only when something is built: it may fetch Go (python3: stdlib only)
+  [ -z "$go_ready" ] || return 0
+  local gobin
+  gobin=$(python3 "$here/singleton_testbed/gotoolchain.py" bin)
+  PATH="$gobin:$PATH" go_ready=1
+}
+
 build() { # build NAME MODULE_DIR PACKAGE LDFLAGS
   local name=$1 dir=$2 pkg=$3 ldflags=$4
   if [ -x "$dest/$name" ]; then return 0; fi
-  log "building $name from $pkg (first time only; this takes minutes)"
+  use_go
+  log "building $name from $pkg with $(go env GOVERSION) (first time only; this takes minutes)"
   local start=$SECONDS
   (cd "$here/go/$dir" && go build -ldflags "$ldflags" -o "$dest/$name.tmp" "$pkg")
   mv "$dest/$name.tmp" "$dest/$name"

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Builds clientgo-elector (client-go leader election, the benchmarks' reference peer)
-# with the machine's Go toolchain into a cache folder outside the repository, keyed by
+# with the test bed's Go (the machine's, or the pinned one from the Go module proxy) into a cache folder outside the repository, keyed by
 # the client-go version in go.mod. Skips the build when the binary exists and was built
 # from the same sources (a hash of main.go, go.mod, go.sum is kept beside it). Prints the
 # binary's path on its last line.
@@ -19,7 +19,8 @@ log() { printf '[clientgo-build] %s\n' "$*" >&2; }
 if [ -x "$binary" ] && [ "$(cat "$binary.sources" 2>/dev/null)" = "$sources" ]; then
   log "up to date: $binary"
 else
-  command -v go >/dev/null || { log "go is not installed"; exit 1; }
+  gobin=$(python3 "$here/../../testbed/singleton_testbed/gotoolchain.py" bin "$here/go.mod")
+  PATH="$gobin:$PATH"
   mkdir -p "$dest"
   log "building clientgo-elector with client-go $version ($(go version | cut -d' ' -f3))"
   start=$SECONDS
