@@ -11,6 +11,9 @@
 #   SINGLETON_NO_APT=1  never install: say what is missing and the apt-get line to run
 #   PYTHON              the Python the venv is made with (default python3)
 #   PG_BIN, PGBOUNCER   PostgreSQL's binaries and PgBouncer from elsewhere (as the test bed reads them)
+# Go is no Debian package here (Debian 12's is 1.19): PATH's `go` when new enough, else `install`
+# (root or not: it goes into the user's cache) fetches the pinned toolchain from the Go module
+# proxy, checked against testbed/go/toolchain.sum (singleton_testbed/gotoolchain.py).
 set -euo pipefail
 here=$(cd "$(dirname "$0")" && pwd)
 PYTHON=${PYTHON:-python3}
@@ -26,7 +29,8 @@ list() {
   cat <<'EOF'
 python            python3                      venv   the venv's Python (>= 3.11)
 python-venv       python3-venv                 venv   makes the venv (Debian keeps ensurepip in python3-venv)
-go                golang-go                    build  builds the control plane, kubelet and helm (testbed/build.sh)
+go                golang.org/toolchain         build  builds the control plane, kubelet and helm (testbed/build.sh)
+cmd:python3       python3                      build  picks Go or fetches it (testbed/singleton_testbed/gotoolchain.py)
 cmd:openssl       openssl                      bed    the test bed's certificates
 initdb            postgresql                   bed    the test PostgreSQL server (initdb, postgres; or PG_BIN)
 cmd:psql          postgresql-client            bed    sets up the test PostgreSQL's roles and database
@@ -59,14 +63,6 @@ needs() {
   esac
 }
 
-# The Go the wrapper modules of testbed/build.sh ask for (GOTOOLCHAIN=local: no other is fetched).
-go_wanted() {
-  sed -n 's/^go \([0-9.]*\).*/\1/p' "$here"/go/{etcd,kubernetes,helm,pause}/go.mod | sort -V | tail -n 1
-}
-older() { # older A B: version A < version B
-  [ "$1" != "$2" ] && [ "$(printf '%s\n%s\n' "$1" "$2" | sort -V | head -n 1)" = "$1" ]
-}
-
 # One run of PYTHON answers both of its checks (a pyenv shim takes a third of a second).
 python_found=
 python_probe() {
@@ -80,7 +76,8 @@ print(int(sys.version_info < (3, 11)), int(all(u.find_spec(m) for m in ("ensurep
   read -r python_old python_venv <<<"${answer:-1 0}"
 }
 
-# check_one WHAT: 0 there; 1 missing (apt can install it); 2 there but unfit (the reason in $unfit).
+# check_one WHAT: 0 there; 1 missing (apt can install it); 2 there but unfit (the reason in $unfit);
+# 3 fetched from the Go module proxy (what, in $unfit).
 check_one() {
   unfit=
   case $1 in
@@ -95,21 +92,14 @@ check_one() {
       return 2 ;;
     python-venv) python_probe; [ "$python_venv" = 1 ] ;;
     go)
-      local want have candidate
-      want=$(go_wanted)
-      if ! command -v go >/dev/null; then
-        # Debian's golang-go is too old before trixie (1.19 on bookworm): say so rather than install it.
-        candidate=$(apt-cache policy golang-go 2>/dev/null | sed -n 's/^ *Candidate: \([0-9]*:\)\{0,1\}\([0-9.]*\).*/\2/p')
-        if [ -n "$candidate" ] && older "$candidate" "${want%.*}"; then
-          unfit="go is not on PATH, and Debian's golang-go here is $candidate: testbed/go needs Go >= $want (https://go.dev/dl/, then its bin/ on PATH)"
-          return 2
-        fi
-        return 1
-      fi
-      have=$(go env GOVERSION 2>/dev/null); have=${have#go}
-      older "$have" "$want" || return 0
-      unfit="$(command -v go) is Go $have; testbed/go needs Go >= $want (https://go.dev/dl/, then its bin/ on PATH)"
-      return 2 ;;
+      # Without python3 the line cmd:python3 says so; after apt-get installs it, this runs again.
+      command -v "$PYTHON" >/dev/null || return 0
+      local status=0
+      unfit=$("$PYTHON" "$here/singleton_testbed/gotoolchain.py" check 2>&1 >/dev/null) || status=$?
+      case $status in
+        0|3) return "$status" ;;
+        *) unfit=${unfit:-"gotoolchain.py check failed ($status)"}; return 2 ;;
+      esac ;;
     initdb)
       [ -n "${PG_BIN:-}" ] && [ -x "$PG_BIN/initdb" ] && return 0
       command -v initdb >/dev/null && return 0
@@ -121,15 +111,21 @@ check_one() {
   esac
 }
 
-# survey: fills missing_required / missing_wanted (lines "PACKAGE  why (WHAT)") and unfit_lines.
+# survey: fills missing_required / missing_wanted (lines "PACKAGE  why (WHAT)"), unfit_lines and
+# fetch_lines (Go, when PATH has none new enough; go_failed: fetching it failed).
+go_failed=
 survey() {
-  missing_required='' missing_wanted='' unfit_lines=''
+  missing_required='' missing_wanted='' unfit_lines='' fetch_lines=''
   local what package group why status
   while read -r what package group why; do
     case " $required $wanted " in *" $group "*) ;; *) continue ;; esac
     status=0; check_one "$what" || status=$?
     [ "$status" = 0 ] && continue
-    if [ "$status" = 2 ]; then
+    if [ "$status" = 3 ] && [ -z "$go_failed" ]; then
+      fetch_lines+="  $unfit"$'\n'
+      continue
+    fi
+    if [ "$status" = 2 ] || [ "$status" = 3 ]; then
       case " $required " in *" $group "*) unfit_lines+="  $unfit"$'\n' ;; esac
       continue
     fi
@@ -149,6 +145,10 @@ packages() { # the distinct packages of survey lines
 
 report() { # what is still missing, with the apt-get line; non-zero when a target cannot run
   local rc=0
+  if [ -n "$fetch_lines" ]; then # testbed/build.sh fetches it too, so the target can run
+    echo "$label: Go comes from the Go module proxy (\`$0 install\` or testbed/build.sh fetch it):" >&2
+    printf '%s' "$fetch_lines" >&2
+  fi
   if [ -n "$missing_wanted" ]; then
     echo "$label: without these, the real node's and the image's tests skip or fail, saying why:" >&2
     printf '%s' "$missing_wanted" >&2
@@ -165,6 +165,14 @@ report() { # what is still missing, with the apt-get line; non-zero when a targe
   return $rc
 }
 
+fetch_go() { # no root, no apt: into the user's cache, so before the reasons to install nothing
+  [ -n "$fetch_lines" ] || return 0
+  echo "$label: fetching Go from the Go module proxy:" >&2
+  printf '%s' "$fetch_lines" >&2
+  "$PYTHON" "$here/singleton_testbed/gotoolchain.py" fetch >/dev/null || go_failed=1
+  survey
+}
+
 mode=${1:-check}
 [ $# -gt 0 ] && shift
 [ $# -gt 0 ] || set -- venv
@@ -177,6 +185,7 @@ survey
 case $mode in
   check) report ;;
   install)
+    fetch_go
     if [ -z "$missing_required$missing_wanted" ]; then report; exit; fi
     if [ "${SINGLETON_NO_APT:-}" = 1 ]; then
       echo "prerequisites: SINGLETON_NO_APT=1, installing nothing" >&2
@@ -198,6 +207,7 @@ case $mode in
     # shellcheck disable=SC2086  # one word per package
     DEBIAN_FRONTEND=noninteractive apt-get install -y -qq $install || echo "prerequisites: apt-get install failed" >&2
     survey
+    fetch_go # when apt-get has just brought python3
     if [ -n "$missing_required$missing_wanted" ]; then
       echo "prerequisites: still missing after apt-get install $install" >&2
     fi

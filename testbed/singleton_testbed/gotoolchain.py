@@ -28,6 +28,7 @@ import tempfile
 import time
 import urllib.request
 import zipfile
+import zlib
 from pathlib import Path
 
 TESTBED = Path(__file__).resolve().parent.parent
@@ -136,8 +137,9 @@ def dirhash(zip_path: Path) -> str:
 def verify(zip_path: Path, module_version: str, expected: str) -> None:
     try:
         actual = dirhash(zip_path)
-    except zipfile.BadZipFile as error:
-        raise ToolchainError(f"{zip_path} is not a zip ({error}): refused") from error
+    except (zipfile.BadZipFile, zlib.error, EOFError) as error:  # a damaged member: CRC or deflate
+        raise ToolchainError(f"{MODULE}@{module_version}: {zip_path} is not a sound zip ({error}): refused "
+                             "(corrupt or tampered download)") from error
     if actual != expected:
         raise ToolchainError(f"{MODULE}@{module_version}: {zip_path} hashes to {actual}, but {PINS.name} pins "
                              f"{expected}: refused (corrupt or tampered download)")
