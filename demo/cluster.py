@@ -263,7 +263,8 @@ def build_binaries(say: Say, heartbeat: Callable[[str], None], *, every: float =
     reader.join(5)
     output = proc.stdout.read()
     if proc.returncode != 0:
-        hint = "" if shutil.which("go") else "\n(no `go` on PATH: Go >= 1.24 builds the control plane once)"
+        hint = "" if shutil.which("go") else ("\n(no `go` on PATH: testbed/build.sh fetches the pinned Go from the Go "
+                                              "module proxy; what it said is above)")
         raise DemoError("testbed/build.sh failed:\n" + "\n".join(tail) + hint)
     folder = output.strip().splitlines()[-1] if output.strip() else "?"
     if current:

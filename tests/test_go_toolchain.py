@@ -225,3 +225,27 @@ def test_the_build_scripts_take_their_go_from_it() -> None:
         asked = text.index("singleton_testbed/gotoolchain.py\" bin")
         assert asked < min(text.index(word) for word in ("go build", "go install") if word in text), script
         assert 'PATH="$gobin:$PATH' in text, script
+
+
+def test_build_sh_builds_with_the_fetched_go_when_path_has_an_old_one(tmp_path: Path) -> None:
+    """testbed/build.sh with go1.19 first on PATH: it builds (here only pause, the others stand in
+    as present) with the pinned toolchain from the cache."""
+    dest, _ = real_toolchain()
+    versions = dict(line.split("=", 1) for line in (ROOT / "testbed" / "go" / "versions.env").read_text().splitlines()
+                    if "=" in line and not line.startswith("#"))
+    built = tmp_path / "testbed" / (f"k8s-{versions['KUBERNETES_VERSION']}_etcd-{versions['ETCD_VERSION']}"
+                                     f"_helm-{versions['HELM_VERSION']}")
+    built.mkdir(parents=True)
+    for name in ("etcd", "kube-apiserver", "kubectl", "kube-controller-manager", "kube-scheduler", "kubelet",
+                 "kube-proxy", "helm"):
+        (built / name).write_text("#!/bin/sh\n")
+        (built / name).chmod(0o755)
+    env = {**os.environ, "PATH": f"{tmp_path / 'old-go'}:{os.environ['PATH']}", "SINGLETON_TESTBED_CACHE":
+           str(tmp_path / "testbed"), "SINGLETON_GO_CACHE": str(dest.parent)}
+    old_go_path(tmp_path)
+    done = subprocess.run(["bash", str(ROOT / "testbed" / "build.sh")], env=env, capture_output=True, text=True,
+                          timeout=300, check=False)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.splitlines()[-1] == str(built)
+    assert f"building pause from singleton.dev/testbed/pause with go{gotoolchain.pinned()[0]}" in done.stderr
+    assert os.access(built / "pause", os.X_OK)

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import contextlib
 import os
-import shutil
 import signal
 import subprocess
 import sys
@@ -31,8 +30,6 @@ def build() -> Path:
     result = subprocess.run(["bash", str(BUILD_SCRIPT)], capture_output=True, text=True, check=False)
     sys.stderr.write(result.stderr)
     if result.returncode != 0:
-        if shutil.which("go") is None:
-            raise BuildError("the Go toolchain (`go`) is not on PATH")
         raise BuildError(f"{BUILD_SCRIPT} failed ({result.returncode}): {result.stderr.strip()[-2000:]}")
     return Path(result.stdout.strip().splitlines()[-1])
 
