@@ -125,6 +125,7 @@ survey() {
       fetch_lines+="  $unfit"$'\n'
       continue
     fi
+    [ "$status" = 3 ] && unfit+=" (fetching it failed, above)"
     if [ "$status" = 2 ] || [ "$status" = 3 ]; then
       case " $required " in *" $group "*) unfit_lines+="  $unfit"$'\n' ;; esac
       continue

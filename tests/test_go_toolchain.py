@@ -249,3 +249,15 @@ def test_build_sh_builds_with_the_fetched_go_when_path_has_an_old_one(tmp_path: 
     assert done.stdout.splitlines()[-1] == str(built)
     assert f"building pause from singleton.dev/testbed/pause with go{gotoolchain.pinned()[0]}" in done.stderr
     assert os.access(built / "pause", os.X_OK)
+
+
+def test_prerequisites_fail_saying_so_when_the_fetch_fails(tmp_path: Path) -> None:
+    env = {**os.environ, "PATH": old_go_path(tmp_path), "SINGLETON_GO_CACHE": str(tmp_path / "cache"),
+           "GOPROXY": "http://127.0.0.1:9"}  # nothing listens on the discard port
+    done = subprocess.run(["bash", str(PREREQUISITES), "install", "testbed"], env=env, capture_output=True,
+                          text=True, timeout=60, check=False)
+    assert done.returncode == 1, done.stderr
+    assert "cannot fetch http://127.0.0.1:9/golang.org/toolchain/@v/" in done.stderr
+    assert "make testbed cannot run here:" in done.stderr
+    assert done.stderr.rstrip().endswith("(fetching it failed, above)")
+    assert not (tmp_path / "cache" / f"go{gotoolchain.pinned()[0]}").exists()

@@ -10,6 +10,8 @@ set -euo pipefail
 here=$(cd "$(dirname "$0")" && pwd)
 . "$here/versions.env"
 export GOTOOLCHAIN=local GOFLAGS=-mod=mod
+gobin=$(python3 "$here/../singleton_testbed/gotoolchain.py" bin)  # the test bed's Go, fetched if need be
+PATH="$gobin:$PATH"
 
 staging_version="v0.${KUBERNETES_VERSION#v1.}"
 
