@@ -261,3 +261,14 @@ def test_prerequisites_fail_saying_so_when_the_fetch_fails(tmp_path: Path) -> No
     assert "make testbed cannot run here:" in done.stderr
     assert done.stderr.rstrip().endswith("(fetching it failed, above)")
     assert not (tmp_path / "cache" / f"go{gotoolchain.pinned()[0]}").exists()
+
+
+def test_versions_compare_as_go_compares_them() -> None:
+    key = gotoolchain.version_key
+    assert key("1.24") < key("1.24rc1") < key("1.24.0") < key("1.24.7") < key("1.24.10") < key("1.26.0")
+    assert key("go1.26.8") > key("1.26.7")
+    gomods = [*(ROOT / "testbed" / "go").glob("*/go.mod"), ROOT / "benchmarks" / "clientgo" / "go.mod"]
+    lines = {gomod: gomod.read_text().split("\ngo ", 1)[1].split()[0] for gomod in gomods}
+    assert gotoolchain.needed() == gotoolchain.needed(gomods[-1:]) == max(lines.values(), key=key)
+    with pytest.raises(ValueError, match="not a Go version"):
+        key("devel")

@@ -95,9 +95,9 @@ def cache_root() -> Path:
 
 
 def proxy() -> str:
-    """The first http(s) proxy of GOPROXY: "direct" and "off" cannot serve this module."""
+    """The first proxy URL of GOPROXY: "direct" and "off" cannot serve this module."""
     for entry in re.split(r"[,|]", os.environ.get("GOPROXY") or DEFAULT_PROXY):
-        if entry.startswith(("https://", "http://")):
+        if entry.startswith(("https://", "http://", "file://")):  # as the go command accepts
             return entry.rstrip("/")
     raise ToolchainError(f"GOPROXY={os.environ.get('GOPROXY')} names no proxy to fetch {MODULE} from")
 
@@ -108,7 +108,7 @@ def go_version(go: str) -> str | None:
     try:
         out = subprocess.run([go, "version"], capture_output=True, text=True, timeout=30, check=False,
                              env={**os.environ, "GOTOOLCHAIN": "local"}, cwd="/").stdout
-    except OSError:
+    except (OSError, subprocess.TimeoutExpired):
         return None
     match = re.match(r"go version go(\d+\.\d+(?:\.\d+)?(?:(?:rc|beta)\d+)?)[\s-]", out)
     return match.group(1) if match else None
