@@ -595,7 +595,7 @@ async def test_a_warm_standby_wins_a_released_lease_over_a_newcomer(
         await holder.release(term, timeout=5)
     won = await early
     assert isinstance(won, Term) and won.identity == "pod-b", won
-    assert time.monotonic() - released_at < 0.3, "the warm standby took the released Lease at once"
+    assert time.monotonic() - released_at < NEWCOMER_DEFERENCE, "the warm standby deferred"
     lost = await late
     assert isinstance(lost, LockRecord), lost
     assert (lost.holder, lost.token) == ("pod-b", won.token)
@@ -625,5 +625,5 @@ async def test_a_newcomer_creates_a_new_groups_lease_at_once(make_backend: Facto
     started = time.monotonic()
     term = await acquired(make_backend(), "pod-a")
     took = time.monotonic() - started
-    assert took < NEWCOMER_DEFERENCE / 2, f"took {took:.3f}s"
+    assert took < NEWCOMER_DEFERENCE, f"took {took:.3f}s: deferred as if the Lease had been released"
     assert term.identity == "pod-a"

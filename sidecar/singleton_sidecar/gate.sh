@@ -59,7 +59,7 @@ acknowledge() {
 # the children it starts are stopped with it; without setsid only the app process is signalled.
 own_group=0
 start_app() {
-  if command -v setsid >/dev/null 2>&1; then own_group=1; setsid "$@" 3<&- & else own_group=0; "$@" 3<&- & fi
+  if command -v setsid >/dev/null 2>&1; then own_group=1; setsid "$@" 9<&- & else own_group=0; "$@" 9<&- & fi
   child=$!
 }
 
@@ -166,22 +166,26 @@ stop_child() {
   child=""
 }
 
-# The wake pipe: held open here for reading and writing (so a wake written while this script is
-# busy waits in the pipe), read by a subshell that turns each line into a USR1 to this script. The
-# subshell holds a read end only: once this script is gone (even killed) no writer is left, its
-# read ends and so does it. Without the pipe (an older sidecar, no permission) the files are
-# checked every 0.1 s instead.
+# The wake pipe: held open here (fd 9, left to apps: 0-2 and low fds are theirs) for reading and
+# writing, so a wake written while this script is busy waits in the pipe; read by a subshell that
+# turns each line into a USR1 to this script. The subshell holds a read end only: once this
+# script is gone (even killed) no writer is left, its read ends and so does it. Until the pipe
+# is there (an older sidecar, not made yet, no permission) the files are checked every 0.1 s.
 reader=""
-if [ -p "$dir/wake" ] && { command exec 3<>"$dir/wake"; } 2>/dev/null; then
-  { exec 3<&-; while read -r _ && kill -USR1 $$ 2>/dev/null; do :; done; } < "$dir/wake" &
+open_wake_pipe() {
+  [ -p "$dir/wake" ] && { command exec 9<>"$dir/wake"; } 2>/dev/null || return 0
+  { exec 9<&-; while read -r _ && kill -USR1 $$ 2>/dev/null; do :; done; } < "$dir/wake" &
   reader=$!
-fi
+}
+open_wake_pipe
 
 # Waits until a wake, a SIGTERM or the next check: while the app runs, the flag's deadline or
 # half a second (an app that exited is started again within it), else a second; 0.1 s without
-# the wake pipe. The sleep runs in the background so that a signal ends the wait; one cut short is
-# killed and reaped here, so none is left behind.
+# the wake pipe. The sleep runs in the background so that a signal ends the wait; one cut short
+# is killed (SIGKILL: until it has exec'd sleep, the forked shell still has this script's TERM
+# trap) and reaped here, so none is left behind.
 pause() {
+  [ -n "$reader" ] || open_wake_pipe
   nap=100
   [ -n "$child" ] && nap=50
   [ -n "$reader" ] || nap=10
@@ -190,12 +194,13 @@ pause() {
     [ "$left" -lt "$nap" ] && nap=$left
     [ "$nap" -lt 2 ] && nap=2
   fi
+  # A wake or SIGTERM that came while the loop was busy ends the pause before it starts (one
+  # that comes later ends the wait itself).
+  [ "$woke" = 1 ] || [ "$stopping" = 1 ] && return 0
   sleep "$(( nap / 100 )).$(( nap % 100 / 10 ))$(( nap % 10 ))" &
   nap_pid=$!
-  # A wake that came while the loop was busy ends the wait before it starts (one that comes after
-  # this check ends the wait itself).
-  if [ "$woke" = 1 ] || ! wait "$nap_pid"; then
-    kill "$nap_pid" 2>/dev/null
+  if [ "$woke" = 1 ] || [ "$stopping" = 1 ] || ! wait "$nap_pid"; then
+    kill -KILL "$nap_pid" 2>/dev/null
     wait "$nap_pid" 2>/dev/null
   fi
 }
