@@ -25,6 +25,7 @@ import argparse
 import contextlib
 import os
 import platform
+import random
 import shutil
 import signal
 import statistics
@@ -114,7 +115,7 @@ def measure(directory: Path, *, wake: bool, runs: int, rest_seconds: float) -> d
     figures: dict[str, list[float]] = {"start": [], "stop": [], "rest leading": [], "rest idle": []}
     with running_gate(directory, wake=wake) as (follower, pid):
         for run in range(1, runs + 1):
-            time.sleep(0.2)  # not in step with gate.sh's checks
+            time.sleep(random.uniform(0.15, 0.35))  # not in step with gate.sh's 0.1 s checks
             started.unlink(missing_ok=True)
             follower.on_deadline(time.monotonic() + 30)
             begun = time.monotonic()
