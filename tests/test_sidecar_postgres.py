@@ -14,6 +14,7 @@ import uuid
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
+import asyncpg
 import pytest
 from prometheus_client.openmetrics.parser import text_string_to_metric_families as openmetrics_families
 from prometheus_client.parser import text_string_to_metric_families
@@ -185,14 +186,30 @@ async def test_sigterm_drains_then_hands_over_without_losing_work(
     assert not [item for item in report.lost_items if f"token {report.terms[-1][0]} " not in item]
 
 
+async def rows_written(dsn: str, identity: str, *, at_least: int, timeout: float = 20.0) -> None:
+    """Until the ledger worker of ``identity`` has written ``at_least`` rows (its Python starts
+    in a second or more on a loaded machine; the table is made by the first worker)."""
+    deadline = time.monotonic() + timeout
+    written: object = 0
+    while time.monotonic() < deadline:
+        try:
+            written = await fetchval(dsn, "SELECT count(*) FROM ledger WHERE identity = $1", identity)
+        except asyncpg.UndefinedTableError:
+            written = 0
+        if isinstance(written, int) and written >= at_least:
+            return
+        await asyncio.sleep(0.05)
+    raise AssertionError(f"{identity}'s worker wrote {written} rows in {timeout} s, not {at_least}")
+
+
 async def test_postgres_restart_never_gives_two_leaders(
     sidecars: Factory, group: str, pg_dsn: str, postgres_server: PostgresServer | None
 ) -> None:
     if postgres_server is None:
         pytest.skip("needs the test session's own PostgreSQL server")
     members = sidecars(3, gated=True)
-    await asyncio.to_thread(one_leader, members)
-    await asyncio.sleep(0.3)
+    leader = await asyncio.to_thread(one_leader, members)
+    await rows_written(pg_dsn, leader.env["SINGLETON_IDENTITY"], at_least=1)  # its worker has started
     postgres_server.restart()  # main thread: servers die with the thread that started them
     await asyncio.to_thread(one_leader, members, 15)
     await asyncio.sleep(0.5)
@@ -367,11 +384,8 @@ async def test_same_named_groups_in_two_namespaces_share_a_database_without_meet
                                "WHERE group_name LIKE $1", f"%/{group}")
     assert keys == [f"team-a/{group}", f"team-b/{group}"]
     # Both gated ledger workers write, each fenced on its own key, and neither is fenced out.
-    await asyncio.sleep(1.0)
     for leader in (leader_a, leader_b):
-        written = await admin(pg_dsn, "SELECT count(*) FROM ledger WHERE identity = $1",
-                              leader.env["SINGLETON_IDENTITY"])
-        assert isinstance(written, int) and written > 5, (leader.name, written)
+        await rows_written(pg_dsn, leader.env["SINGLETON_IDENTITY"], at_least=6)
         assert "fenced out" not in leader.log()
     fences = await admin(pg_dsn, "SELECT array_agg(token ORDER BY group_name) FROM singleton_fence "
                                  "WHERE group_name LIKE $1", f"%/{group}")
