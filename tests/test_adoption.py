@@ -285,11 +285,16 @@ def test_an_adopted_workload_scaled_to_zero_exports_no_leader_count(cluster: Clu
     cluster.apply(json.dumps(adopting(name, workload=name)), namespace=namespace)
     wait_for(lambda: (cr(cluster, namespace, name).get("status") or {}).get("phase") or None, 20, "a status", 0.2)
     wait_for(lambda: contract.LABEL_GROUP in template_labels(cluster, namespace, name) or None, 20, "adopted", 0.2)
-    assert series not in operator_samples(adopting_operator)
-    cluster.kubectl("scale", "deployment", name, "-n", namespace, "--replicas=1")
-    # A change of the group makes the operator read the workload again at once.
-    cluster.kubectl("annotate", "singletonservice", name, "-n", namespace, "example.com/scaled=1")
-    wait_for(lambda: operator_samples(adopting_operator).get(series) == 0.0 or None, 20, "the count at 0", 0.2)
+    try:
+        assert series not in operator_samples(adopting_operator)
+        cluster.kubectl("scale", "deployment", name, "-n", namespace, "--replicas=1")
+        # A change of the group makes the operator read the workload again at once.
+        cluster.kubectl("annotate", "singletonservice", name, "-n", namespace, "example.com/scaled=1")
+        wait_for(lambda: operator_samples(adopting_operator).get(series) == 0.0 or None, 20, "the count at 0", 0.2)
+    finally:
+        # While its operator runs: it removes its finalizer, or the group outlives the test (and
+        # a later deletion of the CRD waits on it forever).
+        cluster.kubectl("delete", "singletonservice", name, "-n", namespace, "--wait=true", "--timeout=30s")
 
 
 def webhook_configuration(name: str, namespace: str, port: int) -> dict[str, Any]:
