@@ -219,8 +219,12 @@ class LeaseBackend:
                 seen = await self._wait_takeable(identity, deadline, reserve=min(_WRITE_RESERVE_MAX, timeout / 4))
                 if seen is not None:
                     return seen.record()
-                assert self._seen is not None
-                if self._seen.lease is None and self._unexplained_absence:
+                # The Lease found takeable, held here: the watch may replace ``self._seen`` while the
+                # pods are read below, and a Lease another candidate created meanwhile is not ours
+                # to overwrite (the write carries this one's version, or creates: either conflicts).
+                takeable = self._seen
+                assert takeable is not None
+                if takeable.lease is None and self._unexplained_absence:
                     self._unexplained_absence = False
                     if await self._read_pod_tokens(deadline):
                         # No Lease, but a pod says it leads or led: perhaps a deleted Lease whose
@@ -229,8 +233,8 @@ class LeaseBackend:
                         log.warning("no Lease, but a pod of the group carries a token (or the pods could not be "
                                     "read): taking it after the lease duration", extra=self._fields(identity=identity))
                         continue
-                    return await self._take(identity, self._seen, deadline, pods_read=True)
-                return await self._take(identity, self._seen, deadline)
+                    return await self._take(identity, takeable, deadline, pods_read=True)
+                return await self._take(identity, takeable, deadline)
 
     async def _wait_takeable(self, identity: Identity, deadline: float, *, reserve: float) -> Observed | None:
         """None once the Lease is takeable by ``identity`` (``self._seen`` is then the Lease to
