@@ -79,7 +79,6 @@ import shutil
 import signal
 import subprocess
 import sys
-import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -91,6 +90,7 @@ import yaml
 from singleton_operator.cli import DEFAULT_SIDECAR_IMAGE
 from singleton_testbed.postgres import PostgresInfo
 from tests.conftest import REAL_NODE_TAINT, Cluster, RealNode
+from tests.localhttp import serving
 from tests.operators import OperatorProcess
 
 REPO = Path(__file__).resolve().parent.parent
@@ -607,15 +607,8 @@ class _Pages(http.server.BaseHTTPRequestHandler):
 
 @pytest.fixture
 def pages() -> Iterator[str]:
-    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), _Pages)
-    thread = threading.Thread(target=server.serve_forever, name="doc-test-pages", daemon=True)
-    thread.start()
-    try:
-        yield f"http://127.0.0.1:{server.server_address[1]}"
-    finally:
-        server.shutdown()
-        server.server_close()
-        thread.join(5)
+    with serving(http.server.ThreadingHTTPServer(("127.0.0.1", 0), _Pages), "doc-test-pages") as url:
+        yield url
 
 
 def _block(tmp_path: Path, *lines: str) -> Block:

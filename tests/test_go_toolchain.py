@@ -11,7 +11,6 @@ import http.server
 import os
 import subprocess
 import sys
-import threading
 import time
 import urllib.request
 import zipfile
@@ -22,6 +21,7 @@ from pathlib import Path
 import pytest
 
 from singleton_testbed import gotoolchain
+from tests.localhttp import serving
 
 ROOT = Path(__file__).resolve().parent.parent
 SCRIPT = ROOT / "testbed" / "singleton_testbed" / "gotoolchain.py"
@@ -64,15 +64,9 @@ def local_proxy(zip_path: Path, folder: Path) -> Iterator[str]:
         def log_message(self, format: str, *args: object) -> None:
             requests.append(self.path)
 
-    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-    thread = threading.Thread(target=server.serve_forever, daemon=True)
-    thread.start()
-    try:
-        yield f"http://127.0.0.1:{server.server_address[1]}"
-    finally:
-        server.shutdown()
-        server.server_close()
-        assert requests, "the local proxy was never asked"
+    with serving(http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler), "local-goproxy") as url:
+        yield url
+    assert requests, "the local proxy was never asked"
 
 
 def tool(folder: Path, *args: str, path: str, **env: str) -> subprocess.CompletedProcess[str]:
