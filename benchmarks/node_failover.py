@@ -51,6 +51,7 @@ import tempfile
 import time
 import urllib.error
 import urllib.request
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from datetime import datetime
 from pathlib import Path
@@ -92,6 +93,9 @@ class Run:
     """... -> that incarnation's log line saying it acquired the lock."""
     restarts_before: int = 0
     """sidecar-kill: how often the killed container had restarted before (0: an isolated crash)."""
+    phases: dict[str, float] | None = None
+    """delete-pod, evict-pod: seconds from the fault to each step of the handover, read from the
+    sidecars' logs on the node (``PHASES``); a step not logged is missing."""
 
 
 @dataclass
@@ -290,18 +294,83 @@ def settle_on_fresh_sidecar(bed: Bed, group: str) -> tuple[dict[str, Any], int]:
     raise TimeoutError(f"group {group}: no leader on a pod whose sidecar never restarted after 8 deletions")
 
 
+# The steps of a handover at a pod's deletion, as the sidecars log them: (name, whose log, what
+# the JSON line says). The old leader's steps come from the deleted pod, the last from the new one.
+PHASES: tuple[tuple[str, str, Callable[[dict[str, Any]], bool]], ...] = (
+    ("old drains", "old", lambda doc: doc.get("msg") == "drain requested"),
+    ("old app stopped", "old", lambda doc: str(doc.get("msg", "")).startswith(
+        ("draining: the gate says the app has stopped", "app stopped"))),
+    ("old released", "old", lambda doc: doc.get("msg") == "released"),
+    ("new leads", "new", lambda doc: str(doc.get("msg", "")).startswith("role") and doc.get("role") == "leader"),
+)
+
+
+class HeldLogs:
+    """The sidecar log files of a group's pods, opened before a fault: the kubelet removes a
+    deleted pod's files with the pod, and an open handle still reads them."""
+
+    def __init__(self, bed: Bed, pods: list[dict[str, Any]]) -> None:
+        self.handles: dict[str, Any] = {}
+        for pod in pods:
+            meta = pod["metadata"]
+            folder = bed.node.paths.pod_logs / f"{NAMESPACE}_{meta['name']}_{meta['uid']}" / "singleton-sidecar"
+            files = sorted(folder.glob("*.log"), key=lambda f: f.stat().st_mtime)
+            if files:
+                handle = files[-1].open("rb")
+                handle.seek(0, os.SEEK_END)
+                self.handles[meta["name"]] = handle
+
+    def lines_since(self, pod: str) -> list[dict[str, Any]]:
+        """The JSON log lines the pod's sidecar wrote since the files were opened (CRI format:
+        ``<time> <stream> <tag> <line>``)."""
+        handle = self.handles.get(pod)
+        if handle is None:
+            return []
+        docs = []
+        for raw in handle.read().decode(errors="replace").splitlines():
+            with contextlib.suppress(ValueError, IndexError):
+                doc = json.loads(raw.split(" ", 3)[3])
+                if isinstance(doc, dict) and _doc_time(doc) is not None:
+                    docs.append(doc)
+        return docs
+
+    def close(self) -> None:
+        for handle in self.handles.values():
+            handle.close()
+
+
+def handover_phases(held: HeldLogs, old: str, new: str, fault_at: float) -> dict[str, float]:
+    """Seconds from the fault (wall clock) to each of ``PHASES``, the first matching line each."""
+    time.sleep(0.3)  # the last lines reach the node's log files a little after the fact
+    lines = {"old": held.lines_since(old), "new": held.lines_since(new)}
+    found: dict[str, float] = {}
+    for name, whose, matches in PHASES:
+        stamp = next((t for doc in lines[whose] if matches(doc) and (t := _doc_time(doc)) is not None), None)
+        if stamp is not None:
+            found[name] = stamp - fault_at
+    return found
+
+
 def one_run(bed: Bed, backend: str, fault: str, *, crash_loop: bool = False) -> Run:
     group = f"bench-{backend}"
     fresh = fault == "sidecar-kill" and not crash_loop
     leader, token = settle_on_fresh_sidecar(bed, group) if fresh else settle(bed, group)
     name = leader["metadata"]["name"]
-    if fault == "delete-pod":
-        started = time.monotonic()
-        bed.api("DELETE", f"/api/v1/namespaces/{NAMESPACE}/pods/{name}")
-        new, at = wait_new_leader(bed, group, token, exclude=name)
-    elif fault == "evict-pod":
-        started = evict(bed, name)
-        new, at = wait_new_leader(bed, group, token, exclude=name)
+    if fault in ("delete-pod", "evict-pod"):
+        held = HeldLogs(bed, live_pods(bed.pods(group)))
+        try:
+            if fault == "delete-pod":
+                started, fault_at = time.monotonic(), time.time()
+                bed.api("DELETE", f"/api/v1/namespaces/{NAMESPACE}/pods/{name}")
+            else:
+                started = evict(bed, name)
+                fault_at = time.time() - (time.monotonic() - started)
+            new, at = wait_new_leader(bed, group, token, exclude=name)
+            phases = handover_phases(held, name, new, fault_at)
+        finally:
+            held.close()
+        phases["new ready seen"] = at - started
+        return Run(backend, fault, at - started, name, new, phases=phases)
     elif fault == "sidecar-kill":
         node_pods.signal_container(leader, "singleton-sidecar", signal.SIGKILL, layout=bed.layout)
         started, killed = time.monotonic(), time.time()
@@ -341,9 +410,15 @@ def evict(bed: Bed, pod: str, timeout: float = 60.0) -> float:
 
 def _log_time(line: str) -> float | None:
     """The wall-clock time of a sidecar's JSON log line (its ``time`` field), or None."""
-    with contextlib.suppress(ValueError, TypeError, AttributeError):
-        stamp = json.loads(line)["time"]
-        return datetime.fromisoformat(stamp.replace("Z", "+00:00")).timestamp()
+    with contextlib.suppress(ValueError):
+        return _doc_time(json.loads(line))
+    return None
+
+
+def _doc_time(doc: Any) -> float | None:
+    """The wall-clock time of a sidecar's parsed log line, or None."""
+    with contextlib.suppress(ValueError, TypeError, AttributeError, KeyError):
+        return datetime.fromisoformat(doc["time"].replace("Z", "+00:00")).timestamp()
     return None
 
 
@@ -436,6 +511,11 @@ def print_runs(backends: list[str], faults: list[str], runs: list[Run]) -> None:
             leads = [r.start_to_lead for r in restarts if r.start_to_lead is not None]
             if leads:
                 print("    " + summary("its first log line -> acquired", leads))
+            phased = [r.phases for r in runs if r.backend == backend and r.fault == fault and r.phases]
+            for phase in [*(name for name, _, _ in PHASES), "new ready seen"]:
+                values = [p[phase] for p in phased if phase in p]
+                if values:
+                    print("    " + summary(f"-> {phase}", values))
 
 
 def main() -> int:
@@ -480,8 +560,10 @@ def main() -> int:
                             raise
                         runs.append(run)
                         before = f" (sidecar restarted {run.restarts_before}x before)" if run.restarts_before else ""
+                        steps = "" if not run.phases else " (" + ", ".join(
+                            f"{phase} {seconds * 1000:.0f}" for phase, seconds in run.phases.items()) + ")"
                         print(f"[{backend:8} {fault:12} {index + 1:2}/{args.runs}] {run.old} -> {run.new}: "
-                              f"{run.seconds * 1000:.0f} ms{before}", flush=True)
+                              f"{run.seconds * 1000:.0f} ms{before}{steps}", flush=True)
                 if args.keep_logs:
                     keep_evidence(bed)
                 bed.control_plane.kubectl("delete", "sgl", f"bench-{backend}", "-n", NAMESPACE, "--wait=true")

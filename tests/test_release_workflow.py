@@ -4,6 +4,7 @@ publishes what `make dist` builds, the way the release needs (no server)."""
 
 from __future__ import annotations
 
+import re
 import shutil
 import subprocess
 from pathlib import Path
@@ -63,10 +64,20 @@ def test_the_workflow_builds_with_make_dist_and_publishes_each_artifact() -> Non
     assert "-m singleton_testbed.dist dist" in steps_text(jobs["dist"])
     pypi = jobs["pypi"]
     assert pypi["permissions"] == {"id-token": "write"}  # trusted publishing, no token secret
-    assert "pypa/gh-action-pypi-publish@release/v1" in steps_text(pypi)
+    assert "pypa/gh-action-pypi-publish@" in steps_text(pypi)
     assert "helm push" in steps_text(jobs["chart"]) and "oci://ghcr.io/" in steps_text(jobs["chart"])
     (build,) = [step for step in jobs["image"]["steps"] if str(step.get("uses", "")).startswith("docker/build-push")]
     assert build["with"]["platforms"] == "linux/amd64,linux/arm64" and build["with"]["sbom"] is True
     assert "gh release create" in steps_text(jobs["github-release"])
     assert set(jobs["github-release"]["needs"]) == {"dist", "pypi", "chart", "image"}
     assert "secrets.PYPI" not in WORKFLOW.read_text()
+
+
+def test_every_action_is_pinned_by_its_commit_and_names_its_release() -> None:
+    """A tag can be moved to other code; a commit cannot. The comment keeps the pin readable
+    (and lets Dependabot or Renovate propose the next one)."""
+    uses = [line.strip() for line in WORKFLOW.read_text().splitlines() if re.match(r"\s*(- )?uses:", line)]
+    assert len(uses) >= 10
+    pinned = re.compile(r"(- )?uses: [\w.-]+/[\w.-]+@[0-9a-f]{40}  # v\d+\.\d+\.\d+")
+    unpinned = [line for line in uses if not pinned.fullmatch(line)]
+    assert not unpinned, unpinned
