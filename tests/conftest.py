@@ -160,10 +160,10 @@ def testbed_binaries() -> dict[str, Path]:
 
 @pytest.fixture(scope="session")
 def dist_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """What `make dist` builds (the krew plugin for this machine only), built once for
-    tests/test_dist.py and tests/test_krew.py; no server."""
+    """What `make dist` builds (the krew plugin for this machine only; the image and its SBOM
+    are tests/test_image.py's), built once for tests/test_dist.py and tests/test_krew.py; no server."""
     out = tmp_path_factory.mktemp("dist")
-    result = subprocess.run([sys.executable, "-m", "singleton_testbed.dist", "--krew-host", str(out)],
+    result = subprocess.run([sys.executable, "-m", "singleton_testbed.dist", "--krew-host", "--no-image", str(out)],
                             capture_output=True, text=True, check=False, timeout=900)
     assert result.returncode == 0, result.stdout + result.stderr
     assert result.stdout.splitlines()[-1] == str(out)

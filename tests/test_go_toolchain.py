@@ -212,7 +212,7 @@ def test_prerequisites_fetch_go_without_root_or_apt(tmp_path: Path) -> None:
 
 def test_the_build_scripts_take_their_go_from_it() -> None:
     """Every script that runs `go build` or `go install` asks gotoolchain.py first."""
-    for script in ("testbed/build.sh", "testbed/build-prometheus.sh", "testbed/build-actionlint.sh",
+    for script in ("testbed/build.sh", "testbed/build-prometheus.sh", "testbed/build-go-tool.sh",
                    "benchmarks/clientgo/build.sh"):
         text = "\n".join(line for line in (ROOT / script).read_text().splitlines()
                          if not line.lstrip().startswith("#"))

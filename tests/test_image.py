@@ -23,10 +23,12 @@ import tomllib
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from urllib.parse import unquote
 
 import pytest
+from packaging.utils import canonicalize_name
 
-from singleton_testbed import images
+from singleton_testbed import dist, images
 
 ROOT = Path(__file__).resolve().parent.parent
 VERSION = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["version"]
@@ -356,3 +358,41 @@ def test_a_warm_build_reuses_the_archive(built: Built) -> None:
     archive, reference = images.build_project_image()
     assert (archive, reference) == (built.archive, built.reference)
     assert time.monotonic() - start < 10
+
+
+
+@pytest.fixture(scope="module")
+def shipped(built: Built, tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
+    """``make dist``'s image step: (the OCI archive, its SBOM)."""
+    archive, sbom = dist.build_image(tmp_path_factory.mktemp("dist"), images.project_version())
+    return archive, sbom
+
+
+def test_make_dist_ships_the_archive_and_an_sbom_of_what_the_image_holds(built: Built,
+                                                                         shipped: tuple[Path, Path]) -> None:
+    """The archive the tests run, and syft's SPDX document listing every Python distribution of
+    the image's venv at the version its dist-info says, and every Debian package dpkg records
+    (both read here from the unpacked image, not from syft)."""
+    archive, sbom = shipped
+    assert archive.name == f"singleton-image-{images.project_version()}.oci.tar"
+    assert archive.read_bytes() == built.archive.read_bytes()
+    purls = dist.sbom_packages(sbom)
+    in_venv = set()
+    for info in (built.rootfs / SITE).glob("*.dist-info"):
+        name, version = info.name.removesuffix(".dist-info").split("-", 1)
+        in_venv.add(f"pkg:pypi/{canonicalize_name(name)}@{version}")
+    assert len(in_venv) > 15 and in_venv <= purls, sorted(in_venv - purls)
+    status = (built.rootfs / "var/lib/dpkg/status").read_text()
+    debs = {f"pkg:deb/debian/{name}@{version}" for name, version in
+            re.findall(r"^Package: (\S+)\n(?:.+\n)*?Version: (\S+)$", status, re.MULTILINE)}
+    shipped_debs = {unquote(purl) for purl in purls if purl.startswith("pkg:deb/")}
+    assert len(debs) > 80 and shipped_debs == debs, (sorted(debs - shipped_debs), sorted(shipped_debs - debs))
+
+
+def test_the_sbom_check_refuses_a_document_missing_a_requirement(shipped: tuple[Path, Path], tmp_path: Path) -> None:
+    document = json.loads(shipped[1].read_text())
+    document["packages"] = [package for package in document["packages"] if package["name"] != "asyncpg"]
+    (changed := tmp_path / "sbom.json").write_text(json.dumps(document))
+    dist.check_sbom(shipped[1], images.project_version())  # the document as syft wrote it passes
+    with pytest.raises(dist.DistError, match=r"does not list \['pkg:pypi/asyncpg'\]"):
+        dist.check_sbom(changed, images.project_version())

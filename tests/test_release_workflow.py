@@ -1,5 +1,5 @@
 """.github/workflows/release.yml: actionlint (built from its Go module by
-testbed/build-actionlint.sh, cached) finds nothing, shellcheck included, and the workflow
+testbed/build-go-tool.sh, cached) finds nothing, shellcheck included, and the workflow
 publishes what `make dist` builds, the way the release needs (no server)."""
 
 from __future__ import annotations
@@ -19,8 +19,8 @@ WORKFLOW = ROOT / ".github" / "workflows" / "release.yml"
 
 @pytest.fixture(scope="module")
 def actionlint() -> Path:
-    folder = subprocess.run(["bash", str(ROOT / "testbed" / "build-actionlint.sh")], capture_output=True, text=True,
-                            check=True, timeout=600).stdout.strip().splitlines()[-1]
+    folder = subprocess.run(["bash", str(ROOT / "testbed" / "build-go-tool.sh"), "actionlint"], capture_output=True,
+                            text=True, check=True, timeout=600).stdout.strip().splitlines()[-1]
     return Path(folder) / "actionlint"
 
 
@@ -61,7 +61,7 @@ def test_the_workflow_builds_with_make_dist_and_publishes_each_artifact() -> Non
     assert doc[True]["push"]["tags"] == ["v[0-9]+.[0-9]+.[0-9]+"]  # YAML 1.1 reads the key `on` as true
     assert doc["permissions"] == {"contents": "read"}
     jobs = doc["jobs"]
-    assert "-m singleton_testbed.dist dist" in steps_text(jobs["dist"])
+    assert "-m singleton_testbed.dist --no-image dist" in steps_text(jobs["dist"])
     pypi = jobs["pypi"]
     assert pypi["permissions"] == {"id-token": "write"}  # trusted publishing, no token secret
     assert "pypa/gh-action-pypi-publish@" in steps_text(pypi)

@@ -10,6 +10,11 @@ would publish it (nothing is pushed from here)::
 - kubectl singleton as self-contained zipapps and their krew archives, one per OS and
   architecture, and the krew manifest naming them (plugins/krew/build.py; ``--krew-host``:
   this machine's only, the tests' quick path);
+- the image as an OCI archive (the Dockerfile built by ``singleton_testbed.images``: buildah
+  and mmdebstrap, root) and its SBOM, SPDX JSON written by syft (built from its Go module,
+  ``testbed/build-go-tool.sh``) and checked to list the image's Python and Debian packages
+  (``--no-image``: without them, as the release workflow's ``dist`` job, which leaves the
+  image to buildx for two architectures);
 - ``SHA256SUMS`` of all of them.
 
 Every check raises ``DistError`` naming what is wrong; the last line printed is the folder.
@@ -20,6 +25,7 @@ from __future__ import annotations
 
 import argparse
 import hashlib
+import json
 import re
 import shutil
 import subprocess
@@ -30,7 +36,10 @@ import zipfile
 from pathlib import Path
 
 import yaml
+from packaging.requirements import Requirement
+from packaging.utils import canonicalize_name
 
+from singleton_testbed import images
 from singleton_testbed.binaries import find
 
 ROOT = Path(__file__).resolve().parent.parent.parent
@@ -45,6 +54,9 @@ WHEEL_DATA = {
     "kube-singleton-sdk": ["singleton_sdk/py.typed"],
 }
 CHART_FILES = ["Chart.yaml", "values.yaml", "values.schema.json", "crds/singleton.dev_singletonservices.yaml"]
+# What the image's SBOM must list besides kube-singleton and its own requirements: the Debian
+# package of the interpreter the sidecar runs on (a scanner that misses dpkg misses the CVEs).
+IMAGE_DEB_PACKAGES = ["python3.11", "libc6"]
 
 
 class DistError(Exception):
@@ -148,6 +160,67 @@ def build_krew(out: Path, version: str, host_only: bool) -> list[Path]:
     return [*pyzs, *archives, out / "singleton.yaml"]
 
 
+def go_tool(name: str) -> Path:
+    """A release tool built from its Go module (testbed/build-go-tool.sh), cached."""
+    result = subprocess.run(["bash", str(ROOT / "testbed" / "build-go-tool.sh"), name], capture_output=True,
+                            text=True, check=False, timeout=1800)
+    if result.returncode != 0:
+        raise DistError(f"testbed/build-go-tool.sh {name} failed:\n{result.stderr}")
+    return Path(result.stdout.splitlines()[-1]) / name
+
+
+def build_image(out: Path, version: str) -> list[Path]:
+    """The image as an OCI archive and its SBOM (SPDX JSON), both checked."""
+    if missing := images.missing_tools():
+        raise DistError(f"the image needs {', '.join(missing)} (apt-get install buildah mmdebstrap; root), "
+                        "or --no-image")
+    built, reference = images.build_project_image()
+    if reference != f"{images.REPOSITORY}:{version}":
+        raise DistError(f"the image is tagged {reference}, the release is {version}")
+    archive = out / f"singleton-image-{version}.oci.tar"
+    shutil.copyfile(built, archive)
+    image = images.read_image(archive)
+    labels = image.config.get("config", {}).get("Labels") or {}
+    if image.ref_name != reference or labels.get("org.opencontainers.image.version") != version:
+        raise DistError(f"the image archive names {image.ref_name!r}, version label "
+                        f"{labels.get('org.opencontainers.image.version')!r}; the release is {reference}")
+    sbom = out / f"singleton-image-{version}.spdx.json"
+    scan = subprocess.run([str(go_tool("syft")), "scan", f"oci-archive:{archive}", "--quiet",
+                           "--source-name", images.REPOSITORY, "--source-version", version,
+                           "--output", f"spdx-json={sbom}"], capture_output=True, text=True, check=False,
+                          timeout=600)
+    if scan.returncode != 0 or not sbom.is_file():
+        raise DistError(f"syft failed:\n{scan.stdout}{scan.stderr}")
+    check_sbom(sbom, version)
+    return [archive, sbom]
+
+
+def sbom_packages(sbom: Path) -> set[str]:
+    """The package URLs of an SPDX JSON document, without their qualifiers (``pkg:pypi/h11@0.16.0``)."""
+    document = json.loads(sbom.read_text())
+    return {ref["referenceLocator"].split("?", 1)[0] for package in document.get("packages", [])
+            for ref in package.get("externalRefs", []) if ref.get("referenceType") == "purl"}
+
+
+def check_sbom(sbom: Path, version: str) -> None:
+    """SPDX 2.3 naming the image, listing kube-singleton at the release's version, every one of
+    its requirements, and the Debian packages that carry the interpreter."""
+    document = json.loads(sbom.read_text())
+    if document.get("spdxVersion") != "SPDX-2.3" or document.get("name") != images.REPOSITORY:
+        raise DistError(f"{sbom.name}: not an SPDX 2.3 document of {images.REPOSITORY}: "
+                        f"{document.get('spdxVersion')!r}, {document.get('name')!r}")
+    purls = sbom_packages(sbom)
+    names = {purl.rsplit("@", 1)[0] for purl in purls}
+    requirements = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["dependencies"]
+    wanted = {f"pkg:pypi/{canonicalize_name(Requirement(requirement).name)}" for requirement in requirements}
+    wanted |= {f"pkg:deb/debian/{name}" for name in IMAGE_DEB_PACKAGES}
+    missing = sorted(wanted - names)
+    if f"pkg:pypi/kube-singleton@{version}" not in purls:
+        missing.insert(0, f"pkg:pypi/kube-singleton@{version}")
+    if missing:
+        raise DistError(f"{sbom.name} does not list {missing}")
+
+
 def write_sums(out: Path) -> Path:
     sums = out / "SHA256SUMS"
     lines = [f"{hashlib.sha256(path.read_bytes()).hexdigest()}  {path.name}\n"
@@ -156,7 +229,7 @@ def write_sums(out: Path) -> Path:
     return sums
 
 
-def dist(out: Path, krew_host_only: bool = False) -> list[Path]:
+def dist(out: Path, krew_host_only: bool = False, image: bool = True) -> list[Path]:
     version = check_versions()
     if out.exists():
         shutil.rmtree(out)  # only this run's artifacts, so SHA256SUMS lists exactly them
@@ -167,6 +240,8 @@ def dist(out: Path, krew_host_only: bool = False) -> list[Path]:
     check_contents(out, version)
     artifacts.append(build_chart(out, version))
     artifacts += build_krew(out, version, krew_host_only)
+    if image:
+        artifacts += build_image(out, version)
     artifacts.append(write_sums(out))
     return artifacts
 
@@ -175,9 +250,11 @@ def main() -> int:
     parser = argparse.ArgumentParser(prog="python -m singleton_testbed.dist", description=__doc__.split("\n\n")[0])
     parser.add_argument("out", nargs="?", type=Path, default=ROOT / "dist", help="the folder to (re)create")
     parser.add_argument("--krew-host", action="store_true", help="the krew plugin for this machine only")
+    parser.add_argument("--no-image", action="store_true",
+                        help="without the image's OCI archive and SBOM (they need buildah and mmdebstrap, as root)")
     args = parser.parse_args()
     try:
-        artifacts = dist(args.out.resolve(), args.krew_host)
+        artifacts = dist(args.out.resolve(), args.krew_host, image=not args.no_image)
     except DistError as exc:
         print(f"make dist: error: {exc}", file=sys.stderr)
         return 1
