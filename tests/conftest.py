@@ -99,11 +99,28 @@ def pytest_runtest_makereport(item: pytest.Item,
 PHASE_REPORTS = pytest.StashKey[dict[str, pytest.TestReport]]()
 
 
+# A test's tier follows from what it uses: the fixtures that start a server or build something
+# mark every test whose fixture closure holds them, so `make unit` (none of these markers) starts
+# nothing and builds nothing. Tests that start servers of their own carry the marker themselves.
+FIXTURE_MARKERS = {
+    "postgres_server": "postgres",
+    "cluster": "k8s",
+    "controllers": "controlplane",
+    "real_node": "node",
+    "project_image": "image",
+    "dist_dir": "build",
+}
+
+
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
-    """Tests on the session's real node run last, in their order: the node lives until the
-    session ends and holds the machine's node lock, which the demo's test and the doc tests'
-    ``make testbed-up`` need for nodes of their own. (``test_e2e`` asks for the node at run
-    time; its module sorts after theirs.)"""
+    """Marks each test by its fixtures (``FIXTURE_MARKERS``). Tests on the session's real node
+    run last, in their order: the node lives until the session ends and holds the machine's
+    node lock, which the demo's test and the doc tests' ``make testbed-up`` need for nodes of
+    their own. (``test_e2e`` asks for the node at run time; its module sorts after theirs.)"""
+    for item in items:
+        for fixture in getattr(item, "fixturenames", ()):
+            if marker := FIXTURE_MARKERS.get(fixture):
+                item.add_marker(marker)
     items.sort(key=lambda item: "real_node" in getattr(item, "fixturenames", ()))
 
 

@@ -424,8 +424,10 @@ async def test_a_webhook_whose_group_read_hangs_refuses_the_pod_before_the_api_s
     from singleton_operator.webhook import PATH, PodAdmission
     from singleton_sidecar.kube import KubeClient, KubeConfig
 
+    given_up = asyncio.Event()  # set once the test is done: the runner's cleanup waits for its handlers
+
     async def hang(_: web.Request) -> web.Response:
-        await asyncio.sleep(60)
+        await given_up.wait()
         return web.Response()
 
     async def serve(app: web.Application) -> tuple[web.AppRunner, str]:
@@ -449,6 +451,7 @@ async def test_a_webhook_whose_group_read_hangs_refuses_the_pod_before_the_api_s
                 answer = (await resp.json())["response"]
             took = time.monotonic() - started
         finally:
+            given_up.set()
             await hook_runner.cleanup()
             await api_runner.cleanup()
     assert took < 2.0, took

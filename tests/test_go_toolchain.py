@@ -84,6 +84,7 @@ def old_go_path(folder: Path) -> str:
     return f"{bin_dir}:/usr/bin:/bin"
 
 
+@pytest.mark.build
 def test_the_pins_are_what_the_proxy_lists_and_the_checksum_database_signed() -> None:
     """Every pin is listed by the proxy, its .mod is the toolchain module's, and its h1 is
     sum.golang.org's record (through the proxy's /sumdb/, the go command's way)."""
@@ -107,6 +108,7 @@ def test_the_pins_are_what_the_proxy_lists_and_the_checksum_database_signed() ->
         print(f"the proxy lists newer patches than the pinned go{version}: {newer}")
 
 
+@pytest.mark.build
 def test_the_fetched_toolchain_matches_its_pin_and_runs() -> None:
     dest, seconds = real_toolchain()
     zip_path = cached_zip()
@@ -121,6 +123,7 @@ def test_the_fetched_toolchain_matches_its_pin_and_runs() -> None:
     assert os.access(dest / "pkg" / "tool" / f"linux_{arch}" / "compile", os.X_OK)
 
 
+@pytest.mark.build
 def test_a_zip_with_one_byte_changed_is_refused(tmp_path: Path) -> None:
     """One byte of a file's content, the zip otherwise sound (re-stored): the hash tells."""
     _, module_version, h1 = gotoolchain.pinned()
@@ -138,6 +141,7 @@ def test_a_zip_with_one_byte_changed_is_refused(tmp_path: Path) -> None:
     assert said.startswith(f"golang.org/toolchain@{module_version}: {tampered} hashes to h1:")
 
 
+@pytest.mark.build
 def test_a_fetch_of_a_tampered_zip_keeps_nothing(tmp_path: Path) -> None:
     """Through GOPROXY (honoured): one raw byte of the download changed; nothing is unpacked,
     the download is not kept, and the script fails saying why."""
@@ -156,6 +160,7 @@ def test_a_fetch_of_a_tampered_zip_keeps_nothing(tmp_path: Path) -> None:
     assert sorted(path.name for path in (tmp_path / "cache").rglob("*")) == ["download"]
 
 
+@pytest.mark.build
 def test_an_old_go_on_path_makes_it_fetch(tmp_path: Path) -> None:
     """go1.19 on PATH (Debian 12's): `check` says it would fetch; `bin` fetches (from a local proxy
     serving the real zip) and gives the fetched toolchain's folder, which `check` then takes."""
@@ -176,6 +181,7 @@ def test_an_old_go_on_path_makes_it_fetch(tmp_path: Path) -> None:
 
 
 @pytest.mark.skipif(not SYSTEM_GO.exists(), reason="no /usr/local/go here")
+@pytest.mark.build
 def test_a_new_enough_go_on_path_is_used_and_nothing_fetched(tmp_path: Path) -> None:
     """This machine's /usr/local/go (1.26.8 >= the go.mod files' 1.26.7): no fetch, even with a
     proxy that answers nothing."""
@@ -189,6 +195,7 @@ def test_a_new_enough_go_on_path_is_used_and_nothing_fetched(tmp_path: Path) -> 
     assert not (tmp_path / "cache").exists()
 
 
+@pytest.mark.build
 def test_prerequisites_fetch_go_without_root_or_apt(tmp_path: Path) -> None:
     """`make testbed` on a machine with Debian 12's go: `check` names no Debian package and
     succeeds (build.sh fetches it); `install`, even with SINGLETON_NO_APT=1, fetches it."""
@@ -221,6 +228,7 @@ def test_the_build_scripts_take_their_go_from_it() -> None:
         assert 'PATH="$gobin:$PATH' in text, script
 
 
+@pytest.mark.build
 def test_build_sh_builds_with_the_fetched_go_when_path_has_an_old_one(tmp_path: Path) -> None:
     """testbed/build.sh with go1.19 first on PATH: it builds (here only pause, the others stand in
     as present) with the pinned toolchain from the cache."""
@@ -245,6 +253,7 @@ def test_build_sh_builds_with_the_fetched_go_when_path_has_an_old_one(tmp_path: 
     assert os.access(built / "pause", os.X_OK)
 
 
+@pytest.mark.build
 def test_prerequisites_fail_saying_so_when_the_fetch_fails(tmp_path: Path) -> None:
     env = {**os.environ, "PATH": old_go_path(tmp_path), "SINGLETON_GO_CACHE": str(tmp_path / "cache"),
            "GOPROXY": "http://127.0.0.1:9"}  # nothing listens on the discard port

@@ -136,6 +136,7 @@ def enough_files() -> None:
         resource.setrlimit(resource.RLIMIT_NOFILE, (min(need, hard) if hard != resource.RLIM_INFINITY else need, hard))
 
 
+@pytest.mark.slow  # the kubelet's window, by design
 async def test_livez_answers_on_a_new_connection_while_a_stranger_holds_more_than_the_connection_limit() -> None:
     enough_files()
     async with sidecar_probe_port() as server:
