@@ -35,6 +35,7 @@ RUN /opt/singleton/bin/pip install --only-binary=:all: --no-deps --requirement r
 
 # LICENSE: both projects' license-files (sdk/LICENSE is a link to it); the wheels carry it.
 COPY pyproject.toml README.md LICENSE ./
+COPY election/ election/
 COPY sidecar/ sidecar/
 COPY operator/ operator/
 # The application SDK, a distribution of its own (sdk/pyproject.toml): the sample poller the
@@ -56,7 +57,7 @@ RUN /opt/singleton/bin/pip install --no-deps --no-compile ./sdk . \
  && /opt/singleton/bin/python -m compileall -f -q -o 0 -o 2 --hardlink-dupes --invalidation-mode unchecked-hash /opt/singleton/lib \
  && sed -i '1s|^#!\(/[^ ]*/python[0-9.]*\)$|#!\1 -OO|' /opt/singleton/bin/singleton-sidecar \
  && head -n 1 /opt/singleton/bin/singleton-sidecar | grep -qx '#!/opt/singleton/bin/python[0-9.]* -OO' \
- && /opt/singleton/bin/python -c "import singleton_sidecar, singleton_operator, singleton_sdk" \
+ && /opt/singleton/bin/python -c "import singleton_election, singleton_sidecar, singleton_operator, singleton_sdk" \
  && test -x /opt/singleton/bin/singleton-operator \
  && test -x /opt/singleton/bin/singleton-sidecar
 

@@ -4,7 +4,7 @@
 PYTHON ?= python3
 VENV ?= .venv
 BIN := $(VENV)/bin
-PACKAGES := sidecar testbed operator sdk
+PACKAGES := election sidecar testbed operator sdk
 
 .PHONY: prerequisites test lint unit venv testbed testbed-up testbed-down testbed-node-test e2e-existing clean
 

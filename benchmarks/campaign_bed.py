@@ -72,10 +72,10 @@ from tests.kubehelpers import AdminApi, save_pod_logs
 
 from benchmarks.campaign_pods import Frozen, freeze_pod, loopback_request, thaw_pod
 from benchmarks.campaign_poll import PORT, Poller, Sample
+from singleton_election import contract
+from singleton_election.core.elector import DRAIN_TIMEOUT_PASSED
 from singleton_operator import resources
 from singleton_operator.spec import read_spec
-from singleton_sidecar import contract
-from singleton_sidecar.core.elector import DRAIN_TIMEOUT_PASSED
 from singleton_testbed import images, node_pods
 from singleton_testbed.apps_image import APPS_ROOT, build_test_apps_image
 from singleton_testbed.binaries import add_to_path, find_all

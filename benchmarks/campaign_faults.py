@@ -83,7 +83,7 @@ from dataclasses import dataclass
 from benchmarks.campaign_bed import LEASE, Bed, CampaignError, Group
 from benchmarks.campaign_poll import Poller, Sample
 from singleton_ctl import cli as singletonctl
-from singleton_sidecar import contract
+from singleton_election import contract
 
 ALL_KINDS = ("sigkill", "sigstop", "sigstop-sidecar", "pg-terminate", "pg-restart", "apiserver-restart",
              "etcd-restart", "partition-pg", "partition-api", "delete-pod", "drain-timeout", "handover", "step-down",

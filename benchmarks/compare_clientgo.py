@@ -52,7 +52,7 @@ from benchmarks.clientgo.elector import CLIENTGO_DEFAULTS, USER_AGENT, ClientGoP
 from benchmarks.clientgo.unfenced_worker import term_of
 from benchmarks.compare_partition import PartitionRun, PodPeer, partition_runs
 from benchmarks.failover import Bench, Starter, bench_servers, cpu_seconds, percentile, rss_mb, running, summary
-from singleton_sidecar.core.timings import BACKEND_DEFAULTS
+from singleton_election.core.timings import BACKEND_DEFAULTS
 from singleton_testbed.binaries import find_all
 from singleton_testbed.controlplane import ControlPlane
 from singleton_testbed.ledger import LedgerReport, check_ledger

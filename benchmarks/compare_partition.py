@@ -48,7 +48,7 @@ from tests.kubehelpers import AdminApi, save_pod_logs
 
 from benchmarks.campaign_bed import CampaignError, admin_call, create_account, sidecar_pod_env, watch_running
 from benchmarks.campaign_poll import PORT, Poller, Sample
-from singleton_sidecar import contract
+from singleton_election import contract
 from singleton_testbed import images, node_pods
 from singleton_testbed.controlplane import ControlPlane
 from singleton_testbed.node import Node, NodeError, unavailable_reason

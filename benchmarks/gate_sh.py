@@ -38,8 +38,8 @@ from pathlib import Path
 from typing import TypeVar
 
 from benchmarks.failover import percentile
-from singleton_sidecar.core.lock import Identity, Term, Token
-from singleton_sidecar.core.status import ElectionStatus, Role
+from singleton_election.core.lock import Identity, Term, Token
+from singleton_election.core.status import ElectionStatus, Role
 from singleton_sidecar.gate import FileGate
 
 APP = 'echo started > "$SINGLETON_GATE_DIR/started"; trap "exit 0" TERM; while :; do sleep 1; done'

@@ -62,7 +62,7 @@ from tests.operators import OperatorProcess
 from tests.sidecars import PROMETHEUS_ACCEPT
 
 from benchmarks.failover import rss_mb, summary
-from singleton_sidecar import contract
+from singleton_election import contract
 from singleton_testbed import images, node_pods
 from singleton_testbed.binaries import add_to_path, find_all
 from singleton_testbed.controlplane import ClusterInfo, ControlPlane, wait_established

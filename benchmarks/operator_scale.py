@@ -50,8 +50,8 @@ from typing import Any
 import yaml
 
 from benchmarks.failover import cpu_seconds, percentile, rss_mb
-from singleton_sidecar import contract
-from singleton_sidecar.kube import KubeClient, KubeError, load_kube_config
+from singleton_election import contract
+from singleton_election.kube import KubeClient, KubeError, load_kube_config
 from singleton_testbed.binaries import add_to_path, find_all
 from singleton_testbed.controlplane import ControlPlane, wait_established, write_kubeconfig
 from singleton_testbed.procs import free_port

@@ -55,15 +55,15 @@ from typing import Any, BinaryIO
 
 import asyncpg
 
+from singleton_election.backends.postgres import PostgresBackend
+from singleton_election.backends.postgres_pooled import PooledPostgresBackend
+from singleton_election.backends.postgres_session import ensure_schema
+from singleton_election.backends.postgres_sql import Statements
+from singleton_election.core.elector import Elector
+from singleton_election.core.lock import Identity
+from singleton_election.core.status import ElectionStatus, Role
+from singleton_election.core.timings import Timings
 from singleton_sdk.asyncpg import StaleToken, fence
-from singleton_sidecar.backends.postgres import PostgresBackend
-from singleton_sidecar.backends.postgres_pooled import PooledPostgresBackend
-from singleton_sidecar.backends.postgres_session import ensure_schema
-from singleton_sidecar.backends.postgres_sql import Statements
-from singleton_sidecar.core.elector import Elector
-from singleton_sidecar.core.lock import Identity
-from singleton_sidecar.core.status import ElectionStatus, Role
-from singleton_sidecar.core.timings import Timings
 from singleton_testbed.actlog import FAILED, REFUSED, WRITTEN, ActLog, create_tables
 from singleton_testbed.ledger import check_ledger, percentile
 from singleton_testbed.pgbouncer import PgBouncer

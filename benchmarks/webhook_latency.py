@@ -30,8 +30,8 @@ from pathlib import Path
 from tests.operators import OperatorProcess
 
 from benchmarks.failover import bench_servers, percentile
-from singleton_sidecar import contract
-from singleton_sidecar.kube import KubeClient, load_kube_config
+from singleton_election import contract
+from singleton_election.kube import KubeClient, load_kube_config
 from singleton_testbed.controlplane import wait_established
 from singleton_testbed.procs import free_port
 

@@ -21,7 +21,7 @@ from demo.cluster import GROUP, NAMESPACE, DemoError, NodeBusy, State
 from demo.observe import Event, Observer
 from demo.render import Verdict, live_view, summary
 from demo.scenario import Scenario
-from singleton_sidecar.kube import KubeClient, load_kube_config
+from singleton_election.kube import KubeClient, load_kube_config
 
 
 class Output:

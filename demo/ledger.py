@@ -16,7 +16,7 @@ from datetime import datetime
 
 import asyncpg
 
-from singleton_sidecar.core.identity import pod_of
+from singleton_election.core.identity import pod_of
 from singleton_testbed.ledger import LedgerJudge, LedgerReport
 
 LEDGER_QUERY = """

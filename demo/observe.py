@@ -16,8 +16,8 @@ import asyncpg
 
 from demo.cluster import GROUP, NAMESPACE
 from demo.ledger import Handover, Ledger, TermSpan
-from singleton_sidecar import contract
-from singleton_sidecar.kube import KubeClient, KubeError
+from singleton_election import contract
+from singleton_election.kube import KubeClient, KubeError
 
 T = TypeVar("T")
 TICK = 0.25

@@ -12,7 +12,7 @@ from rich.text import Text
 from demo.cluster import GROUP, NAMESPACE
 from demo.ledger import Ledger
 from demo.observe import Observer, Step, since_text
-from singleton_sidecar import contract
+from singleton_election import contract
 
 ROLE_STYLES = {contract.ROLE_LEADER: "bold green", contract.ROLE_STANDBY: "cyan",
                contract.ROLE_DRAINING: "yellow", contract.ROLE_RELEASED: "dim"}

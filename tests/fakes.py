@@ -1,13 +1,13 @@
 """Fakes for unit tests of the election core: a clock on fake time and a scripted lock backend.
 
-``FakeClock`` implements ``singleton_sidecar.core.clock.Clock``. Time moves only when
+``FakeClock`` implements ``singleton_election.core.clock.Clock``. Time moves only when
 every task that waits on it has yielded to the loop a number of times in a row with
 nothing happening; it then jumps to the earliest pending wake-up (its own, or another
 waiter's), so several concurrent waiters (a leader's renew timer and a drain timeout,
 or a test that sleeps until a given moment) wake in the order of their deadlines.
 With a single waiter this is simply: yield a few times, then advance by ``timeout``.
 
-``FakeBackend`` implements ``singleton_sidecar.core.lock.LockBackend`` from scripts,
+``FakeBackend`` implements ``singleton_election.core.lock.LockBackend`` from scripts,
 one per operation; every call is recorded (with the fake time) in a log that tests can
 share with their listeners, and a call the script does not expect fails the test, like
 client-go's fake lock.
@@ -22,7 +22,7 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass, replace
 from typing import Any
 
-from singleton_sidecar.core.lock import Identity, LockRecord, LossCallback, Term, Token
+from singleton_election.core.lock import Identity, LockRecord, LossCallback, Term, Token
 
 # --- fake time --------------------------------------------------------------------------------
 

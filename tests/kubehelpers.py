@@ -11,8 +11,8 @@ from typing import Any, Protocol
 
 import yaml
 
-from singleton_sidecar import contract
-from singleton_sidecar.kube import load_kube_config
+from singleton_election import contract
+from singleton_election.kube import load_kube_config
 
 
 class KubectlRunner(Protocol):

@@ -20,10 +20,10 @@ import jsonpatch
 import pytest
 import yaml
 
+from singleton_election import contract
 from singleton_operator.inject import InjectError, Manifest, inject_manifests, is_injected, pod_patch
 from singleton_operator.spec import SpecError, read_spec
 from singleton_operator.status import workload_suitability
-from singleton_sidecar import contract
 from singleton_testbed.procs import free_port
 from tests.conftest import Cluster
 from tests.kubehelpers import get_json
@@ -421,8 +421,8 @@ async def test_a_webhook_whose_group_read_hangs_refuses_the_pod_before_the_api_s
 
     from aiohttp import ClientSession, web
 
+    from singleton_election.kube import KubeClient, KubeConfig
     from singleton_operator.webhook import PATH, PodAdmission
-    from singleton_sidecar.kube import KubeClient, KubeConfig
 
     given_up = asyncio.Event()  # set once the test is done: the runner's cleanup waits for its handlers
 

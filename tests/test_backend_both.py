@@ -13,11 +13,11 @@ from urllib.parse import urlsplit
 import pytest
 import pytest_asyncio
 
-from singleton_sidecar.backends.both import BothBackend
-from singleton_sidecar.backends.lease import NEWCOMER_DEFERENCE, LeaseBackend
-from singleton_sidecar.backends.postgres import PostgresBackend
-from singleton_sidecar.core.lock import BackendUnavailable, Identity, LockRecord, Term
-from singleton_sidecar.kube import KubeClient, load_kube_config
+from singleton_election.backends.both import BothBackend
+from singleton_election.backends.lease import NEWCOMER_DEFERENCE, LeaseBackend
+from singleton_election.backends.postgres import PostgresBackend
+from singleton_election.core.lock import BackendUnavailable, Identity, LockRecord, Term
+from singleton_election.kube import KubeClient, load_kube_config
 from tests.conftest import Cluster
 from tests.tcpproxy import CuttableProxy
 

@@ -14,16 +14,16 @@ from typing import Any
 import pytest
 import pytest_asyncio
 
-from singleton_sidecar.backends.lease import NEWCOMER_DEFERENCE, LeaseBackend, micro_time
-from singleton_sidecar.contract import (
+from singleton_election.backends.lease import NEWCOMER_DEFERENCE, LeaseBackend, micro_time
+from singleton_election.contract import (
     ANNOTATION_TOKEN,
     LABEL_GROUP,
     LEASE_ANNOTATION_RELEASED,
     LEASE_ANNOTATION_TOKEN,
     sidecar_rbac_rules,
 )
-from singleton_sidecar.core.lock import BackendUnavailable, Identity, LockRecord, Term, Token
-from singleton_sidecar.kube import KubeClient, KubeConfig, KubeError, KubeGone, KubeUnavailable, load_kube_config
+from singleton_election.core.lock import BackendUnavailable, Identity, LockRecord, Term, Token
+from singleton_election.kube import KubeClient, KubeConfig, KubeError, KubeGone, KubeUnavailable, load_kube_config
 from tests.conftest import Cluster
 from tests.kubehelpers import grant, service_account_kubeconfig
 
@@ -401,7 +401,7 @@ async def test_pod_tokens_need_the_right_to_list_pods(
     async with KubeClient(limited) as client:
         backend = make_backend(client=client, lease_duration=1.0)  # no pods read: no Lease is waited for
         before = int(time.time() * 1000)
-        with caplog.at_level(logging.WARNING, logger="singleton_sidecar.backends.lease"):
+        with caplog.at_level(logging.WARNING, logger="singleton_election.backends.lease"):
             term = await acquired(backend, "pod-a")
             await backend.release(term, timeout=5)
             again = await acquired(backend, "pod-a")  # the Lease exists: no second try

@@ -16,11 +16,11 @@ import asyncpg
 import pytest
 import pytest_asyncio
 
+from singleton_election.backends.postgres import PostgresBackend, takeover_wait
+from singleton_election.backends.postgres_session import keepalive_settings, server_session, session_settings
+from singleton_election.backends.postgres_sql import NAMESPACE
+from singleton_election.core.lock import BackendMisconfigured, BackendUnavailable, Identity, LockRecord, Term, Token
 from singleton_sdk.asyncpg import ensure_fence_table, fence
-from singleton_sidecar.backends.postgres import PostgresBackend, takeover_wait
-from singleton_sidecar.backends.postgres_session import keepalive_settings, server_session, session_settings
-from singleton_sidecar.backends.postgres_sql import NAMESPACE
-from singleton_sidecar.core.lock import BackendMisconfigured, BackendUnavailable, Identity, LockRecord, Term, Token
 from singleton_testbed.pgbouncer import PgBouncer, PoolMode
 from singleton_testbed.postgres import PostgresInfo, PostgresServer
 from tests.pgquery import fetchval
@@ -29,8 +29,8 @@ pytestmark = [pytest.mark.postgres, pytest.mark.timeout(60)]
 
 HOLDER_SCRIPT = """
 import asyncio, sys
-from singleton_sidecar.core.lock import Identity
-from singleton_sidecar.backends.postgres import PostgresBackend
+from singleton_election.core.lock import Identity
+from singleton_election.backends.postgres import PostgresBackend
 
 async def main() -> None:
     group, dsn, lease, identity = sys.argv[1], sys.argv[2], float(sys.argv[3]), sys.argv[4]
@@ -431,7 +431,7 @@ async def test_a_lock_taken_twice_is_given_back_whole_and_a_lock_without_a_term_
     term = await acquired(holder, "a")
     assert holder._conn is not None
     await holder._conn.execute("SELECT pg_advisory_lock($1::int4, $2::int4)", NAMESPACE, holder._held_lock_id)
-    caplog.set_level("WARNING", logger="singleton_sidecar.backends.postgres")
+    caplog.set_level("WARNING", logger="singleton_election.backends.postgres")
     await holder.release(term, timeout=2)
     assert "this session held the group's lock more than once; gave back every level" in caplog.text
     second = await acquired(standby, "b", timeout=1)

@@ -19,12 +19,12 @@ import asyncpg
 import pytest
 import pytest_asyncio
 
+from singleton_election.backends.postgres import PostgresBackend
+from singleton_election.backends.postgres_pooled import PooledPostgresBackend
+from singleton_election.core.elector import Elector
+from singleton_election.core.lock import BackendUnavailable, Identity, LockRecord, Term
+from singleton_election.core.timings import Timings
 from singleton_sdk.asyncpg import StaleToken, ensure_fence_table, fence
-from singleton_sidecar.backends.postgres import PostgresBackend
-from singleton_sidecar.backends.postgres_pooled import PooledPostgresBackend
-from singleton_sidecar.core.elector import Elector
-from singleton_sidecar.core.lock import BackendUnavailable, Identity, LockRecord, Term
-from singleton_sidecar.core.timings import Timings
 from singleton_testbed.pgbouncer import PgBouncer
 from singleton_testbed.postgres import PostgresInfo
 from tests.acting import assert_never_two_actors, spans

@@ -22,9 +22,9 @@ from aiohttp import web
 from cryptography import x509
 from cryptography.hazmat.primitives.serialization import Encoding
 
+from singleton_election.kube import KubeClient, load_kube_config
 from singleton_operator import certs
 from singleton_operator.runtime import WebhookConfig
-from singleton_sidecar.kube import KubeClient, load_kube_config
 from singleton_testbed.procs import free_port
 from tests.conftest import Cluster
 from tests.kubehelpers import get_json
@@ -326,8 +326,8 @@ async def test_the_check_loop_survives_failures_and_picks_up_a_renewal(tmp_path:
 
 
 def test_the_webhook_flags_are_read_and_bad_ones_refused_naming_the_flag(tmp_path: Path) -> None:
+    from singleton_election.settings import ConfigError
     from singleton_operator.cli import load, parser
-    from singleton_sidecar.config import ConfigError
 
     def webhook(*argv: str, environ: dict[str, str] | None = None) -> WebhookConfig | None:
         return load(parser().parse_args(["run", *argv]), environ or {}).webhook

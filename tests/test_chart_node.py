@@ -16,7 +16,7 @@ from typing import Any
 
 import pytest
 
-from singleton_sidecar import contract
+from singleton_election import contract
 from tests.conftest import Cluster, RealNode
 from tests.kubehelpers import get_json, pod_ready, pod_role
 from tests.sidecars import wait_for

@@ -6,9 +6,10 @@ import argparse
 
 import pytest
 
-from singleton_sidecar import contract
-from singleton_sidecar.backends.lease import WATCH_TIMEOUT as LEASE_WATCH_TIMEOUT
-from singleton_sidecar.config import ConfigError, SidecarConfig, add_run_arguments, load_config
+from singleton_election import contract
+from singleton_election.backends.lease import WATCH_TIMEOUT as LEASE_WATCH_TIMEOUT
+from singleton_election.settings import ConfigError
+from singleton_sidecar.config import SidecarConfig, add_run_arguments, load_config
 from singleton_sidecar.podstatus import WATCH_SECONDS as POD_WATCH_SECONDS
 
 

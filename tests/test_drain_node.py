@@ -28,7 +28,7 @@ from typing import Any
 
 import pytest
 
-from singleton_sidecar import contract
+from singleton_election import contract
 from tests.acting import assert_never_two_actors, spans
 from tests.conftest import Cluster, RealNode
 from tests.kubehelpers import get_json, pod_ready, pod_role

@@ -32,7 +32,7 @@ import asyncpg
 import pytest
 import yaml
 
-from singleton_sidecar import contract
+from singleton_election import contract
 from singleton_testbed import node_pods
 from singleton_testbed.ledger import LedgerReport, check_ledger
 from singleton_testbed.node_config import NodeLayout

@@ -3,7 +3,7 @@
 In a container each program is PID 1, which the kernel gives no default signal action: until a
 handler exists, SIGTERM is dropped and the kubelet waits out the grace period (seen as operator
 pods stuck 30 s in Terminating after ``helm uninstall`` right after ``install``). The programs
-install a handler first thing (``singleton_sidecar.early_stop``), before importing kopf,
+install a handler first thing (``singleton_election.early_stop``), before importing kopf,
 aiohttp or asyncpg (about a second), and their event loops replace it once they run.
 
 Each case starts the real console script, waits until the kernel shows SIGTERM caught

@@ -18,12 +18,12 @@ from typing import Any
 
 import pytest
 
-from singleton_sidecar.core.elector import RELEASE_TIMEOUT, Elector
-from singleton_sidecar.core.ending import Action, Decision, LeadState, decide
-from singleton_sidecar.core.identity import is_predecessor, make_identity, pod_of, pod_prefix, validate_identity
-from singleton_sidecar.core.lock import BackendUnavailable, Identity, Term
-from singleton_sidecar.core.status import ElectionStatus, Role
-from singleton_sidecar.core.timings import JITTER_FACTOR, MIN_CLOCK_MARGIN, TimingError, Timings
+from singleton_election.core.elector import RELEASE_TIMEOUT, Elector
+from singleton_election.core.ending import Action, Decision, LeadState, decide
+from singleton_election.core.identity import is_predecessor, make_identity, pod_of, pod_prefix, validate_identity
+from singleton_election.core.lock import BackendUnavailable, Identity, Term
+from singleton_election.core.status import ElectionStatus, Role
+from singleton_election.core.timings import JITTER_FACTOR, MIN_CLOCK_MARGIN, TimingError, Timings
 from tests.fakes import BLOCK, LOST, OK, RENEWED, Delay, FakeBackend, FakeClock, Hang, Held, Renewed, Win, settle
 
 T0 = 1000.0

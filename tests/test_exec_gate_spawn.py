@@ -18,9 +18,9 @@ from typing import Any
 
 import pytest
 
+from singleton_election.core.lock import Identity, Term, Token
+from singleton_election.core.status import ElectionStatus, Role
 from singleton_sidecar import gate as gate_module
-from singleton_sidecar.core.lock import Identity, Term, Token
-from singleton_sidecar.core.status import ElectionStatus, Role
 from singleton_sidecar.gate import ExecGate
 from singleton_testbed.procs import process_alive
 

@@ -24,9 +24,9 @@ from pathlib import Path
 
 import pytest
 
+from singleton_election.core.lock import Identity, Term, Token
+from singleton_election.core.status import ElectionStatus, Role
 from singleton_sidecar import gate
-from singleton_sidecar.core.lock import Identity, Term, Token
-from singleton_sidecar.core.status import ElectionStatus, Role
 from tests.acting import APP, FINISH, Factory, assert_never_two_actors, spans
 from tests.sidecars import one_leader, wait_for
 
@@ -284,8 +284,8 @@ def app_of(gate_pid: int) -> int | None:
 FOLLOWER = """
 import asyncio, sys
 from pathlib import Path
-from singleton_sidecar.core.lock import Identity, Term, Token
-from singleton_sidecar.core.status import ElectionStatus, Role
+from singleton_election.core.lock import Identity, Term, Token
+from singleton_election.core.status import ElectionStatus, Role
 from singleton_sidecar.gate import FileGate
 
 async def main() -> None:

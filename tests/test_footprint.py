@@ -57,23 +57,24 @@ from singleton_sidecar.config import add_run_arguments, load_config
 cli_only = sorted(sys.modules)
 from singleton_sidecar.package_parts import without_init
 without_init("prometheus_client")  # as `run` does
-from singleton_sidecar import app, logs
+from singleton_election import logs
+from singleton_sidecar import app
 parser = argparse.ArgumentParser()
 add_run_arguments(parser)
 config = load_config(parser.parse_args([]), os.environ)
 imported = sorted(sys.modules)
 kube = None
 if config.backend != "postgres":
-    from singleton_sidecar.kube import KubeClient, KubeConfig
+    from singleton_election.kube import KubeClient, KubeConfig
     kube = KubeClient(KubeConfig(server="https://127.0.0.1:1", token="unused"))
 backend = app.build_backend(config, kube)
 print(json.dumps({"cli": cli_only, "imported": imported, "built": sorted(sys.modules), "backend": backend.name}))
 """
 
-PKG = "singleton_sidecar"
-KUBE, LEASE, BOTH = f"{PKG}.kube", f"{PKG}.backends.lease", f"{PKG}.backends.both"
-SESSION, POOLED = f"{PKG}.backends.postgres", f"{PKG}.backends.postgres_pooled"
-POSTGRES_MODULES = {"asyncpg", f"{PKG}.backends.postgres_session", f"{PKG}.backends.postgres_sql"}
+PKG, ELECTION = "singleton_sidecar", "singleton_election"
+KUBE, LEASE, BOTH = f"{ELECTION}.kube", f"{ELECTION}.backends.lease", f"{ELECTION}.backends.both"
+SESSION, POOLED = f"{ELECTION}.backends.postgres", f"{ELECTION}.backends.postgres_pooled"
+POSTGRES_MODULES = {"asyncpg", f"{ELECTION}.backends.postgres_session", f"{ELECTION}.backends.postgres_sql"}
 NEVER_AT_START = {"asyncpg", "yaml", "ctypes", KUBE, f"{PKG}.podstatus", LEASE, SESSION, POOLED, BOTH}
 NEVER = {"aiohttp", "multidict", "yarl"}
 """Loaded by no sidecar, whatever its configuration (the operator's and the SDK's library)."""

@@ -17,9 +17,9 @@ import pytest
 import yaml
 from lupa import lua51
 
+from singleton_election import contract
 from singleton_operator.spec import read_spec
 from singleton_operator.status import Observed, compute_status, spec_error_status
-from singleton_sidecar import contract
 from tests.conftest import Cluster
 from tests.kubehelpers import get_json
 

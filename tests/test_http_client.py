@@ -1,4 +1,4 @@
-"""singleton_sidecar.httpclient (the sidecar's h11 client) against real servers on sockets:
+"""singleton_election.httpclient (the sidecar's h11 client) against real servers on sockets:
 aiohttp's server as an independent HTTP/1.1 peer, and raw asyncio servers for broken answers
 and proxies. The Kubernetes client on top of it is tested against the API server in
 tests/test_kube_client.py (and through a CONNECT proxy in tests/test_kubelogin.py)."""
@@ -21,10 +21,10 @@ from typing import Any
 import pytest
 from aiohttp import web
 
+from singleton_election import httpclient
+from singleton_election.httpclient import HttpClient, HttpTransportError, Origin, split_url
 from singleton_operator import certs
-from singleton_sidecar import httpclient
 from singleton_sidecar.app import Sidecar
-from singleton_sidecar.httpclient import HttpClient, HttpTransportError, Origin, split_url
 
 pytestmark = pytest.mark.timeout(30)
 

@@ -237,8 +237,8 @@ def test_the_sidecar_runs_without_docstrings_from_bytecode_compiled_so(run: RunI
     not_opt2 = [path for path in loaded if not path.endswith(".opt-2.pyc")]
     assert not_opt2 == []
     # What `run` goes on to load (the event loop, TLS, HTTP, PostgreSQL, the metrics, the logs).
-    run_path = run("python", "-OO", "-v", "-c", "import singleton_sidecar.app, singleton_sidecar.kube, "
-                   "singleton_sidecar.backends.both, asyncpg, h11, prometheus_client.metrics, pythonjsonlogger.json",
+    run_path = run("python", "-OO", "-v", "-c", "import singleton_sidecar.app, singleton_election.kube, "
+                   "singleton_election.backends.both, asyncpg, h11, prometheus_client.metrics, pythonjsonlogger.json",
                    env={"PYTHONDONTWRITEBYTECODE": ""})
     assert run_path.returncode == 0, run_path.stderr[-2000:]
     loaded = re.findall(r"^# code object from '?([^'\n]+)'?$", run_path.stderr, flags=re.MULTILINE)
@@ -275,7 +275,7 @@ def test_the_test_bed_is_not_in_the_image(built: Built, run: RunInImage) -> None
     assert found == []
     (dist_info,) = (built.rootfs / SITE).glob("kube_singleton-*.dist-info")
     assert (dist_info / "top_level.txt").read_text().split() == [
-        "singleton_ctl", "singleton_operator", "singleton_sidecar"]
+        "singleton_ctl", "singleton_election", "singleton_operator", "singleton_sidecar"]
     scripts = re.findall(r"^(\S+) = ", (dist_info / "entry_points.txt").read_text(), flags=re.MULTILINE)
     assert sorted(scripts) == ["kubectl-singleton", "singleton-operator", "singleton-sample-poller",
                                "singleton-sidecar", "singletonctl"]

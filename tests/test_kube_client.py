@@ -20,7 +20,7 @@ import pytest_asyncio
 import yaml
 from aiohttp import web
 
-from singleton_sidecar.kube import (
+from singleton_election.kube import (
     KubeClient,
     KubeConfig,
     KubeConfigError,

@@ -16,8 +16,8 @@ from typing import Any
 import kopf
 import pytest
 
+from singleton_election.logs import JsonFormatter, TextFormatter, event_fields, setup_logging
 from singleton_operator import kopf_logs
-from singleton_sidecar.logs import JsonFormatter, TextFormatter, event_fields, setup_logging
 from singleton_testbed.procs import free_port
 from tests.conftest import Cluster
 from tests.operators import OperatorProcess
@@ -122,7 +122,7 @@ def root_logging() -> Iterator[None]:
 @pytest.mark.usefixtures("root_logging")
 def test_setup_logging_writes_one_json_line_per_event_to_stderr(capsys: pytest.CaptureFixture[str]) -> None:
     setup_logging("json")
-    logging.getLogger("singleton_sidecar.core.elector").info("role %s -> %s", "standby", "leader",
+    logging.getLogger("singleton_election.core.elector").info("role %s -> %s", "standby", "leader",
                                                              extra={"group": "g", "token": 9})
     (doc,) = json_lines(capsys.readouterr().err)
     assert (doc["msg"], doc["group"], doc["token"]) == ("role standby -> leader", "g", 9)
@@ -166,7 +166,7 @@ def test_a_real_sidecar_logs_leadership_as_one_json_line_with_typed_fields(pg_ds
     finally:
         sidecar.stop()
     assert sidecar.wait_exit(10) == 0, sidecar.log()
-    assert acquired["logger"] == "singleton_sidecar.core.elector" and acquired["level"] == "info"
+    assert acquired["logger"] == "singleton_election.core.elector" and acquired["level"] == "info"
     assert acquired["msg"] == "role standby -> leader"
     assert acquired["group"] == group and acquired["identity"] == identity
     assert type(acquired["token"]) is int and acquired["token"] == leader_doc["token"]

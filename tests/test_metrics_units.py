@@ -11,9 +11,9 @@ import sys
 import pytest
 from prometheus_client import CollectorRegistry
 
+from singleton_election.core.lock import Identity, Term, Token
+from singleton_election.core.status import ElectionStatus, Role
 from singleton_operator.metrics import OperatorMetrics
-from singleton_sidecar.core.lock import Identity, Term, Token
-from singleton_sidecar.core.status import ElectionStatus, Role
 from singleton_sidecar.metrics import SidecarMetrics
 
 ME, OTHER = Identity("me"), Identity("other")

@@ -18,7 +18,7 @@ from typing import Any
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from singleton_sidecar import contract
+from singleton_election import contract
 from tests.conftest import Cluster
 from tests.kubehelpers import bound_token, get_json, token_kubeconfig
 from tests.operators import OperatorProcess

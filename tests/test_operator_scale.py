@@ -14,13 +14,13 @@ from typing import Any
 
 import pytest
 
+from singleton_election import contract
+from singleton_election.kube import KubeClient, KubeUnavailable, load_kube_config
 from singleton_operator import groups as groups_module
 from singleton_operator import reconcile as reconcile_module
 from singleton_operator.groups import RECONCILE_DEFER, Groups
 from singleton_operator.metrics import OperatorMetrics
 from singleton_operator.reconcile import ACCESS_REVIEW_TTL, ACCESS_REVIEWS_IN_FLIGHT, AccessReviews
-from singleton_sidecar import contract
-from singleton_sidecar.kube import KubeClient, KubeUnavailable, load_kube_config
 from tests.conftest import Cluster
 from tests.kubehelpers import get_json
 from tests.test_operator import play_ready, play_sidecar, service

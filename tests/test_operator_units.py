@@ -10,6 +10,9 @@ from typing import Any, cast
 
 import pytest
 
+from singleton_election import contract
+from singleton_election.core.timings import TimingError, Timings
+from singleton_election.settings import ConfigError
 from singleton_operator import resources
 from singleton_operator.spec import (
     SpecError,
@@ -29,9 +32,7 @@ from singleton_operator.status import (
     spec_error_status,
     status_changed,
 )
-from singleton_sidecar import contract
-from singleton_sidecar.config import ConfigError, SidecarConfig, load_config
-from singleton_sidecar.core.timings import TimingError, Timings
+from singleton_sidecar.config import SidecarConfig, load_config
 from tests.test_crd import INVALID, VALID, duration_boundary_cases, edited, full, minimal
 
 IMAGE = "registry.example/singleton:1"

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import pytest
 
-from singleton_sidecar import contract
-from singleton_sidecar.core.lock import Term
-from singleton_sidecar.core.status import ElectionStatus, Role
+from singleton_election import contract
+from singleton_election.core.lock import Term
+from singleton_election.core.status import ElectionStatus, Role
 from singleton_sidecar.podstatus import pod_metadata_patch, transition_event
 
 L, D, S, R = Role.LEADER, Role.DRAINING, Role.STANDBY, Role.RELEASED

@@ -16,9 +16,9 @@ import asyncpg
 import pytest
 import pytest_asyncio
 
-from singleton_sidecar.backends.postgres import PostgresBackend
-from singleton_sidecar.backends.postgres_pooled import PooledPostgresBackend
-from singleton_sidecar.core.lock import Identity, Term
+from singleton_election.backends.postgres import PostgresBackend
+from singleton_election.backends.postgres_pooled import PooledPostgresBackend
+from singleton_election.core.lock import Identity, Term
 
 pytestmark = [pytest.mark.postgres, pytest.mark.timeout(60)]
 

@@ -20,9 +20,9 @@ from contextlib import asynccontextmanager
 
 import pytest
 
-from singleton_sidecar.core.elector import Elector
-from singleton_sidecar.core.lock import Identity
-from singleton_sidecar.core.timings import Timings
+from singleton_election.core.elector import Elector
+from singleton_election.core.lock import Identity
+from singleton_election.core.timings import Timings
 from singleton_sidecar.http import probe_server
 from singleton_sidecar.httpserver import HttpServer
 from singleton_sidecar.metrics import SidecarMetrics

@@ -26,7 +26,7 @@ from typing import Any
 import pytest
 import yaml
 
-from singleton_sidecar import contract
+from singleton_election import contract
 from tests.conftest import Cluster
 from tests.kubehelpers import bound_token, get_json, grant, token_kubeconfig
 

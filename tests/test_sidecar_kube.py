@@ -18,7 +18,7 @@ from typing import Any
 import asyncpg
 import pytest
 
-from singleton_sidecar import contract
+from singleton_election import contract
 from singleton_testbed.ledger import check_ledger
 from tests.conftest import Cluster
 from tests.kubehelpers import create_pod, get_json, grant, service_account_kubeconfig

@@ -18,9 +18,9 @@ from typing import Any
 from kubernetes.client.exceptions import NotFoundException
 
 from singleton_ctl.kube import Api
+from singleton_election import contract
+from singleton_election.kube import event_body
 from singleton_operator.release_request import RELEASE_REQUEST, ReleaseRequest, answer_of, request_of
-from singleton_sidecar import contract
-from singleton_sidecar.kube import event_body
 
 CRS = f"/apis/{contract.API_GROUP}/{contract.API_VERSION}"
 

@@ -42,7 +42,7 @@ from cryptography.hazmat.primitives import hashes, serialization
 from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.x509.oid import NameOID
 
-from singleton_sidecar.kube import KubeClient, KubeConflict, KubeError, KubeNotFound
+from singleton_election.kube import KubeClient, KubeConflict, KubeError, KubeNotFound
 
 log = logging.getLogger(__name__)
 

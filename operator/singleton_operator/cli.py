@@ -20,12 +20,12 @@ import uuid
 from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, cast
 
+from singleton_election.early_stop import stop_on_sigterm_until_started
+from singleton_election.kube import KubeConfigError
+from singleton_election.logs import setup_logging
+from singleton_election.settings import ConfigError, Listen, parse_listen
 from singleton_operator import kopf_logs
 from singleton_operator.spec import CONNECTION_CHECKS, ConnectionCheck
-from singleton_sidecar.config import ConfigError, Listen, _listen
-from singleton_sidecar.early_stop import stop_on_sigterm_until_started
-from singleton_sidecar.kube import KubeConfigError
-from singleton_sidecar.logs import setup_logging
 
 if TYPE_CHECKING:
     from singleton_operator.runtime import OperatorConfig, WebhookConfig
@@ -105,7 +105,7 @@ def load(args: argparse.Namespace, environ: Mapping[str, str]) -> OperatorConfig
         raise ConfigError(f"--lease-namespace (SINGLETON_OPERATOR_NAMESPACE): {lease_namespace!r} is not a "
                           "namespace name")
     listen_text = args.health_listen or environ.get("SINGLETON_OPERATOR_HEALTH_LISTEN")
-    listen = _listen("--health-listen (SINGLETON_OPERATOR_HEALTH_LISTEN)", listen_text) if listen_text else Listen(
+    listen = parse_listen("--health-listen (SINGLETON_OPERATOR_HEALTH_LISTEN)", listen_text) if listen_text else Listen(
         "0.0.0.0", 8080)
     pull_policy = args.sidecar_image_pull_policy or environ.get("SINGLETON_SIDECAR_IMAGE_PULL_POLICY") or None
     if pull_policy is not None and pull_policy not in PULL_POLICIES:
@@ -151,7 +151,7 @@ def _webhook(args: argparse.Namespace, environ: Mapping[str, str]) -> WebhookCon
         if given:
             raise ConfigError(f"{given[0]}: the webhook is off without --webhook-listen (SINGLETON_WEBHOOK_LISTEN)")
         return None
-    listen = _listen("--webhook-listen (SINGLETON_WEBHOOK_LISTEN)", listen_text)
+    listen = parse_listen("--webhook-listen (SINGLETON_WEBHOOK_LISTEN)", listen_text)
     service = args.webhook_service or environ.get("SINGLETON_WEBHOOK_SERVICE") or DEFAULT_WEBHOOK_SERVICE
     if not _DNS1123.match(service) or len(service) > 63:
         raise ConfigError(f"--webhook-service (SINGLETON_WEBHOOK_SERVICE): {service!r} is not a Service name "

@@ -17,6 +17,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
+from singleton_election.kube import KubeClient, KubeError, KubeNotFound
 from singleton_operator.inject import is_injected
 from singleton_operator.listing import GroupKey, GroupReads, Listing, LiveReads, scopes
 from singleton_operator.metrics import OperatorMetrics
@@ -41,7 +42,6 @@ from singleton_operator.resources import (
 )
 from singleton_operator.spec import ConnectionCheck, GroupSpec, SpecError, WorkloadSpecError, read_spec
 from singleton_operator.status import DatabaseCheck, find_leader, labelled_leaders
-from singleton_sidecar.kube import KubeClient, KubeError, KubeNotFound
 
 log = logging.getLogger(__name__)
 

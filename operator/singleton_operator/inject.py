@@ -16,9 +16,9 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, replace
 from typing import Any
 
+from singleton_election import contract
 from singleton_operator import resources
 from singleton_operator.spec import SIDECAR_CONTAINER, GroupSpec, SpecError, WorkloadRef, read_spec, workload_ref
-from singleton_sidecar import contract
 
 WORKLOAD_API_VERSION = "apps/v1"
 

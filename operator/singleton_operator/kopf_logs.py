@@ -1,7 +1,7 @@
 """kopf's own lines in the shape of ours.
 
 kopf logs through the standard library, so the root handler set up by
-``singleton_sidecar.logs.setup_logging`` formats them like every other line. Its per-object lines
+``singleton_election.logs.setup_logging`` formats them like every other line. Its per-object lines
 (logger ``kopf.objects``) name their object only in the ``k8s_ref`` extra; this filter turns that
 into the fields our lines use: ``namespace`` and ``group`` for a SingletonService, ``namespace``
 and ``object`` (``Kind/name``) for anything else.
@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import logging
 
-from singleton_sidecar import contract
+from singleton_election import contract
 
 KOPF_OBJECTS_LOGGER = "kopf.objects"
 

@@ -1,7 +1,7 @@
 """Kubeconfig credentials resolved by the official ``kubernetes`` client, for everything that
 runs outside a pod: ``kubectl singleton`` and the operator started with ``--kubeconfig``.
 
-The sidecar's small client (``singleton_sidecar.kube``) reads tokens, token files and client
+The sidecar's small client (``singleton_election.kube``) reads tokens, token files and client
 certificates only; a laptop's kubeconfig for EKS, GKE, AKS or an OIDC cluster needs exec
 credential plugins and auth providers, and a corporate network needs ``HTTPS_PROXY`` and
 ``NO_PROXY``. The official client's loader does all of that; ``Resolved`` wraps what it
@@ -33,7 +33,7 @@ from kubernetes.client import rest as k8s_rest
 from kubernetes.config import ConfigException, incluster_config
 from kubernetes.config import kube_config as k8s_kube_config
 
-from singleton_sidecar.kube import SERVICE_ACCOUNT_DIR, KubeConfig
+from singleton_election.kube import SERVICE_ACCOUNT_DIR, KubeConfig
 
 __all__ = ["ConfigException", "KubeLoginError", "Resolved", "resolve"]
 

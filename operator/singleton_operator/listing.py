@@ -13,6 +13,8 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
+from singleton_election import contract
+from singleton_election.kube import KubeClient, KubeError, KubeForbidden
 from singleton_operator.reconcile import (
     CALL_TIMEOUT,
     ReconcileProblem,
@@ -26,8 +28,6 @@ from singleton_operator.reconcile import (
 from singleton_operator.resources import LABEL_MANAGED_BY, MANAGED_BY
 from singleton_operator.spec import GroupSpec, workload_ref
 from singleton_operator.status import Observed
-from singleton_sidecar import contract
-from singleton_sidecar.kube import KubeClient, KubeError, KubeForbidden
 
 GroupKey = tuple[str, str]
 

@@ -18,6 +18,16 @@ from typing import Any
 
 import asyncpg
 
+from singleton_election import contract
+from singleton_election.kube import (
+    KubeClient,
+    KubeConflict,
+    KubeError,
+    KubeForbidden,
+    KubeNotFound,
+    KubeUnavailable,
+    event_body,
+)
 from singleton_operator import resources
 from singleton_operator.spec import GroupSpec, WorkloadRef, workload_ref
 from singleton_operator.status import (
@@ -27,16 +37,6 @@ from singleton_operator.status import (
     compute_status,
     spec_error_status,
     status_changed,
-)
-from singleton_sidecar import contract
-from singleton_sidecar.kube import (
-    KubeClient,
-    KubeConflict,
-    KubeError,
-    KubeForbidden,
-    KubeNotFound,
-    KubeUnavailable,
-    event_body,
 )
 
 log = logging.getLogger(__name__)

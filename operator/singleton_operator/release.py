@@ -22,12 +22,12 @@ from typing import Any
 
 import asyncpg
 
+from singleton_election import contract
+from singleton_election.backends.postgres_sql import Statements
+from singleton_election.kube import KubeClient, KubeConflict, KubeError, KubeNotFound, event_body
 from singleton_operator.reconcile import cr_path
 from singleton_operator.release_request import RELEASE_RESULT, ReleaseRequest, pending_request
 from singleton_operator.resources import MANAGED_BY
-from singleton_sidecar import contract
-from singleton_sidecar.backends.postgres_sql import Statements
-from singleton_sidecar.kube import KubeClient, KubeConflict, KubeError, KubeNotFound, event_body
 
 log = logging.getLogger(__name__)
 

@@ -9,7 +9,7 @@ import json
 from dataclasses import dataclass
 from typing import Any, Final
 
-from singleton_sidecar import contract
+from singleton_election import contract
 
 RELEASE_REQUEST: Final = f"{contract.API_GROUP}/release-request"
 """``{"id": "<unique>", "by": "<requester>"}``, written by the plugin."""

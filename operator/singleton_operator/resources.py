@@ -20,9 +20,9 @@ import hashlib
 import json
 from typing import Any
 
+from singleton_election import contract
 from singleton_operator import spec as specs
 from singleton_operator.spec import GroupSpec, WorkloadRef, format_seconds, seconds_to_ns
-from singleton_sidecar import contract
 
 # The names the operator injects live with the rules that reserve them (spec.py).
 SIDECAR_CONTAINER = specs.SIDECAR_CONTAINER

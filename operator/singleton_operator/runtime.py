@@ -24,6 +24,13 @@ from pathlib import Path
 import kopf
 from aiohttp import web
 
+from singleton_election.backends.lease import LeaseBackend
+from singleton_election.core.elector import Elector
+from singleton_election.core.lock import Identity
+from singleton_election.core.status import ElectionStatus, Role
+from singleton_election.core.timings import BACKEND_DEFAULTS
+from singleton_election.kube import KubeClient, KubeConfig, KubeConfigError, KubeError, load_kube_config
+from singleton_election.settings import Listen
 from singleton_operator import certs
 from singleton_operator.groups import Groups
 from singleton_operator.handlers import registry
@@ -31,13 +38,6 @@ from singleton_operator.metrics import OperatorMetrics
 from singleton_operator.spec import ConnectionCheck
 from singleton_operator.webhook import PATH as WEBHOOK_PATH
 from singleton_operator.webhook import PodAdmission
-from singleton_sidecar.backends.lease import LeaseBackend
-from singleton_sidecar.config import Listen
-from singleton_sidecar.core.elector import Elector
-from singleton_sidecar.core.lock import Identity
-from singleton_sidecar.core.status import ElectionStatus, Role
-from singleton_sidecar.core.timings import BACKEND_DEFAULTS
-from singleton_sidecar.kube import KubeClient, KubeConfig, KubeConfigError, KubeError, load_kube_config
 
 log = logging.getLogger(__name__)
 

@@ -29,7 +29,7 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
-from singleton_sidecar.core.timings import BACKEND_DEFAULTS, TimingError, Timings
+from singleton_election.core.timings import BACKEND_DEFAULTS, TimingError, Timings
 
 Backend = Literal["postgres", "lease", "both"]
 PostgresMode = Literal["session", "pooled"]

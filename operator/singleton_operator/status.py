@@ -18,9 +18,9 @@ import datetime as dt
 from dataclasses import dataclass
 from typing import Any
 
+from singleton_election import contract
 from singleton_operator.resources import selector_labels
 from singleton_operator.spec import SIDECAR_CONTAINER, GroupSpec
-from singleton_sidecar import contract
 
 CONDITION_TYPES = ("Ready", "Reconciling", "Stalled", "Available", "LeaderElected", "Progressing", "Degraded",
                    "WorkloadSuitable", "DatabaseReachable")

@@ -27,11 +27,11 @@ from typing import Any
 
 from aiohttp import web
 
+from singleton_election import contract
+from singleton_election.kube import KubeClient, KubeError, KubeNotFound
 from singleton_operator.inject import pod_patch
 from singleton_operator.reconcile import CALL_TIMEOUT, ReconcileProblem, cr_path
 from singleton_operator.spec import NANOSECONDS, GroupSpec, SpecError, parse_duration, workload_ref
-from singleton_sidecar import contract
-from singleton_sidecar.kube import KubeClient, KubeError, KubeNotFound
 
 log = logging.getLogger(__name__)
 

@@ -18,22 +18,22 @@ import time
 from collections.abc import Awaitable, Callable
 from typing import TYPE_CHECKING
 
-from singleton_sidecar import contract
+from singleton_election import contract
+from singleton_election.core.elector import Elector
+from singleton_election.core.identity import make_identity, pod_prefix
+from singleton_election.core.lock import BackendMisconfigured, LockBackend
+from singleton_election.httpclient import use_small_tls_buffers
 from singleton_sidecar.config import SidecarConfig, describe
-from singleton_sidecar.core.elector import Elector
-from singleton_sidecar.core.identity import make_identity, pod_prefix
-from singleton_sidecar.core.lock import BackendMisconfigured, LockBackend
 from singleton_sidecar.gate import CooperativeGate, ExecGate, FileGate, Gate, become_subreaper
 from singleton_sidecar.http import control_server, probe_server
-from singleton_sidecar.httpclient import use_small_tls_buffers
 from singleton_sidecar.metrics import SidecarMetrics
 
 if TYPE_CHECKING:
     # Imported where used, and only when the configuration needs them (the sidecar's memory,
     # docs/benchmarks: "Sidecar footprint"): the Kubernetes client and the pod reporter when
     # the sidecar uses the API, each backend (asyncpg for PostgreSQL) when it is the one chosen.
-    from singleton_sidecar.backends.lease import LeaseBackend
-    from singleton_sidecar.kube import KubeClient
+    from singleton_election.backends.lease import LeaseBackend
+    from singleton_election.kube import KubeClient
     from singleton_sidecar.podstatus import PodReporter
 
 log = logging.getLogger(__name__)
@@ -57,7 +57,7 @@ def build_backend(config: SidecarConfig, kube: KubeClient | None) -> LockBackend
     def postgres() -> LockBackend:
         assert config.postgres_dsn is not None
         if config.postgres_mode == "pooled":
-            from singleton_sidecar.backends.postgres_pooled import PooledPostgresBackend
+            from singleton_election.backends.postgres_pooled import PooledPostgresBackend
 
             # No session ends with a crashed holder here: a takeover waits for the row's expiry,
             # by which the old app's own deadline has stopped it, so no stop bound is recorded.
@@ -65,7 +65,7 @@ def build_backend(config: SidecarConfig, kube: KubeClient | None) -> LockBackend
                                          lease_duration=timings.lease_duration,
                                          renew_deadline=timings.renew_deadline,
                                          predecessor_prefix=predecessor_prefix)
-        from singleton_sidecar.backends.postgres import PostgresBackend
+        from singleton_election.backends.postgres import PostgresBackend
 
         # The exec gate's keeper kills the app's group as soon as the sidecar dies, and at once
         # when the sidecar hears its lock is gone: a takeover after this holder's session ended
@@ -76,7 +76,7 @@ def build_backend(config: SidecarConfig, kube: KubeClient | None) -> LockBackend
                                predecessor_prefix=predecessor_prefix)
 
     def lease() -> LeaseBackend:
-        from singleton_sidecar.backends.lease import LeaseBackend
+        from singleton_election.backends.lease import LeaseBackend
 
         assert kube is not None and config.namespace is not None
         return LeaseBackend(client=kube, namespace=config.namespace, name=config.group,
@@ -86,7 +86,7 @@ def build_backend(config: SidecarConfig, kube: KubeClient | None) -> LockBackend
         return postgres()
     if config.backend == "lease":
         return lease()
-    from singleton_sidecar.backends.both import BothBackend
+    from singleton_election.backends.both import BothBackend
 
     return BothBackend(postgres=postgres(), lease=lease())
 
@@ -198,7 +198,7 @@ class Sidecar:
         """POST the drain hook; True on a 2xx answer (the app has drained). A refused
         connection (the app closed its listener on SIGTERM) or an error answer does not end
         the drain: the gate and the main container are still waited for."""
-        from singleton_sidecar.httpclient import HttpClient, split_url  # only sidecars with a drain hook
+        from singleton_election.httpclient import HttpClient, split_url  # only sidecars with a drain hook
 
         base, target = split_url(drain_url)
         try:
@@ -232,7 +232,7 @@ class Sidecar:
         needs_kube = config.backend in ("lease", "both") or config.in_kubernetes
         kube: KubeClient | None = None
         if needs_kube:
-            from singleton_sidecar.kube import KubeClient, load_kube_config
+            from singleton_election.kube import KubeClient, load_kube_config
 
             kube = KubeClient(load_kube_config(config.kubeconfig))
         backend = build_backend(config, kube)

@@ -8,9 +8,10 @@ import logging
 import os
 import sys
 
-from singleton_sidecar import contract
-from singleton_sidecar.config import ConfigError, add_run_arguments, load_config
-from singleton_sidecar.early_stop import stop_on_sigterm_until_started
+from singleton_election import contract
+from singleton_election.early_stop import stop_on_sigterm_until_started
+from singleton_election.settings import ConfigError
+from singleton_sidecar.config import add_run_arguments, load_config
 
 PROG = "singleton-sidecar"
 DESCRIPTION = """\
@@ -89,10 +90,10 @@ def main(argv: list[str] | None = None) -> int:  # noqa: PLR0911 - one exit per 
     from singleton_sidecar.package_parts import without_init
 
     without_init("prometheus_client")  # before anything imports it: 2.9 MB less (package_parts)
+    from singleton_election.core.lock import BackendMisconfigured
+    from singleton_election.kube import KubeConfigError
+    from singleton_election.logs import setup_logging
     from singleton_sidecar.app import Sidecar
-    from singleton_sidecar.core.lock import BackendMisconfigured
-    from singleton_sidecar.kube import KubeConfigError
-    from singleton_sidecar.logs import setup_logging
 
     setup_logging(config.log_format, getattr(logging, config.log_level.upper()))
     try:

@@ -6,7 +6,6 @@ Called by ``cli``; every error names the setting (flag and variable) it is about
 from __future__ import annotations
 
 import argparse
-import ipaddress
 import re
 import urllib.parse
 from collections.abc import Mapping
@@ -14,29 +13,17 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Literal
 
-from singleton_sidecar import contract
-from singleton_sidecar.core.identity import validate_identity
-from singleton_sidecar.core.lock import Identity
-from singleton_sidecar.core.timings import TimingError, Timings, default_timings
+from singleton_election import contract
+from singleton_election.core.identity import validate_identity
+from singleton_election.core.lock import Identity
+from singleton_election.core.timings import TimingError, Timings, default_timings
+from singleton_election.settings import ConfigError, Listen, parse_listen
 
 BackendName = Literal["postgres", "lease", "both"]
 BACKENDS: tuple[BackendName, ...] = ("postgres", "lease", "both")
 PostgresMode = Literal["session", "pooled"]
 POSTGRES_MODES: tuple[PostgresMode, ...] = ("session", "pooled")
 _DNS1123 = re.compile(r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$")
-
-
-class ConfigError(ValueError):
-    """A bad or missing setting; the message starts with the setting's name."""
-
-
-@dataclass(frozen=True)
-class Listen:
-    host: str
-    port: int
-
-    def __str__(self) -> str:
-        return f"{self.host}:{self.port}"
 
 
 @dataclass(frozen=True)
@@ -185,23 +172,6 @@ def _positive_seconds(name: str, raw: str) -> float:
     if not (0 < value < float("inf")):
         raise ConfigError(f"{name}: must be a positive number of seconds, got {raw!r}")
     return value
-
-
-def _listen(name: str, raw: str, *, loopback_only: bool = False) -> Listen:
-    host, sep, port_text = raw.rpartition(":")
-    if not sep or not host:
-        raise ConfigError(f"{name}: must be host:port, got {raw!r}")
-    host = host.strip("[]")
-    if not port_text.isdigit() or not 0 <= int(port_text) <= 65535:
-        raise ConfigError(f"{name}: port must be a number from 0 to 65535, got {port_text!r}")
-    if loopback_only and host != "localhost":
-        try:
-            is_loopback = ipaddress.ip_address(host).is_loopback
-        except ValueError:
-            is_loopback = False
-        if not is_loopback:
-            raise ConfigError(f"{name}: control actions must listen on loopback only, got host {host!r}")
-    return Listen(host, int(port_text))
 
 
 def _bool(name: str, raw: str) -> bool:
@@ -356,8 +326,8 @@ def load_config(args: argparse.Namespace, environ: Mapping[str, str]) -> Sidecar
         lock_key=lock_key,
         pod_name=pod_name,
         pod_uid=raw.get("pod_uid") or None,
-        listen=_listen(label("listen"), raw["listen"]) if "listen" in raw else SidecarConfig.listen,
-        control_listen=_listen(label("control_listen"), raw["control_listen"], loopback_only=True)
+        listen=parse_listen(label("listen"), raw["listen"]) if "listen" in raw else SidecarConfig.listen,
+        control_listen=parse_listen(label("control_listen"), raw["control_listen"], loopback_only=True)
         if "control_listen" in raw else SidecarConfig.control_listen,
         drain_timeout=_positive_seconds(label("drain_timeout"), raw["drain_timeout"])
         if "drain_timeout" in raw else 30.0,

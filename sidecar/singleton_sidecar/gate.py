@@ -30,7 +30,7 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-from singleton_sidecar.core.status import ElectionStatus, Role
+from singleton_election.core.status import ElectionStatus, Role
 
 log = logging.getLogger(__name__)
 

@@ -30,8 +30,8 @@ import secrets
 from collections.abc import Callable
 from typing import Any
 
-from singleton_sidecar.core.elector import Elector
-from singleton_sidecar.core.status import ElectionStatus, Role
+from singleton_election.core.elector import Elector
+from singleton_election.core.status import ElectionStatus, Role
 from singleton_sidecar.gate import CooperativeGate
 from singleton_sidecar.httpserver import Handler, HttpServer, Request, Response, json_response, text_response
 from singleton_sidecar.metrics import SidecarMetrics

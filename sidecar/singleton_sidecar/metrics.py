@@ -15,7 +15,7 @@ from prometheus_client.metrics import Counter, Gauge, Histogram
 from prometheus_client.openmetrics import exposition as openmetrics
 from prometheus_client.registry import CollectorRegistry
 
-from singleton_sidecar.core.status import ElectionStatus, Role
+from singleton_election.core.status import ElectionStatus, Role
 
 OPENMETRICS: str = openmetrics.CONTENT_TYPE_LATEST
 CLASSIC = "text/plain; version=0.0.4; charset=utf-8"

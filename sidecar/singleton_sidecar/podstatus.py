@@ -14,9 +14,9 @@ import logging
 from collections.abc import Callable
 from typing import Any
 
-from singleton_sidecar import contract
-from singleton_sidecar.core.status import ElectionStatus, Role
-from singleton_sidecar.kube import KubeClient, KubeError, KubeGone, KubeNotFound, event_body
+from singleton_election import contract
+from singleton_election.core.status import ElectionStatus, Role
+from singleton_election.kube import KubeClient, KubeError, KubeGone, KubeNotFound, event_body
 
 log = logging.getLogger(__name__)
 

@@ -20,7 +20,7 @@ import sys
 
 import asyncpg
 
-from singleton_sidecar.logs import setup_logging
+from singleton_election.logs import setup_logging
 
 try:
     from singleton_sdk import LeaderClient, StaleToken, Term, uninterrupted

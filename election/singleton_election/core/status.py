@@ -5,7 +5,7 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass
 
-from singleton_sidecar.core.lock import Identity, Term, Token
+from singleton_election.core.lock import Identity, Term, Token
 
 
 class Role(enum.StrEnum):

@@ -5,7 +5,7 @@ from __future__ import annotations
 import re
 import secrets
 
-from singleton_sidecar.core.lock import Identity
+from singleton_election.core.lock import Identity
 
 _ALLOWED = re.compile(r"[A-Za-z0-9][A-Za-z0-9._:/-]{0,251}")
 

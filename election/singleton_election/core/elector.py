@@ -21,11 +21,11 @@ import logging
 from collections.abc import Awaitable, Callable
 from dataclasses import replace
 
-from singleton_sidecar.core.clock import Clock, SystemClock
-from singleton_sidecar.core.ending import Action, Decision, LeadState, decide
-from singleton_sidecar.core.lock import BackendUnavailable, Identity, LockBackend, LockRecord, Term
-from singleton_sidecar.core.status import ElectionStatus, Role
-from singleton_sidecar.core.timings import Timings
+from singleton_election.core.clock import Clock, SystemClock
+from singleton_election.core.ending import Action, Decision, LeadState, decide
+from singleton_election.core.lock import BackendUnavailable, Identity, LockBackend, LockRecord, Term
+from singleton_election.core.status import ElectionStatus, Role
+from singleton_election.core.timings import Timings
 
 log = logging.getLogger(__name__)
 

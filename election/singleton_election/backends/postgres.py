@@ -97,7 +97,7 @@ from typing import TYPE_CHECKING, TypeAlias
 
 import asyncpg
 
-from singleton_sidecar.backends.postgres_session import (
+from singleton_election.backends.postgres_session import (
     check_session,
     close_connection,
     ensure_schema,
@@ -106,9 +106,9 @@ from singleton_sidecar.backends.postgres_session import (
     session_settings,
     short_lived,
 )
-from singleton_sidecar.backends.postgres_sql import NAMESPACE, Statements, application_name
-from singleton_sidecar.core.identity import is_predecessor
-from singleton_sidecar.core.lock import (
+from singleton_election.backends.postgres_sql import NAMESPACE, Statements, application_name
+from singleton_election.core.identity import is_predecessor
+from singleton_election.core.lock import (
     BackendUnavailable,
     Identity,
     LockRecord,

@@ -21,8 +21,8 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass
 
-from singleton_sidecar.core.status import Role
-from singleton_sidecar.core.timings import Timings
+from singleton_election.core.status import Role
+from singleton_election.core.timings import Timings
 
 
 class Action(enum.Enum):

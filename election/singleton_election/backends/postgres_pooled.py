@@ -81,7 +81,7 @@ from typing import TYPE_CHECKING, TypeAlias
 
 import asyncpg
 
-from singleton_sidecar.backends.postgres_session import (
+from singleton_election.backends.postgres_session import (
     close_connection,
     ensure_schema,
     guarded,
@@ -89,8 +89,8 @@ from singleton_sidecar.backends.postgres_session import (
     server_session,
     short_lived,
 )
-from singleton_sidecar.backends.postgres_sql import NAMESPACE, Statements, application_name
-from singleton_sidecar.core.lock import (
+from singleton_election.backends.postgres_sql import NAMESPACE, Statements, application_name
+from singleton_election.core.lock import (
     Identity,
     LockRecord,
     LossCallback,

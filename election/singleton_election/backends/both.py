@@ -22,8 +22,8 @@ import asyncio
 import time
 from collections.abc import Callable
 
-from singleton_sidecar.backends.lease import LeaseBackend
-from singleton_sidecar.core.lock import (
+from singleton_election.backends.lease import LeaseBackend
+from singleton_election.core.lock import (
     BackendUnavailable,
     Identity,
     LockBackend,

@@ -27,7 +27,7 @@ from typing import TYPE_CHECKING, NoReturn, TypeAlias
 
 import asyncpg
 
-from singleton_sidecar.backends.postgres_sql import (
+from singleton_election.backends.postgres_sql import (
     DDL_LOCK_ID,
     NAMESPACE,
     PROBE_SETTING,
@@ -36,7 +36,7 @@ from singleton_sidecar.backends.postgres_sql import (
     Statements,
     same_tcp_connection,
 )
-from singleton_sidecar.core.lock import BackendMisconfigured, BackendUnavailable, Identity, LockRecord, Token
+from singleton_election.core.lock import BackendMisconfigured, BackendUnavailable, Identity, LockRecord, Token
 
 if TYPE_CHECKING:
     Connection: TypeAlias = asyncpg.Connection[asyncpg.Record]

@@ -1,4 +1,4 @@
-"""A small asyncio HTTP/1.1 client on h11: the transport of ``singleton_sidecar.kube`` and of
+"""A small asyncio HTTP/1.1 client on h11: the transport of ``singleton_election.kube`` and of
 the sidecar's drain hook.
 
 Ours rather than aiohttp's because of the sidecar's budget (30 MB at rest, campaigning within

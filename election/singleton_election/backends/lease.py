@@ -83,10 +83,10 @@ from dataclasses import dataclass
 from datetime import UTC, datetime
 from typing import Any
 
-from singleton_sidecar.contract import ANNOTATION_TOKEN, LABEL_GROUP, LEASE_ANNOTATION_RELEASED, LEASE_ANNOTATION_TOKEN
-from singleton_sidecar.core.identity import is_predecessor
-from singleton_sidecar.core.lock import BackendUnavailable, Identity, LockRecord, LossCallback, Term, Token
-from singleton_sidecar.kube import KubeClient, KubeConflict, KubeError, KubeGone, KubeNotFound
+from singleton_election.contract import ANNOTATION_TOKEN, LABEL_GROUP, LEASE_ANNOTATION_RELEASED, LEASE_ANNOTATION_TOKEN
+from singleton_election.core.identity import is_predecessor
+from singleton_election.core.lock import BackendUnavailable, Identity, LockRecord, LossCallback, Term, Token
+from singleton_election.kube import KubeClient, KubeConflict, KubeError, KubeGone, KubeNotFound
 
 log = logging.getLogger(__name__)
 

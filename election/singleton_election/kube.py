@@ -1,4 +1,4 @@
-"""A small typed asyncio client for the Kubernetes API, on ``singleton_sidecar.httpclient`` (h11).
+"""A small typed asyncio client for the Kubernetes API, on ``singleton_election.httpclient`` (h11).
 
 Called by the lease backend and the sidecar's own-pod updater. Ours rather than
 kubernetes_asyncio because the sidecar must start campaigning within 0.5 s and stay within
@@ -34,7 +34,7 @@ from types import TracebackType
 from typing import Any
 from urllib.parse import urlencode
 
-from singleton_sidecar.httpclient import HttpClient
+from singleton_election.httpclient import HttpClient
 
 SERVICE_ACCOUNT_DIR = Path("/var/run/secrets/kubernetes.io/serviceaccount")
 WATCH_GRACE = 5.0
