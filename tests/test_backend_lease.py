@@ -15,6 +15,7 @@ import pytest
 import pytest_asyncio
 
 from singleton_election.backends.lease import NEWCOMER_DEFERENCE, LeaseBackend, micro_time
+from singleton_election.backends.lease import force_release as lease_force_release
 from singleton_election.contract import (
     ANNOTATION_TOKEN,
     LABEL_GROUP,
@@ -627,3 +628,17 @@ async def test_a_newcomer_creates_a_new_groups_lease_at_once(make_backend: Facto
     took = time.monotonic() - started
     assert took < NEWCOMER_DEFERENCE, f"took {took:.3f}s: deferred as if the Lease had been released"
     assert term.identity == "pod-a"
+
+
+async def test_a_force_release_clears_the_holder_without_the_released_mark(kube: CountingClient, namespace: str,
+                                                                          make_backend: Factory) -> None:
+    """``kubectl singleton release``'s Lease step, as the operator carries it out."""
+    assert await lease_force_release(kube, namespace, GROUP, timeout=5) == "no Lease to release"
+    term = await make_backend().acquire(Identity("a"), timeout=5)
+    assert isinstance(term, Term)
+    assert await lease_force_release(kube, namespace, GROUP, timeout=5) == "cleared Lease holder a"
+    lease = await kube.request("GET", f"/apis/coordination.k8s.io/v1/namespaces/{namespace}/leases/{GROUP}",
+                               timeout=5)
+    assert lease["spec"].get("holderIdentity") is None
+    assert LEASE_ANNOTATION_RELEASED not in (lease["metadata"].get("annotations") or {})
+    assert await lease_force_release(kube, namespace, GROUP, timeout=5) == "the Lease had no holder"

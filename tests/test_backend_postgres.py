@@ -16,9 +16,9 @@ import asyncpg
 import pytest
 import pytest_asyncio
 
-from singleton_election.backends.postgres import PostgresBackend, takeover_wait
+from singleton_election.backends.postgres import PostgresBackend, force_release, takeover_wait
 from singleton_election.backends.postgres_session import keepalive_settings, server_session, session_settings
-from singleton_election.backends.postgres_sql import NAMESPACE
+from singleton_election.backends.postgres_sql import NAMESPACE, Statements
 from singleton_election.core.lock import BackendMisconfigured, BackendUnavailable, Identity, LockRecord, Term, Token
 from singleton_sdk.asyncpg import ensure_fence_table, fence
 from singleton_testbed.pgbouncer import PgBouncer, PoolMode
@@ -26,6 +26,8 @@ from singleton_testbed.postgres import PostgresInfo, PostgresServer
 from tests.pgquery import fetchval
 
 pytestmark = [pytest.mark.postgres, pytest.mark.timeout(60)]
+
+SQL = Statements.build("public", "singleton_leases")
 
 HOLDER_SCRIPT = """
 import asyncio, sys
@@ -1058,3 +1060,18 @@ async def test_another_pods_sole_candidate_takes_over_once_the_old_app_is_stoppe
     took = time.monotonic() - ended
     assert 0.35 < took < 0.9, f"took over after {took:.2f}s"
     assert term.acting_from <= time.monotonic() and term.token > old.token
+
+
+async def test_a_force_release_ends_the_holders_session(make_backend: Factory, pg_dsn: str) -> None:
+    """``kubectl singleton release``'s PostgreSQL step (session mode), as the operator carries it out."""
+    holder = make_backend()
+    conn = await asyncpg.connect(pg_dsn)
+    try:
+        await acquired(make_backend(group=unique()), "other")  # the table exists, with another group's row
+        assert await force_release(conn, holder.group, sql=SQL, timeout=5) == "no PostgreSQL holder"
+        await acquired(holder, "a")
+        assert await force_release(conn, holder.group, sql=SQL, timeout=5) == "ended the PostgreSQL session of holder a"
+        assert await force_release(conn, holder.group, sql=SQL, timeout=5) == \
+            "the session of PostgreSQL holder a had ended already"
+    finally:
+        await conn.close()

@@ -19,8 +19,9 @@ import asyncpg
 import pytest
 import pytest_asyncio
 
-from singleton_election.backends.postgres import PostgresBackend
+from singleton_election.backends.postgres import PostgresBackend, force_release
 from singleton_election.backends.postgres_pooled import PooledPostgresBackend
+from singleton_election.backends.postgres_sql import Statements
 from singleton_election.core.elector import Elector
 from singleton_election.core.lock import BackendUnavailable, Identity, LockRecord, Term
 from singleton_election.core.timings import Timings
@@ -496,3 +497,18 @@ def test_real_sidecars_in_the_pooled_mode_hand_over_and_fail_over_with_the_exec_
     finally:
         for sidecar in sidecars:
             sidecar.stop()
+
+
+async def test_a_force_release_leaves_a_live_pooled_term_to_expire(make_backend: Factory, pg_dsn: str) -> None:
+    """Pooled mode has no session to end, and expiring the row at once would let a standby act
+    beside a holder that acts until its next renewal: the row stays, the holder renews."""
+    backend = make_backend()
+    term = await backend.acquire(Identity("a"), timeout=5)
+    assert isinstance(term, Term)
+    conn = await asyncpg.connect(pg_dsn)
+    try:
+        done = await force_release(conn, backend.group, sql=Statements.build("public", "singleton_leases"), timeout=5)
+    finally:
+        await conn.close()
+    assert done.startswith("PostgreSQL holder a (pooled mode: no session to end) keeps its row until it expires, in ")
+    assert await backend.renew(term, timeout=5) is not None

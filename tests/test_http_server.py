@@ -405,6 +405,7 @@ def test_the_server_module_imports_only_the_standard_library_and_h11() -> None:
     code = ("import sys; before = set(sys.modules); import singleton_sidecar.httpserver; "
             "print(' '.join(sorted(set(sys.modules) - before)))")
     loaded = subprocess.run([sys.executable, "-c", code], check=True, capture_output=True, text=True).stdout.split()
-    third_party = {name.split(".")[0] for name in loaded} - set(sys.stdlib_module_names) - {"singleton_sidecar", "singleton_election"}
+    ours = {"singleton_sidecar", "singleton_election"}
+    third_party = {name.split(".")[0] for name in loaded} - set(sys.stdlib_module_names) - ours
     assert third_party == {"h11"}
 

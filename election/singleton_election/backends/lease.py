@@ -85,7 +85,15 @@ from typing import Any
 
 from singleton_election.contract import ANNOTATION_TOKEN, LABEL_GROUP, LEASE_ANNOTATION_RELEASED, LEASE_ANNOTATION_TOKEN
 from singleton_election.core.identity import is_predecessor
-from singleton_election.core.lock import BackendUnavailable, Identity, LockRecord, LossCallback, Term, Token
+from singleton_election.core.lock import (
+    BackendUnavailable,
+    ForceReleaseFailed,
+    Identity,
+    LockRecord,
+    LossCallback,
+    Term,
+    Token,
+)
 from singleton_election.kube import KubeClient, KubeConflict, KubeError, KubeGone, KubeNotFound
 
 log = logging.getLogger(__name__)
@@ -573,3 +581,31 @@ class LeaseBackend:
         except KubeError as exc:
             log.warning("%s failed", what, extra=self._fields(identity=identity, token=token, error=exc))
             raise BackendUnavailable(f"lease {self.namespace}/{self.lease_name}: {what} failed: {exc}") from exc
+
+
+async def force_release(client: KubeClient, namespace: str, name: str, *, timeout: float, attempts: int = 3) -> str:
+    """Clear the Lease's holder on an operator's say-so (``kubectl singleton release``); returns
+    what was done, in words. Without the released mark (``LEASE_ANNOTATION_RELEASED``): nothing
+    says the holder's app has stopped, so a standby takes the Lease only once the last term
+    would have expired had its holder crashed (``LeaseBackend._takeable``). A holder renewing
+    meanwhile makes the write a 409: read again, ``attempts`` times in all."""
+    path = f"/apis/coordination.k8s.io/v1/namespaces/{namespace}/leases/{name}"
+    for _ in range(attempts):
+        try:
+            lease = await client.request("GET", path, timeout=timeout)
+        except KubeNotFound:
+            return "no Lease to release"
+        except KubeError as exc:
+            raise ForceReleaseFailed(f"cannot read Lease {namespace}/{name}: {exc}") from None
+        holder = (lease.get("spec") or {}).get("holderIdentity")
+        if not holder:
+            return "the Lease had no holder"
+        lease["spec"]["holderIdentity"] = None
+        try:
+            await client.request("PUT", path, body=lease, timeout=timeout)
+        except KubeConflict:
+            continue
+        except KubeError as exc:
+            raise ForceReleaseFailed(f"cannot update Lease {namespace}/{name}: {exc}") from None
+        return f"cleared Lease holder {holder}"
+    raise ForceReleaseFailed(f"Lease {namespace}/{name} changed {attempts} times while clearing it; try again")

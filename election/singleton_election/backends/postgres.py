@@ -110,6 +110,7 @@ from singleton_election.backends.postgres_sql import NAMESPACE, Statements, appl
 from singleton_election.core.identity import is_predecessor
 from singleton_election.core.lock import (
     BackendUnavailable,
+    ForceReleaseFailed,
     Identity,
     LockRecord,
     LossCallback,
@@ -635,3 +636,32 @@ def takeover_wait(*, unreleased: bool, expiry_left: float | None, stop_bound: fl
         return 0.0
     left = max(expiry_left or 0.0, 0.0)
     return left if stop_bound is None else min(left, max(stop_bound, 0.0))
+
+
+async def force_release(conn: Connection, group_key: str, *, sql: Statements, timeout: float) -> str:
+    """End the group's holder on an operator's say-so (``kubectl singleton release``); returns
+    what was done, in words. Either mode's rule, judged from the row:
+
+    - session mode (the row names the holder's session): end that session, which frees its
+      advisory lock; a standby takes over after ``takeover_wait`` for an unreleased holder, as
+      after any session end, so the old app has stopped first;
+    - pooled mode (a live row without a session): nothing to end. Expiring the row now would
+      let a standby act while a live holder still acts until its next renewal; it frees by
+      itself within the lease, as a crashed holder's does.
+    """
+    try:
+        row = await conn.fetchrow(sql.holder, group_key, timeout=timeout)
+        if row is not None and row["holder"] is not None and row["holder_pid"] is None \
+                and (row["expires_in"] or 0) > 0:
+            return (f"PostgreSQL holder {row['holder']} (pooled mode: no session to end) keeps its row until it "
+                    f"expires, in {row['expires_in']:.1f}s; a standby takes over then")
+        if row is None or row["holder_pid"] is None:
+            return "no PostgreSQL holder"
+        ended = await conn.fetchval(sql.terminate, row["holder_pid"], timeout=timeout)
+    except asyncpg.UndefinedTableError:
+        return "no PostgreSQL holder (no sidecar has made the lock table yet)"
+    except (asyncpg.PostgresError, asyncpg.InterfaceError, TimeoutError) as exc:
+        raise ForceReleaseFailed(f"PostgreSQL: {type(exc).__name__}: {exc}") from None
+    if not ended:
+        return f"the session of PostgreSQL holder {row['holder']} had ended already"
+    return f"ended the PostgreSQL session of holder {row['holder']}"

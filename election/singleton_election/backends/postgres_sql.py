@@ -303,6 +303,15 @@ class Statements:
         return "SELECT pg_terminate_backend($1)"
 
     @property
+    def holder(self) -> str:
+        """$1 group. Who holds the row: its holder, the holder's session (none in pooled mode)
+        and the seconds until the row expires by the database clock."""
+        return (
+            "SELECT holder, holder_pid, extract(epoch FROM expires_at - now())::float8 AS expires_in"
+            f" FROM {self.leases} WHERE group_name = $1"
+        )
+
+    @property
     def pooled_holder(self) -> str:
         """$1 group. The row if a live pooled-mode term holds it (a holder without a session)."""
         return (

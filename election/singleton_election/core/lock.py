@@ -33,6 +33,11 @@ class BackendUnavailable(Exception):
     """The lock store could not be reached or did not answer in time."""
 
 
+class ForceReleaseFailed(Exception):
+    """A force release (``kubectl singleton release``, carried out by the operator) could not be
+    carried out; the message says why."""
+
+
 class BackendMisconfigured(Exception):
     """The store answers, but is set up so that its lock cannot be trusted (for example a
     connection pooler in transaction mode in front of PostgreSQL). Never retried: the
