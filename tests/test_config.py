@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import re
 
 import pytest
 
@@ -44,7 +45,9 @@ def test_given_timings_replace_only_their_own_default() -> None:
 
 
 def test_a_given_timing_that_breaks_the_defaults_order_is_refused() -> None:
-    with pytest.raises(ConfigError, match=r"lease_duration .* must exceed renew_deadline"):
+    with pytest.raises(ConfigError, match=re.escape(
+            "SINGLETON_RENEW_DEADLINE (--renew-deadline) = 7.5s (the lease default): must be shorter than "
+            "SINGLETON_LEASE_DURATION (--lease-duration) = 6s")):
         load(SINGLETON_BACKEND="lease", SINGLETON_NAMESPACE="ns", SINGLETON_LEASE_DURATION="6")
 
 

@@ -236,7 +236,8 @@ async def test_postgres_restart_never_gives_two_leaders(
         ({"SINGLETON_GROUP": "g", "SINGLETON_POSTGRES_DSN": "postgres://h/d", "SINGLETON_RETRY_PERIOD": "-1"},
          "SINGLETON_RETRY_PERIOD (--retry-period): must be a positive number"),
         ({"SINGLETON_GROUP": "g", "SINGLETON_POSTGRES_DSN": "postgres://h/d", "SINGLETON_LEASE_DURATION": "4",
-          "SINGLETON_RENEW_DEADLINE": "4"}, "lease_duration (4s) must exceed renew_deadline (4s)"),
+          "SINGLETON_RENEW_DEADLINE": "4"}, "SINGLETON_RENEW_DEADLINE (--renew-deadline) = 4s: must be shorter than "
+         "SINGLETON_LEASE_DURATION (--lease-duration) = 4s"),
         ({"SINGLETON_GROUP": "g", "SINGLETON_POSTGRES_DSN": "postgres://h/d", "SINGLETON_LISTEN": "8080"},
          "SINGLETON_LISTEN (--listen): must be host:port"),
         ({"SINGLETON_GROUP": "g", "SINGLETON_POSTGRES_DSN": "postgres://h/d",

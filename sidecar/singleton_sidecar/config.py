@@ -16,7 +16,7 @@ from typing import Literal
 from singleton_election import contract
 from singleton_election.core.identity import validate_identity
 from singleton_election.core.lock import Identity
-from singleton_election.core.timings import TimingError, Timings, default_timings
+from singleton_election.core.timings import BACKEND_DEFAULTS, FIELDS, TimingError, Timings, default_timings
 from singleton_election.settings import ConfigError, Listen, parse_listen
 
 BackendName = Literal["postgres", "lease", "both"]
@@ -257,8 +257,11 @@ def load_config(args: argparse.Namespace, environ: Mapping[str, str]) -> Sidecar
     try:
         timings = default_timings(backend, **timings_kwargs)
     except TimingError as exc:
-        raise ConfigError(f"timings (SINGLETON_LEASE_DURATION, SINGLETON_RENEW_DEADLINE, SINGLETON_RETRY_PERIOD): "
-                          f"{exc}") from None
+        # Said in the settings' names, each with its value: given, or the backend's default.
+        defaults = BACKEND_DEFAULTS[backend]
+        raise ConfigError(exc.render({
+            dest: f"{label(dest)} = {timings_kwargs.get(dest, getattr(defaults, dest)):g}s"
+            + ("" if dest in timings_kwargs else f" (the {backend} default)") for dest in FIELDS})) from None
 
     kill_grace = _positive_seconds(label("kill_grace"), raw["kill_grace"]) if "kill_grace" in raw else min(
         1.0, timings.stop_margin / 2)

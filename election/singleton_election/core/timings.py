@@ -21,8 +21,57 @@ def _nanoseconds(seconds: float) -> int:
     return round(seconds * 1_000_000_000)
 
 
+MIN_RETRY_PERIOD = 0.1
+"""Seconds between renewals at the least: faster renewals are API or database load, not safety."""
+
+MAX_LEASE_DURATION = 300.0
+"""Seconds a lock may stay valid without a renewal at the most (5 minutes)."""
+
+FIELDS = ("lease_duration", "renew_deadline", "retry_period")
+
+
 class TimingError(ValueError):
-    """Timings that cannot keep the no-overlap invariant; the message names the field."""
+    """Timings that break a rule. ``field`` is the timing the rule is about; ``rule`` says it,
+    naming the other timings as ``{lease_duration}`` and so on, so that each reader of timings
+    (the sidecar's flags, the operator's CRD fields) can say it in its own names (``render``)."""
+
+    def __init__(self, field: str, rule: str, values: dict[str, object]) -> None:
+        self.field, self.rule = field, rule
+        super().__init__(self.render({name: f"{name} ({_shown(values[name])})" for name in FIELDS}))
+
+    def render(self, names: dict[str, str]) -> str:
+        return f"{names[self.field]}: {self.rule.format(**names)}"
+
+
+def _shown(value: object) -> str:
+    return f"{value:g}s" if isinstance(value, int | float) and not isinstance(value, bool) else repr(value)
+
+
+def check_timings(lease_duration: object, renew_deadline: object, retry_period: object) -> None:
+    """The one rule set of timings, in the order the CRD's validation rules check them (the CRD
+    says them again in CEL, for admission; tests/test_crd.py checks that both agree to the
+    nanosecond). Raises ``TimingError`` on the first broken rule."""
+    values: dict[str, object] = {"lease_duration": lease_duration, "renew_deadline": renew_deadline,
+                                 "retry_period": retry_period}
+    for name, value in values.items():
+        numeric = isinstance(value, int | float) and not isinstance(value, bool)
+        if not numeric or not (value > 0 and math.isfinite(value)):  # type: ignore[operator, arg-type]
+            raise TimingError(name, "must be a positive number of seconds", values)
+    lease, renew, retry = (_nanoseconds(v) for v in values.values())  # type: ignore[arg-type]
+    if renew >= lease:
+        raise TimingError("renew_deadline", "must be shorter than {lease_duration}", values)
+    if renew > lease - _nanoseconds(MIN_CLOCK_MARGIN):
+        raise TimingError("renew_deadline", f"must be at least {MIN_CLOCK_MARGIN:g}s shorter than {{lease_duration}} "
+                          "(margin for clock drift and jitter)", values)
+    if retry >= renew:
+        raise TimingError("retry_period", "must be shorter than {renew_deadline}", values)
+    if renew * 5 <= retry * 6:  # renew <= JITTER_FACTOR (6/5) x retry, in integers
+        raise TimingError("renew_deadline", f"must be more than {JITTER_FACTOR:g} times {{retry_period}}, so the "
+                          "leader can retry a failed renewal before the deadline", values)
+    if retry < _nanoseconds(MIN_RETRY_PERIOD):
+        raise TimingError("retry_period", f"must be at least {MIN_RETRY_PERIOD:g}s", values)
+    if lease > _nanoseconds(MAX_LEASE_DURATION):
+        raise TimingError("lease_duration", f"must be at most {MAX_LEASE_DURATION:g}s", values)
 
 
 @dataclass(frozen=True)
@@ -33,7 +82,7 @@ class Timings:
     ``renew_deadline`` of the last good one it steps down at once. Others may take the
     lock only after ``lease_duration`` without a renewal (lease backend, and stalled
     holders on postgres), so ``lease_duration - renew_deadline`` is the time an ex-leader
-    has to stop acting.
+    has to stop acting. ``check_timings`` holds the rules.
     """
 
     lease_duration: float = 6.0
@@ -44,23 +93,7 @@ class Timings:
     """Seconds between renewals, and between acquisition attempts after an error."""
 
     def __post_init__(self) -> None:
-        for name in ("lease_duration", "renew_deadline", "retry_period"):
-            value = getattr(self, name)
-            numeric = isinstance(value, int | float) and not isinstance(value, bool)
-            if not numeric or not (value > 0 and math.isfinite(value)):
-                raise TimingError(f"{name} must be a positive number of seconds, got {value!r}")
-        lease, renew, retry = (_nanoseconds(v) for v in (self.lease_duration, self.renew_deadline,
-                                                         self.retry_period))
-        if lease - renew < _nanoseconds(MIN_CLOCK_MARGIN):
-            raise TimingError(
-                f"lease_duration ({self.lease_duration:g}s) must exceed renew_deadline "
-                f"({self.renew_deadline:g}s) by at least {MIN_CLOCK_MARGIN:g}s"
-            )
-        if renew * 5 <= retry * 6:  # renew <= JITTER_FACTOR (6/5) x retry, in integers
-            raise TimingError(
-                f"renew_deadline ({self.renew_deadline:g}s) must exceed {JITTER_FACTOR:g} x retry_period "
-                f"({self.retry_period:g}s) = {JITTER_FACTOR * self.retry_period:g}s"
-            )
+        check_timings(self.lease_duration, self.renew_deadline, self.retry_period)
 
     @property
     def stop_margin(self) -> float:
