@@ -259,7 +259,9 @@ def describe(ip: str) -> str:
 def group_manifest(bed: Bed, backend: str, gating: str = "cooperative") -> dict[str, Any]:
     spec: dict[str, Any] = {"replicas": 3, "backend": backend, "template": {"spec": {"containers": [{
         "name": "app", "image": bed.busybox, "imagePullPolicy": "Never",
-        "command": ["sh", "-c", "trap 'exit 0' TERM; while true; do sleep 0.1; done"]}]}}}
+        # The sleep in the background: a shell runs its trap only once a foreground command ends,
+        # so `sleep 0.1` in the foreground made the app take up to 0.1 s to exit on SIGTERM.
+        "command": ["sh", "-c", "trap 'exit 0' TERM; while true; do sleep 0.1 & wait $!; done"]}]}}}
     if gating != "cooperative":
         spec["gating"] = {"mode": gating}
     if backend != "lease":

@@ -394,6 +394,35 @@ async def test_a_deleted_pods_term_ends_when_the_app_has_stopped_not_when_the_ku
     assert await asyncio.to_thread(leader.wait_exit, 10) == 0
 
 
+async def test_a_deleted_pod_releases_once_its_app_stopped_without_waiting_for_its_label(
+        cluster: Cluster, namespace: str, group: str, pod_sidecars: Factory) -> None:
+    """A pod being deleted is taken out of the Service's ready endpoints by the endpoints
+    controller whatever its labels: its term is released once its app has stopped, even when
+    the write of its role label cannot land (its right to patch pods taken away, as in
+    ``test_a_term_is_released_only_once_the_pod_no_longer_shows_it_as_leader``, where a
+    step-down of a pod that is not being deleted does wait). This wait used to add an API write
+    to every deletion's handover."""
+    members = pod_sidecars("lease", 2, extra={"SINGLETON_DRAIN_WAIT_CONTAINER": "app",
+                                              "SINGLETON_NATIVE_SIDECAR": "true", "SINGLETON_DRAIN_TIMEOUT": "20"})
+    leader = await asyncio.to_thread(one_leader, members)
+    other = next(s for s in members if s is not leader)
+    token = (leader.leader_doc() or {})["token"]
+    assert (await asyncio.to_thread(leader.control, "POST", f"/acting?token={token}"))[0] == 200
+    full = contract.sidecar_rbac_rules(group)
+    read_only = [r for r in full if r["resources"] != ["pods"]] + [
+        {"apiGroups": [""], "resources": ["pods"], "verbs": ["get", "list", "watch"]}]
+    sidecar_role(cluster, namespace, read_only)
+    await asyncio.sleep(1.0)  # RBAC takes effect
+    cluster.kubectl("delete", "pod", leader.pod, "-n", leader.namespace, "--wait=false")
+    await asyncio.to_thread(wait_for, lambda: (leader.leader_doc() or {}).get("role") == "draining", 5,
+                            "the leader to drain")
+    started = time.monotonic()
+    assert (await asyncio.to_thread(leader.control, "POST", f"/stopped?token={token}"))[0] == 200
+    await asyncio.to_thread(one_leader, [other], 5)
+    assert time.monotonic() - started < 1.0
+    assert pod_view(cluster, leader)[1][contract.LABEL_ROLE] == "leader", "the label was written after all"
+
+
 async def test_a_handover_through_the_pod_cancels_the_sdk_body_before_the_lease_passes(
         cluster: Cluster, pod_sidecars: Factory) -> None:
     """``kubectl singleton handover``'s request on the leader's pod (the step-down annotation,

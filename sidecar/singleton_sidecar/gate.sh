@@ -160,7 +160,7 @@ stop_child() {
       fi
       [ "$(now_cs)" -ge "$kill_at" ] && each_app_process kill_now
     fi
-    sleep 0.02
+    sleep 0.01  # only while stopping: the handover waits for the acknowledgement that follows
   done
   [ -z "$child" ] || wait "$child" 2>/dev/null
   child=""

@@ -110,8 +110,13 @@ class PodReporter:
     def labelled_leader_unduly(self) -> bool:
         """The pod's role label still says leader (the leader Service selects by it) while this
         replica leads no more: the write saying otherwise has not reached the API server yet.
-        (A pod that is gone is named by no endpoints.)"""
-        if self._pod_gone or self._written is None or self._latest is None or self._latest.role is Role.LEADER:
+        Not for a pod that is gone (no endpoints name it) or being deleted: the endpoints
+        controller marks a terminating pod's endpoints not ready when it sees the deletion, whatever
+        the labels, and kube-proxy sends to a terminating endpoint only while no ready one exists,
+        so such a pod and the next leader never take the Service's traffic at once. (Waiting for
+        the label there cost a pod deletion's handover an API write, up to 0.2 s.)"""
+        if self._pod_gone or self._deleting or self._written is None or self._latest is None \
+                or self._latest.role is Role.LEADER:
             return False
         return bool(self._written[0]["metadata"]["labels"].get(contract.LABEL_ROLE) == Role.LEADER.value)
 
