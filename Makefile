@@ -30,6 +30,7 @@ lint: venv
 	$(BIN)/ruff check $(PACKAGES) tests benchmarks demo
 	$(BIN)/mypy
 	$(BIN)/mypy --strict demo
+	$(BIN)/mypy --config-file tests/mypy.ini tests benchmarks  # not strict: types where tests and benchmarks give them
 	$(BIN)/lint-imports --no-logo --no-cache  # the layer contracts: [tool.importlinter] in pyproject.toml
 
 test: prerequisites venv testbed lint

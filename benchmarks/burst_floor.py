@@ -144,8 +144,8 @@ async def run_once(plane: ControlPlane, *, groups: int, parallel: int, in_flight
 
             first = time.monotonic()
             await bounded(parallel, [create(n) for n in names])
-            all_seen = asyncio.ensure_future(asyncio.gather(*futures))
-            failed = asyncio.ensure_future(least.failed.wait())
+            all_seen: asyncio.Future[Any] = asyncio.ensure_future(asyncio.gather(*futures))
+            failed: asyncio.Future[Any] = asyncio.ensure_future(least.failed.wait())
             try:
                 await asyncio.wait([all_seen, failed], timeout=600, return_when=asyncio.FIRST_COMPLETED)
                 if not all_seen.done() and not least.failures:

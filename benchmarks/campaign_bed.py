@@ -68,7 +68,6 @@ from pathlib import Path
 from typing import Any, BinaryIO, TypeVar
 
 import asyncpg
-from tests.kubehelpers import AdminApi, save_pod_logs
 
 from benchmarks.campaign_pods import Frozen, freeze_pod, loopback_request, thaw_pod
 from benchmarks.campaign_poll import PORT, Poller, Sample
@@ -80,6 +79,7 @@ from singleton_testbed import images, node_pods
 from singleton_testbed.apps_image import APPS_ROOT, build_test_apps_image
 from singleton_testbed.binaries import add_to_path, find_all
 from singleton_testbed.controlplane import ControlPlane, wait_established
+from singleton_testbed.harness.kubehelpers import AdminApi, save_pod_logs
 from singleton_testbed.node import Node
 from singleton_testbed.node_config import NodeLayout
 from singleton_testbed.postgres import PostgresServer

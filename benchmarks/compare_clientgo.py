@@ -45,7 +45,6 @@ from datetime import datetime
 from pathlib import Path
 
 import asyncpg
-from tests.sidecars import SidecarProcess, one_leader, wait_for
 
 from benchmarks.campaign_bed import CampaignError
 from benchmarks.clientgo.elector import CLIENTGO_DEFAULTS, USER_AGENT, ClientGoProcess, build
@@ -55,6 +54,7 @@ from benchmarks.failover import Bench, Starter, bench_servers, cpu_seconds, perc
 from singleton_election.core.timings import BACKEND_DEFAULTS
 from singleton_testbed.binaries import find_all
 from singleton_testbed.controlplane import ControlPlane
+from singleton_testbed.harness.sidecars import SidecarProcess, one_leader, wait_for
 from singleton_testbed.ledger import LedgerReport, check_ledger
 from singleton_testbed.node import busy_reason, unavailable_reason
 from singleton_testbed.node_config import NodeLayout

@@ -44,13 +44,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from tests.kubehelpers import AdminApi, save_pod_logs
-
 from benchmarks.campaign_bed import CampaignError, admin_call, create_account, sidecar_pod_env, watch_running
 from benchmarks.campaign_poll import PORT, Poller, Sample
 from singleton_election import contract
 from singleton_testbed import images, node_pods
 from singleton_testbed.controlplane import ControlPlane
+from singleton_testbed.harness.kubehelpers import AdminApi, save_pod_logs
 from singleton_testbed.node import Node, NodeError, unavailable_reason
 from singleton_testbed.node_config import NodeLayout
 from singleton_testbed.oci import ImageFile, ImageSpec, write_archive

@@ -40,12 +40,11 @@ from dataclasses import asdict, dataclass, field, replace
 from datetime import UTC, datetime
 from pathlib import Path
 
-from tests.kubehelpers import create_pod
-from tests.sidecars import SidecarProcess, one_leader, wait_for, wait_serving
-
 from singleton_election.core.timings import BACKEND_DEFAULTS
 from singleton_testbed.binaries import add_to_path, find_all
 from singleton_testbed.controlplane import ControlPlane
+from singleton_testbed.harness.kubehelpers import create_pod
+from singleton_testbed.harness.sidecars import SidecarProcess, one_leader, wait_for, wait_serving
 from singleton_testbed.ledger import ActingReport, judge_acts
 from singleton_testbed.postgres import PostgresServer
 

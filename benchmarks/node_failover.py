@@ -57,15 +57,14 @@ from datetime import datetime
 from pathlib import Path
 from typing import Any
 
-from tests.kubehelpers import save_pod_logs
-from tests.operators import OperatorProcess
-from tests.sidecars import PROMETHEUS_ACCEPT
-
 from benchmarks.failover import rss_mb, summary
 from singleton_election import contract
 from singleton_testbed import images, node_pods
 from singleton_testbed.binaries import add_to_path, find_all
 from singleton_testbed.controlplane import ClusterInfo, ControlPlane, wait_established
+from singleton_testbed.harness.kubehelpers import save_pod_logs
+from singleton_testbed.harness.operators import OperatorProcess
+from singleton_testbed.harness.sidecars import PROMETHEUS_ACCEPT
 from singleton_testbed.node import Node
 from singleton_testbed.node_config import NodeLayout
 from singleton_testbed.oci import busybox_image, write_archive

@@ -206,7 +206,7 @@ class LeaderWatch:
 
 
 class Operator:
-    """The operator as a process, as ``tests/operators.py`` runs it."""
+    """The operator as a process, as ``singleton_testbed.harness.operators`` runs it."""
 
     def __init__(self, kubeconfig: Path, workdir: Path) -> None:
         """``kubeconfig``: whom the operator runs as (the admin's, or ``chart_account``'s)."""

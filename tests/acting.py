@@ -8,7 +8,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-from tests.sidecars import SidecarProcess
+from singleton_testbed.harness.sidecars import SidecarProcess
 
 APP = str(Path(__file__).parent / "data" / "acting_app.py")
 TIMINGS = {"SINGLETON_LEASE_DURATION": "3", "SINGLETON_RENEW_DEADLINE": "2", "SINGLETON_RETRY_PERIOD": "0.5"}

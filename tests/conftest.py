@@ -30,10 +30,10 @@ import pytest
 
 from singleton_testbed.binaries import add_to_path, find_all
 from singleton_testbed.controlplane import ControlPlane, wait_established
+from singleton_testbed.harness.sidecars import SidecarProcess
 from singleton_testbed.postgres import PostgresInfo, PostgresServer
 from tests import acting
 from tests.connectproxy import ConnectProxy
-from tests.sidecars import SidecarProcess
 
 if TYPE_CHECKING:
     from singleton_testbed.node import Node

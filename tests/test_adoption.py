@@ -24,11 +24,11 @@ from singleton_election import contract
 from singleton_operator.inject import InjectError, Manifest, inject_manifests, is_injected, pod_patch
 from singleton_operator.spec import SpecError, read_spec
 from singleton_operator.status import workload_suitability
+from singleton_testbed.harness.kubehelpers import get_json
+from singleton_testbed.harness.operators import OperatorProcess
+from singleton_testbed.harness.sidecars import wait_for
 from singleton_testbed.procs import free_port
 from tests.conftest import Cluster
-from tests.kubehelpers import get_json
-from tests.operators import OperatorProcess
-from tests.sidecars import wait_for
 from tests.test_operator import Factory, condition, cr, operator_samples, operators  # noqa: F401
 
 IMAGE = "example.invalid/singleton:test"

@@ -21,9 +21,9 @@ from typing import Any
 import pytest
 
 from singleton_election import contract
+from singleton_testbed.harness.kubehelpers import get_json, pod_ready, pod_role
+from singleton_testbed.harness.sidecars import wait_for
 from tests.conftest import Cluster, RealNode
-from tests.kubehelpers import get_json, pod_ready, pod_role
-from tests.sidecars import wait_for
 from tests.test_chart import Release, helm, uninstalled_after, values_args
 from tests.test_chart_node import install_on_node
 

@@ -18,9 +18,9 @@ import pytest
 import yaml
 
 from singleton_testbed.binaries import find_prometheus
+from singleton_testbed.harness.sidecars import wait_for
 from tests.conftest import Cluster
 from tests.monitoring import COLD_BUILD, METRIC_NAME, check_rules, exported_metric_names
-from tests.sidecars import wait_for
 from tests.test_chart import needs_helm, one, render, template
 
 ROOT = Path(__file__).resolve().parent.parent

@@ -24,9 +24,9 @@ import pytest
 import yaml
 
 from singleton_testbed.binaries import find_prometheus
+from singleton_testbed.harness.sidecars import FAST_TIMINGS, SidecarProcess, one_leader, wait_for
 from singleton_testbed.procs import Process, free_port, wait_until
 from tests.monitoring import COLD_BUILD
-from tests.sidecars import FAST_TIMINGS, SidecarProcess, one_leader, wait_for
 from tests.test_alerts import shipped_rules
 from tests.test_chart import needs_helm
 

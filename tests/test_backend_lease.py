@@ -25,8 +25,8 @@ from singleton_election.contract import (
 )
 from singleton_election.core.lock import BackendUnavailable, Identity, LockRecord, Term, Token
 from singleton_election.kube import KubeClient, KubeConfig, KubeError, KubeGone, KubeUnavailable, load_kube_config
+from singleton_testbed.harness.kubehelpers import grant, service_account_kubeconfig
 from tests.conftest import Cluster
-from tests.kubehelpers import grant, service_account_kubeconfig
 
 pytestmark = [pytest.mark.k8s, pytest.mark.timeout(60)]
 

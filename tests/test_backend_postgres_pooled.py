@@ -26,11 +26,11 @@ from singleton_election.core.elector import Elector
 from singleton_election.core.lock import BackendUnavailable, Identity, LockRecord, Term
 from singleton_election.core.timings import Timings
 from singleton_sdk.asyncpg import StaleToken, ensure_fence_table, fence
+from singleton_testbed.harness.sidecars import SidecarProcess, one_leader, wait_for
 from singleton_testbed.pgbouncer import PgBouncer
 from singleton_testbed.postgres import PostgresInfo
 from tests.acting import assert_never_two_actors, spans
 from tests.pgquery import fetchval
-from tests.sidecars import SidecarProcess, one_leader, wait_for
 from tests.tcpproxy import CuttableProxy
 
 pytestmark = [pytest.mark.postgres, pytest.mark.timeout(90)]

@@ -46,10 +46,10 @@ import asyncpg
 import pytest
 from benchmarks.campaign_bed import Borrowed
 
+from singleton_testbed.harness.sidecars import FAST_TIMINGS, SidecarProcess, one_leader, wait_for
 from singleton_testbed.ledger import LedgerReport, check_ledger
 from singleton_testbed.procs import process_alive
 from tests.conftest import REAL_NODE_TOLERATION, RealNode
-from tests.sidecars import FAST_TIMINGS, SidecarProcess, one_leader, wait_for
 
 WORKER = str(Path(__file__).parent / "data" / "ledger_worker.py")
 Factory = Callable[..., list[SidecarProcess]]

@@ -25,9 +25,9 @@ from cryptography.hazmat.primitives.serialization import Encoding
 from singleton_election.kube import KubeClient, load_kube_config
 from singleton_operator import certs
 from singleton_operator.runtime import WebhookConfig
+from singleton_testbed.harness.kubehelpers import get_json
 from singleton_testbed.procs import free_port
 from tests.conftest import Cluster
-from tests.kubehelpers import get_json
 
 NOW = dt.datetime(2026, 11, 26, 12, 0, tzinfo=dt.UTC)
 NAMES = [*certs.service_names("hook", "ops"), "127.0.0.1"]

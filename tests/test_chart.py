@@ -9,6 +9,7 @@ Kubernetes v1.20 when no cluster is asked; ``helm template`` therefore always ge
 from __future__ import annotations
 
 import contextlib
+import functools
 import json
 import re
 import secrets
@@ -24,9 +25,9 @@ import pytest
 import yaml
 
 from singleton_testbed.controlplane import wait_established
+from singleton_testbed.harness.kubehelpers import get_json
 from tests import chart_objects
 from tests.conftest import CRD_PATH, Cluster, use_existing_cluster
-from tests.kubehelpers import get_json
 
 ROOT = Path(__file__).resolve().parent.parent
 CHART = ROOT / "charts" / "singleton"
@@ -762,7 +763,7 @@ def test_tenants_bound_to_the_built_in_edit_role_manage_their_groups(
     cluster.apply(json.dumps({"apiVersion": "v1", "kind": "List", "items": objects}))
     try:
         for user in (editor, admin):
-            wait_for_true(lambda u=user: can(cluster, u, namespace, "create", "singletonservices.singleton.dev"),
+            wait_for_true(functools.partial(can, cluster, user, namespace, "create", "singletonservices.singleton.dev"),
                           30, f"{user} to be allowed to create SingletonServices")
         wait_for_true(lambda: can(cluster, viewer, namespace, "list", "singletonservices.singleton.dev"), 30,
                       "view to cover SingletonServices")

@@ -19,10 +19,10 @@ from benchmarks.clientgo.elector import USER_AGENT, BuildError, ClientGoProcess,
 from benchmarks.clientgo.unfenced_worker import term_of
 from benchmarks.compare_partition import OnNode, PodPeer, partition_runs
 
+from singleton_testbed.harness.kubehelpers import get_json
+from singleton_testbed.harness.sidecars import SidecarProcess, wait_for, wait_serving
 from singleton_testbed.ledger import check_ledger, read_acts
 from tests.conftest import REAL_NODE_TOLERATION, Cluster, RealNode
-from tests.kubehelpers import get_json
-from tests.sidecars import SidecarProcess, wait_for, wait_serving
 
 pytestmark = [pytest.mark.k8s, pytest.mark.timeout(120)]
 

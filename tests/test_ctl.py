@@ -21,10 +21,10 @@ import yaml
 
 from singleton_operator.release_request import RELEASE_REQUEST, RELEASE_RESULT
 from singleton_testbed.controlplane import ADMIN_USER
+from singleton_testbed.harness.kubehelpers import get_json, grant, service_account_kubeconfig
+from singleton_testbed.harness.operators import OperatorProcess
+from singleton_testbed.harness.sidecars import one_leader, wait_for
 from tests.conftest import Cluster
-from tests.kubehelpers import get_json, grant, service_account_kubeconfig
-from tests.operators import OperatorProcess
-from tests.sidecars import one_leader, wait_for
 from tests.test_sidecar_kube import Factory, PodSidecar, group, pod_sidecars, sidecar_kubeconfig  # noqa: F401
 
 SLOW = {"SINGLETON_LEASE_DURATION": "4", "SINGLETON_RENEW_DEADLINE": "3", "SINGLETON_RETRY_PERIOD": "1"}
@@ -235,12 +235,12 @@ def test_release_of_a_pooled_group_says_the_row_frees_at_its_expiry(  # noqa: PL
     cluster.apply(json.dumps(body), namespace=namespace)
     members = pod_sidecars("postgres", 2, extra={**SLOW, "SINGLETON_POSTGRES_MODE": "pooled"})
     leader = one_leader(members)
-    token = leader.leader_doc()["token"]
+    token = (leader.leader_doc() or {})["token"]
     result = ctl(cluster, "release", group, "-n", namespace, "--yes")
     assert result.returncode == 0, result.stderr + operator.log()
     assert result.stdout.startswith(f"PostgreSQL holder {leader.pod}/"), result.stdout
     assert "(pooled mode: no session to end) keeps its row until it expires, in " in result.stdout
-    assert leader.ready() and leader.leader_doc()["token"] == token
+    assert leader.ready() and (leader.leader_doc() or {})["token"] == token
 
 
 @pytest.mark.usefixtures("singleton_crd")
@@ -250,7 +250,7 @@ def test_the_charts_operator_role_is_enough_to_release(  # noqa: PLR0917
     """No permission was added for release: the operator running as the chart's
     ServiceAccount, with exactly its ClusterRole and Role, carries out a postgres release
     (the group's Secret read by name, the CR annotated, the Event recorded)."""
-    from tests.kubehelpers import bound_token, token_kubeconfig
+    from singleton_testbed.harness.kubehelpers import bound_token, token_kubeconfig
     from tests.test_rbac import helm_template
 
     release = "rel-" + secrets.token_hex(2)

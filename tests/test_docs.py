@@ -88,10 +88,10 @@ import pytest
 import yaml
 
 from singleton_operator.cli import DEFAULT_SIDECAR_IMAGE
+from singleton_testbed.harness.operators import OperatorProcess
 from singleton_testbed.postgres import PostgresInfo
 from tests.conftest import REAL_NODE_TAINT, Cluster, RealNode
 from tests.localhttp import serving
-from tests.operators import OperatorProcess
 
 REPO = Path(__file__).resolve().parent.parent
 DOCS = [REPO / "README.md", *sorted((REPO / "docs").glob("*.md"))]

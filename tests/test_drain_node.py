@@ -29,11 +29,11 @@ from typing import Any
 import pytest
 
 from singleton_election import contract
+from singleton_testbed.harness.kubehelpers import get_json, pod_ready, pod_role
+from singleton_testbed.harness.operators import OperatorProcess
+from singleton_testbed.harness.sidecars import wait_for
 from tests.acting import assert_never_two_actors, spans
 from tests.conftest import Cluster, RealNode
-from tests.kubehelpers import get_json, pod_ready, pod_role
-from tests.operators import OperatorProcess
-from tests.sidecars import wait_for
 
 pytestmark = [pytest.mark.k8s, pytest.mark.controlplane, pytest.mark.image]
 

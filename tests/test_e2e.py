@@ -34,14 +34,21 @@ import yaml
 
 from singleton_election import contract
 from singleton_testbed import node_pods
+from singleton_testbed.harness.kubehelpers import (
+    bound_token,
+    get_json,
+    pod_ready,
+    pod_role,
+    save_pod_logs,
+    token_kubeconfig,
+)
+from singleton_testbed.harness.operators import OperatorProcess
+from singleton_testbed.harness.sidecars import wait_for
 from singleton_testbed.ledger import LedgerReport, check_ledger
 from singleton_testbed.node_config import NodeLayout
 from singleton_testbed.postgres import PostgresInfo
 from singleton_testbed.procs import free_port
 from tests.conftest import REAL_NODE_TOLERATION, Cluster, RealNode, phase_failed, use_existing_cluster
-from tests.kubehelpers import bound_token, get_json, pod_ready, pod_role, save_pod_logs, token_kubeconfig
-from tests.operators import OperatorProcess
-from tests.sidecars import wait_for
 from tests.test_rbac import helm_template
 
 # On the test bed pods run on the session's real node (``real_node``: root and containerd

@@ -27,8 +27,8 @@ import pytest
 from singleton_election.core.lock import Identity, Term, Token
 from singleton_election.core.status import ElectionStatus, Role
 from singleton_sidecar import gate
+from singleton_testbed.harness.sidecars import one_leader, wait_for
 from tests.acting import APP, FINISH, Factory, assert_never_two_actors, spans
-from tests.sidecars import one_leader, wait_for
 
 pytestmark = pytest.mark.postgres
 

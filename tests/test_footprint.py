@@ -25,9 +25,9 @@ from pathlib import Path
 
 import pytest
 
+from singleton_testbed.harness.kubehelpers import create_pod
+from singleton_testbed.harness.sidecars import SidecarProcess, one_leader
 from tests.conftest import Cluster
-from tests.kubehelpers import create_pod
-from tests.sidecars import SidecarProcess, one_leader
 
 LIBRARIES = ("asyncio", "h11", "singleton_sidecar.metrics", "pythonjsonlogger.json")
 """What every sidecar needs: the event loop, HTTP, the metrics (prometheus_client's metric core,

@@ -20,8 +20,8 @@ from lupa import lua51
 from singleton_election import contract
 from singleton_operator.spec import read_spec
 from singleton_operator.status import Observed, compute_status, spec_error_status
+from singleton_testbed.harness.kubehelpers import get_json
 from tests.conftest import Cluster
-from tests.kubehelpers import get_json
 
 DOC = Path(__file__).resolve().parent.parent / "docs" / "gitops.md"
 HEALTH_KEY = "resource.customizations.health.singleton.dev_SingletonService"

@@ -16,11 +16,11 @@ from typing import Any
 import pytest
 import yaml
 
+from singleton_testbed.harness.kubehelpers import get_json, grant
+from singleton_testbed.harness.operators import OperatorProcess
+from singleton_testbed.harness.sidecars import wait_for
 from tests.conftest import Cluster
 from tests.connectproxy import ConnectProxy
-from tests.kubehelpers import get_json, grant
-from tests.operators import OperatorProcess
-from tests.sidecars import wait_for
 from tests.test_ctl import BIN, ctl
 
 HELPER = Path(__file__).parent / "data" / "exec_credential.sh"

@@ -18,10 +18,10 @@ import pytest
 
 from singleton_election.logs import JsonFormatter, TextFormatter, event_fields, setup_logging
 from singleton_operator import kopf_logs
+from singleton_testbed.harness.operators import OperatorProcess
+from singleton_testbed.harness.sidecars import FAST_TIMINGS, SidecarProcess, one_leader, wait_for
 from singleton_testbed.procs import free_port
 from tests.conftest import Cluster
-from tests.operators import OperatorProcess
-from tests.sidecars import FAST_TIMINGS, SidecarProcess, one_leader, wait_for
 
 RFC3339_UTC_MS = re.compile(r"^\d{4}-\d\d-\d\dT\d\d:\d\d:\d\d\.\d{3}Z$")
 

@@ -19,10 +19,10 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from singleton_election import contract
+from singleton_testbed.harness.kubehelpers import bound_token, get_json, token_kubeconfig
+from singleton_testbed.harness.operators import OperatorProcess
+from singleton_testbed.harness.sidecars import wait_for
 from tests.conftest import Cluster
-from tests.kubehelpers import bound_token, get_json, token_kubeconfig
-from tests.operators import OperatorProcess
-from tests.sidecars import wait_for
 
 Factory = Callable[..., OperatorProcess]
 

@@ -21,8 +21,8 @@ from singleton_operator import reconcile as reconcile_module
 from singleton_operator.groups import RECONCILE_DEFER, Groups
 from singleton_operator.metrics import OperatorMetrics
 from singleton_operator.reconcile import ACCESS_REVIEW_TTL, ACCESS_REVIEWS_IN_FLIGHT, AccessReviews
+from singleton_testbed.harness.kubehelpers import get_json
 from tests.conftest import Cluster
-from tests.kubehelpers import get_json
 from tests.test_operator import play_ready, play_sidecar, service
 
 pytestmark = pytest.mark.usefixtures("singleton_crd")
@@ -315,7 +315,7 @@ async def test_a_deleted_deployment_is_put_back_after_the_api_server_failed_the_
     cluster.apply(service("mended"), namespace=namespace)
     await groups.reconcile(get_json(cluster, "singletonservice", "mended", "-n", namespace), new=True)
     cluster.kubectl("delete", "deployment", "mended", "-n", namespace)
-    failed = []
+    failed: list[str] = []
 
     def fail_first_read(method: str, path: str) -> None:
         if method == "GET" and path.endswith("/singletonservices/mended") and not failed:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from singleton_election import contract
-from singleton_election.core.lock import Term
+from singleton_election.core.lock import Identity, Term, Token
 from singleton_election.core.status import ElectionStatus, Role
 from singleton_sidecar.podstatus import pod_metadata_patch, transition_event
 
@@ -26,9 +26,10 @@ def test_only_leadership_changes_are_events(previous: Role | None, new: Role, re
 
 
 def status(role: Role, token: int | None) -> ElectionStatus:
-    term = None if token is None else Term(identity="pod/uid/n", token=token, version="1", written_at=0.0)
-    return ElectionStatus(group="g", identity="pod/uid/n", role=role, term=term, leader="pod/uid/n",
-                          leader_token=token, leader_since=1_700_000_000.0 if role is Role.LEADER else None,
+    identity, typed = Identity("pod/uid/n"), None if token is None else Token(token)
+    term = None if typed is None else Term(identity=identity, token=typed, version="1", written_at=0.0)
+    return ElectionStatus(group="g", identity=identity, role=role, term=term, leader=identity,
+                          leader_token=typed, leader_since=1_700_000_000.0 if role is Role.LEADER else None,
                           transitions=0, reason="r")
 
 

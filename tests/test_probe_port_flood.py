@@ -26,8 +26,8 @@ from singleton_election.core.timings import Timings
 from singleton_sidecar.http import probe_server
 from singleton_sidecar.httpserver import HttpServer
 from singleton_sidecar.metrics import SidecarMetrics
+from singleton_testbed.harness.sidecars import PROMETHEUS_ACCEPT
 from tests.fakes import FakeBackend, FakeClock
-from tests.sidecars import PROMETHEUS_ACCEPT
 
 pytestmark = pytest.mark.timeout(90)
 

@@ -27,8 +27,8 @@ import pytest
 import yaml
 
 from singleton_election import contract
+from singleton_testbed.harness.kubehelpers import bound_token, get_json, grant, token_kubeconfig
 from tests.conftest import Cluster
-from tests.kubehelpers import bound_token, get_json, grant, token_kubeconfig
 
 pytestmark = [pytest.mark.k8s, pytest.mark.timeout(120)]
 

@@ -46,8 +46,15 @@ from singleton_sdk import (
 )
 from singleton_sdk import sync as sdk_sync
 from singleton_sidecar.config import SidecarConfig
+from singleton_testbed.harness.sidecars import (
+    FAST_TIMINGS,
+    SidecarProcess,
+    one_leader,
+    wait_for,
+    wait_last_row,
+    wait_serving,
+)
 from singleton_testbed.ledger import check_ledger
-from tests.sidecars import FAST_TIMINGS, SidecarProcess, one_leader, wait_for, wait_last_row, wait_serving
 from tests.test_operator_units import IMAGE, body, env_of
 
 pytestmark = [pytest.mark.postgres, pytest.mark.timeout(90)]

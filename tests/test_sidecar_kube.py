@@ -19,10 +19,8 @@ import asyncpg
 import pytest
 
 from singleton_election import contract
-from singleton_testbed.ledger import check_ledger
-from tests.conftest import Cluster
-from tests.kubehelpers import create_pod, get_json, grant, service_account_kubeconfig
-from tests.sidecars import (
+from singleton_testbed.harness.kubehelpers import create_pod, get_json, grant, service_account_kubeconfig
+from singleton_testbed.harness.sidecars import (
     FAST_TIMINGS,
     SidecarProcess,
     leaders,
@@ -31,6 +29,8 @@ from tests.sidecars import (
     wait_for,
     wait_serving,
 )
+from singleton_testbed.ledger import check_ledger
+from tests.conftest import Cluster
 
 WORKER = str(Path(__file__).parent / "data" / "ledger_worker.py")
 SIDECAR_ACCOUNT = "singleton-sidecar"

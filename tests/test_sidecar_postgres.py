@@ -19,12 +19,7 @@ import pytest
 from prometheus_client.openmetrics.parser import text_string_to_metric_families as openmetrics_families
 from prometheus_client.parser import text_string_to_metric_families
 
-from singleton_testbed.ledger import check_ledger
-from singleton_testbed.pgbouncer import PgBouncer, PoolMode
-from singleton_testbed.postgres import APP_PASSWORD, PostgresInfo, PostgresServer
-from singleton_testbed.procs import free_port
-from tests.pgquery import fetchval
-from tests.sidecars import (
+from singleton_testbed.harness.sidecars import (
     FAST_TIMINGS,
     SidecarProcess,
     leaders,
@@ -33,6 +28,11 @@ from tests.sidecars import (
     stop_gate_script,
     wait_for,
 )
+from singleton_testbed.ledger import check_ledger
+from singleton_testbed.pgbouncer import PgBouncer, PoolMode
+from singleton_testbed.postgres import APP_PASSWORD, PostgresInfo, PostgresServer
+from singleton_testbed.procs import free_port
+from tests.pgquery import fetchval
 
 WORKER = str(Path(__file__).parent / "data" / "ledger_worker.py")
 Factory = Callable[..., list[SidecarProcess]]
@@ -92,11 +92,12 @@ def test_exactly_one_leader_and_probes(sidecars: Factory) -> None:
     content_type, body = leader.scrape()
     assert content_type == "application/openmetrics-text; version=1.0.0; charset=utf-8"
     assert body.endswith("# EOF\n")
-    samples = {(s.name, s.labels.get("role")): s.value for family in openmetrics_families(body) for s in family.samples}
-    assert samples[("singleton_is_leader", None)] == 1.0
-    assert samples[("singleton_terms_total", None)] == 1.0
-    assert samples[("singleton_role", "leader")] == 1.0
-    assert ("singleton_renew_latency_seconds_bucket", None) in samples
+    labelled: dict[tuple[str, str | None], float] = {
+        (s.name, s.labels.get("role")): s.value for family in openmetrics_families(body) for s in family.samples}
+    assert labelled[("singleton_is_leader", None)] == 1.0
+    assert labelled[("singleton_terms_total", None)] == 1.0
+    assert labelled[("singleton_role", "leader")] == 1.0
+    assert ("singleton_renew_latency_seconds_bucket", None) in labelled
     plain_type, _ = leader.scrape("text/plain;version=0.0.4")
     assert plain_type == "text/plain; version=0.0.4; charset=utf-8"
     # Control actions are not reachable through the probe port: it has no such routes at all

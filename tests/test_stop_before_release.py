@@ -21,9 +21,9 @@ from pathlib import Path
 
 import pytest
 
+from singleton_testbed.harness.sidecars import SidecarProcess, leaders, one_leader, stop_gate_script, wait_for
 from tests.acting import APP, FINISH, TIMINGS, Factory, assert_never_two_actors, group_gone, spans
 from tests.pgquery import fetchval
-from tests.sidecars import SidecarProcess, leaders, one_leader, stop_gate_script, wait_for
 
 pytestmark = pytest.mark.postgres
 

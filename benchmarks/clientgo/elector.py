@@ -1,5 +1,5 @@
 """Build and run ``clientgo-elector`` processes, with the same interface as the sidecar's
-test driver (``tests.sidecars.SidecarProcess``), so the same helpers measure both."""
+test driver (``singleton_testbed.harness.sidecars.SidecarProcess``), so the same helpers measure both."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from tests.sidecars import SidecarProcess, one_leader
+from singleton_testbed.harness.sidecars import SidecarProcess, one_leader
 
 HERE = Path(__file__).resolve().parent
 BUILD_SCRIPT = HERE / "build.sh"
@@ -90,6 +90,6 @@ class ClientGoProcess(SidecarProcess):
 
 
 def one_clientgo_leader(members: Sequence[ClientGoProcess], timeout: float = 10.0) -> ClientGoProcess:
-    """``tests.sidecars.one_leader`` for client-go electors: exactly one leads and is ready."""
+    """``singleton_testbed.harness.sidecars.one_leader`` for client-go electors: exactly one leads and is ready."""
     found = one_leader(list[SidecarProcess](members), timeout)
     return next(m for m in members if m is found)
