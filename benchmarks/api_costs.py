@@ -36,9 +36,10 @@ from benchmarks.operator_scale import (
     pod_annotations,
 )
 from singleton_election.kube import KubeClient, load_kube_config
-from singleton_operator import reconcile, resources
-from singleton_operator.spec import GroupSpec, read_spec
-from singleton_operator.status import compute_status
+from singleton_operator import reconcile
+from singleton_operator.model import resources
+from singleton_operator.model.spec import GroupSpec, read_spec
+from singleton_operator.model.status import compute_status
 from singleton_testbed.controlplane import ControlPlane
 
 PARALLEL = 16

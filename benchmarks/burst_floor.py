@@ -56,9 +56,9 @@ from benchmarks.operator_scale import (
 from singleton_election import contract
 from singleton_election.kube import KubeClient, KubeError, KubeGone, load_kube_config
 from singleton_operator import groups as operator_groups
+from singleton_operator.model.spec import SpecError, read_spec
+from singleton_operator.model.status import compute_status
 from singleton_operator.reconcile import apply, cr_path, desired_objects, observed_from
-from singleton_operator.spec import SpecError, read_spec
-from singleton_operator.status import compute_status
 from singleton_testbed.controlplane import ControlPlane
 
 GOAL_SECONDS = 5.0

@@ -17,7 +17,7 @@ of two ways:
   ledger_worker.py`` (through its launcher, below; the keeper runs the worker in a process group
   of its own and gives it ``SINGLETON_DEADLINE_FILE``);
 - **file gate**: the pod the operator builds for ``gating: {mode: file}``
-  (``singleton_operator.resources.pod_template``): the sidecar of the project's image as a
+  (``singleton_operator.model.resources.pod_template``): the sidecar of the project's image as a
   native sidecar, with the operator's probes, the worker (test-apps image) as the main container
   wrapped by ``gate.sh`` from a shared ``emptyDir``; the worker follows the gate's flag
   (``LEDGER_GATE_DIR``) for its deadline.
@@ -73,8 +73,8 @@ from benchmarks.campaign_pods import Frozen, freeze_pod, loopback_request, thaw_
 from benchmarks.campaign_poll import PORT, Poller, Sample
 from singleton_election import contract
 from singleton_election.core.elector import DRAIN_TIMEOUT_PASSED
-from singleton_operator import resources
-from singleton_operator.spec import read_spec
+from singleton_operator.model import resources
+from singleton_operator.model.spec import read_spec
 from singleton_testbed import images, node_pods
 from singleton_testbed.apps_image import APPS_ROOT, build_test_apps_image
 from singleton_testbed.binaries import add_to_path, find_all

@@ -21,9 +21,9 @@ import pytest
 import yaml
 
 from singleton_election import contract
-from singleton_operator.inject import InjectError, Manifest, inject_manifests, is_injected, pod_patch
-from singleton_operator.spec import SpecError, read_spec
-from singleton_operator.status import workload_suitability
+from singleton_operator.model.inject import InjectError, Manifest, inject_manifests, is_injected, pod_patch
+from singleton_operator.model.spec import SpecError, read_spec
+from singleton_operator.model.status import workload_suitability
 from singleton_testbed.harness.kubehelpers import get_json
 from singleton_testbed.harness.operators import OperatorProcess
 from singleton_testbed.harness.sidecars import wait_for

@@ -466,8 +466,8 @@ def test_service_monitor_only_when_the_api_exists_or_forced(tmp_path: Path) -> N
 @needs_helm
 def test_sidecar_pod_monitor_and_alerts_only_when_the_api_exists_or_forced(tmp_path: Path) -> None:
     from singleton_election import contract
-    from singleton_operator import resources
-    from singleton_operator.spec import SIDECAR_CONTAINER, SIDECAR_PORT_NAME, read_spec
+    from singleton_operator.model import resources
+    from singleton_operator.model.spec import SIDECAR_CONTAINER, SIDECAR_PORT_NAME, read_spec
 
     assert not by_kind(render(tmp_path), "PodMonitor") and not by_kind(render(tmp_path), "PrometheusRule")
     for kind, key in (("PodMonitor", "podMonitor"), ("PrometheusRule", "prometheusRule")):

@@ -18,7 +18,7 @@ from typing import Any
 import pytest
 import yaml
 
-from singleton_operator.spec import SpecError, read_spec
+from singleton_operator.model.spec import SpecError, read_spec
 from tests.conftest import CRD_PATH, Cluster
 
 pytestmark = [pytest.mark.k8s, pytest.mark.timeout(120)]

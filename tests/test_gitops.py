@@ -18,8 +18,8 @@ import yaml
 from lupa import lua51
 
 from singleton_election import contract
-from singleton_operator.spec import read_spec
-from singleton_operator.status import Observed, compute_status, spec_error_status
+from singleton_operator.model.spec import read_spec
+from singleton_operator.model.status import Observed, compute_status, spec_error_status
 from singleton_testbed.harness.kubehelpers import get_json
 from tests.conftest import Cluster
 

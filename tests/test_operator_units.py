@@ -13,8 +13,8 @@ import pytest
 from singleton_election import contract
 from singleton_election.core.timings import TimingError, Timings
 from singleton_election.settings import ConfigError
-from singleton_operator import resources
-from singleton_operator.spec import (
+from singleton_operator.model import resources
+from singleton_operator.model.spec import (
     SpecError,
     format_seconds,
     is_label_value,
@@ -23,7 +23,7 @@ from singleton_operator.spec import (
     parse_quantity,
     read_spec,
 )
-from singleton_operator.status import (
+from singleton_operator.model.status import (
     DatabaseCheck,
     Observed,
     compute_status,
@@ -535,7 +535,7 @@ def test_the_default_sidecar_ports_are_the_ones_the_docs_and_the_crd_state() -> 
 
     import yaml
 
-    from singleton_operator.spec import DEFAULT_SIDECAR_PORT
+    from singleton_operator.model.spec import DEFAULT_SIDECAR_PORT
 
     repo = Path(__file__).resolve().parent.parent
     readme = repo.joinpath("docs", "operator.md").read_text()

@@ -30,8 +30,8 @@ from sqlalchemy.orm import Session
 import singleton_sdk.asyncpg as sdk_asyncpg
 import singleton_sdk.psycopg as sdk_psycopg
 import singleton_sdk.sqlalchemy as sdk_sqlalchemy
-from singleton_operator import resources
-from singleton_operator.spec import read_spec
+from singleton_operator.model import resources
+from singleton_operator.model.spec import read_spec
 from singleton_sdk import (
     DEFAULT_CONTROL_URL,
     DEFAULT_LEADER_URL,

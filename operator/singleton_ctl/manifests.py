@@ -9,7 +9,7 @@ from pathlib import Path
 import yaml
 
 from singleton_ctl.groups import CtlError
-from singleton_operator.inject import InjectError, Manifest, inject_manifests
+from singleton_operator.model.inject import InjectError, Manifest, inject_manifests
 
 
 def read_manifests(paths: Sequence[str]) -> list[Manifest]:

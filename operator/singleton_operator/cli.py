@@ -25,7 +25,7 @@ from singleton_election.kube import KubeConfigError
 from singleton_election.logs import setup_logging
 from singleton_election.settings import ConfigError, Listen, parse_listen
 from singleton_operator import kopf_logs
-from singleton_operator.spec import CONNECTION_CHECKS, ConnectionCheck
+from singleton_operator.model.spec import CONNECTION_CHECKS, ConnectionCheck
 
 if TYPE_CHECKING:
     from singleton_operator.runtime import OperatorConfig, WebhookConfig

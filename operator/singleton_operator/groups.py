@@ -18,9 +18,17 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from singleton_election.kube import KubeClient, KubeError, KubeNotFound
-from singleton_operator.inject import is_injected
 from singleton_operator.listing import GroupKey, GroupReads, Listing, LiveReads, scopes
 from singleton_operator.metrics import OperatorMetrics
+from singleton_operator.model.inject import is_injected
+from singleton_operator.model.resources import (
+    ANNOTATION_SIDECAR_CONFIG,
+    adopted_by,
+    sidecar_config_digest,
+    uninjected_template,
+)
+from singleton_operator.model.spec import ConnectionCheck, GroupSpec, SpecError, WorkloadSpecError, read_spec
+from singleton_operator.model.status import DatabaseCheck, find_leader, labelled_leaders
 from singleton_operator.reconcile import (
     AccessReviews,
     ReconcileProblem,
@@ -34,14 +42,6 @@ from singleton_operator.reconcile import (
     write_spec_error,
     write_status,
 )
-from singleton_operator.resources import (
-    ANNOTATION_SIDECAR_CONFIG,
-    adopted_by,
-    sidecar_config_digest,
-    uninjected_template,
-)
-from singleton_operator.spec import ConnectionCheck, GroupSpec, SpecError, WorkloadSpecError, read_spec
-from singleton_operator.status import DatabaseCheck, find_leader, labelled_leaders
 
 log = logging.getLogger(__name__)
 

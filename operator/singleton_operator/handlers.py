@@ -13,11 +13,11 @@ from singleton_election import contract
 from singleton_election.kube import KubeConfig, KubeError
 from singleton_operator.groups import RETRY_FIRST, Groups, retry_delay
 from singleton_operator.kopf_state import MemoryDiffBaseStorage, MemoryProgressStorage
+from singleton_operator.model.resources import LABEL_MANAGED_BY, MANAGED_BY
+from singleton_operator.model.spec import SpecError
 from singleton_operator.reconcile import ReconcileProblem
 from singleton_operator.release import answer_pending
 from singleton_operator.release_request import RELEASE_REQUEST, pending_request
-from singleton_operator.resources import LABEL_MANAGED_BY, MANAGED_BY
-from singleton_operator.spec import SpecError
 
 OWNED = {LABEL_MANAGED_BY: MANAGED_BY}
 

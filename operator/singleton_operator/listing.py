@@ -15,6 +15,9 @@ from typing import Any, Protocol
 
 from singleton_election import contract
 from singleton_election.kube import KubeClient, KubeError, KubeForbidden
+from singleton_operator.model.resources import LABEL_MANAGED_BY, MANAGED_BY
+from singleton_operator.model.spec import GroupSpec, workload_ref
+from singleton_operator.model.status import Observed
 from singleton_operator.reconcile import (
     CALL_TIMEOUT,
     ReconcileProblem,
@@ -25,9 +28,6 @@ from singleton_operator.reconcile import (
     read_workload,
     workload_missing,
 )
-from singleton_operator.resources import LABEL_MANAGED_BY, MANAGED_BY
-from singleton_operator.spec import GroupSpec, workload_ref
-from singleton_operator.status import Observed
 
 GroupKey = tuple[str, str]
 

@@ -28,9 +28,9 @@ from singleton_election.kube import (
     KubeUnavailable,
     event_body,
 )
-from singleton_operator import resources
-from singleton_operator.spec import GroupSpec, WorkloadRef, workload_ref
-from singleton_operator.status import (
+from singleton_operator.model import resources
+from singleton_operator.model.spec import GroupSpec, WorkloadRef, workload_ref
+from singleton_operator.model.status import (
     DATABASE_REACHABLE,
     DatabaseCheck,
     Observed,

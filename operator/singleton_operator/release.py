@@ -28,9 +28,9 @@ from singleton_election.backends import lease, postgres
 from singleton_election.backends.postgres_sql import Statements
 from singleton_election.core.lock import ForceReleaseFailed
 from singleton_election.kube import KubeClient, KubeError, KubeNotFound, event_body
+from singleton_operator.model.resources import MANAGED_BY
 from singleton_operator.reconcile import cr_path
 from singleton_operator.release_request import RELEASE_RESULT, ReleaseRequest, pending_request
-from singleton_operator.resources import MANAGED_BY
 
 log = logging.getLogger(__name__)
 

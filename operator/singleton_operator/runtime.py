@@ -35,7 +35,7 @@ from singleton_operator import certs
 from singleton_operator.groups import Groups
 from singleton_operator.handlers import registry
 from singleton_operator.metrics import OperatorMetrics
-from singleton_operator.spec import ConnectionCheck
+from singleton_operator.model.spec import ConnectionCheck
 from singleton_operator.webhook import PATH as WEBHOOK_PATH
 from singleton_operator.webhook import PodAdmission
 

@@ -29,9 +29,9 @@ from aiohttp import web
 
 from singleton_election import contract
 from singleton_election.kube import KubeClient, KubeError, KubeNotFound
-from singleton_operator.inject import pod_patch
+from singleton_operator.model.inject import pod_patch
+from singleton_operator.model.spec import NANOSECONDS, GroupSpec, SpecError, parse_duration, workload_ref
 from singleton_operator.reconcile import CALL_TIMEOUT, ReconcileProblem, cr_path
-from singleton_operator.spec import NANOSECONDS, GroupSpec, SpecError, parse_duration, workload_ref
 
 log = logging.getLogger(__name__)
 

@@ -17,8 +17,8 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 from singleton_election import contract
-from singleton_operator import resources
-from singleton_operator.spec import SIDECAR_CONTAINER, GroupSpec, SpecError, WorkloadRef, read_spec, workload_ref
+from singleton_operator.model import resources
+from singleton_operator.model.spec import SIDECAR_CONTAINER, GroupSpec, SpecError, WorkloadRef, read_spec, workload_ref
 
 WORKLOAD_API_VERSION = "apps/v1"
 

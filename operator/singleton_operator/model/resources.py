@@ -21,8 +21,8 @@ import json
 from typing import Any
 
 from singleton_election import contract
-from singleton_operator import spec as specs
-from singleton_operator.spec import GroupSpec, WorkloadRef, format_seconds, seconds_to_ns
+from singleton_operator.model import spec as specs
+from singleton_operator.model.spec import GroupSpec, WorkloadRef, format_seconds, seconds_to_ns
 
 # The names the operator injects live with the rules that reserve them (spec.py).
 SIDECAR_CONTAINER = specs.SIDECAR_CONTAINER

@@ -19,8 +19,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from singleton_election import contract
-from singleton_operator.resources import selector_labels
-from singleton_operator.spec import SIDECAR_CONTAINER, GroupSpec
+from singleton_operator.model.resources import selector_labels
+from singleton_operator.model.spec import SIDECAR_CONTAINER, GroupSpec
 
 CONDITION_TYPES = ("Ready", "Reconciling", "Stalled", "Available", "LeaderElected", "Progressing", "Degraded",
                    "WorkloadSuitable", "DatabaseReachable")
