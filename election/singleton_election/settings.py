@@ -1,10 +1,16 @@
 """What every process of the project parses the same way from its flags and environment: the
-error a bad setting raises, and listen addresses (``host:port``)."""
+error a bad setting raises, listen addresses (``host:port``), seconds, booleans and a choice
+among names. Each parser takes the setting's name (flag and variable) and its raw text, and
+raises ``ConfigError`` starting with that name."""
 
 from __future__ import annotations
 
 import ipaddress
+from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import TypeVar
+
+Name = TypeVar("Name", bound=str)
 
 
 class ConfigError(ValueError):
@@ -37,3 +43,33 @@ def parse_listen(name: str, raw: str, *, loopback_only: bool = False) -> Listen:
         if not is_loopback:
             raise ConfigError(f"{name}: control actions must listen on loopback only, got host {host!r}")
     return Listen(host, int(port_text))
+
+
+def parse_positive_seconds(name: str, raw: str) -> float:
+    """A finite number of seconds above 0 (``inf`` and ``nan`` refused)."""
+    try:
+        value = float(raw)
+    except ValueError:
+        raise ConfigError(f"{name}: must be a number of seconds, got {raw!r}") from None
+    if not (0 < value < float("inf")):
+        raise ConfigError(f"{name}: must be a positive number of seconds, got {raw!r}")
+    return value
+
+
+def parse_bool(name: str, raw: str) -> bool:
+    """``1 true yes on`` or ``0 false no off`` (any case, surrounding spaces ignored); empty is false."""
+    lowered = raw.strip().lower()
+    if lowered in ("1", "true", "yes", "on"):
+        return True
+    if lowered in ("0", "false", "no", "off", ""):
+        return False
+    raise ConfigError(f"{name}: must be true or false, got {raw!r}")
+
+
+def parse_choice(name: str, raw: str, choices: Sequence[Name]) -> Name:
+    """One of ``choices``, exactly (case and spaces count); the error lists them: "a, b or c"."""
+    for choice in choices:
+        if raw == choice:
+            return choice
+    listed = ", ".join(choices[:-1]) + " or " + choices[-1] if len(choices) > 1 else "".join(choices)
+    raise ConfigError(f"{name}: must be {listed}, got {raw!r}")
