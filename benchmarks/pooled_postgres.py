@@ -129,8 +129,7 @@ async def worker(config: dict[str, Any]) -> dict[str, Any]:
     renewals: list[tuple[float, float, bool]] = []
     candidates: list[Candidate] = []
     for group, identity in config["candidates"]:
-        backend = PooledPostgresBackend(group=group, dsn=config["dsn"], lease_duration=TIMINGS.lease_duration,
-                                        renew_deadline=TIMINGS.renew_deadline)
+        backend = PooledPostgresBackend(group=group, dsn=config["dsn"], timings=TIMINGS)
         elector = Elector(group=group, identity=Identity(identity), backend=backend, timings=TIMINGS,
                           wall_clock=time.time,
                           on_renew=lambda seconds, ok: renewals.append((time.monotonic(), seconds, ok)))
@@ -414,8 +413,7 @@ async def session_capacity(args: argparse.Namespace) -> None:
             group = f"session-{index:03d}"
             added = []
             for replica in range(args.replicas):
-                backend = PostgresBackend(group=group, dsn=info.dsn, lease_duration=TIMINGS.lease_duration,
-                                          renew_deadline=TIMINGS.renew_deadline)
+                backend = PostgresBackend(group=group, dsn=info.dsn, timings=TIMINGS)
                 elector = Elector(group=group, identity=Identity(f"{group}/r{replica}"), backend=backend,
                                   timings=TIMINGS, wall_clock=time.time)
                 added.append((elector, backend))

@@ -17,6 +17,7 @@ from singleton_election.backends.both import BothBackend
 from singleton_election.backends.lease import NEWCOMER_DEFERENCE, LeaseBackend
 from singleton_election.backends.postgres import PostgresBackend
 from singleton_election.core.lock import BackendUnavailable, Identity, LockRecord, Term
+from singleton_election.core.timings import Timings
 from singleton_election.kube import KubeClient, load_kube_config
 from tests.conftest import Cluster
 from tests.tcpproxy import CuttableProxy
@@ -25,6 +26,8 @@ pytestmark = [pytest.mark.k8s, pytest.mark.postgres, pytest.mark.timeout(60)]
 
 LEASE_DURATION = 2.0
 RENEW_DEADLINE = 1.5
+# Neither backend reads the retry period; it is only made valid (under RENEW_DEADLINE / 1.2).
+TIMINGS = Timings(lease_duration=LEASE_DURATION, renew_deadline=RENEW_DEADLINE, retry_period=0.5)
 
 
 @dataclasses.dataclass
@@ -40,14 +43,14 @@ class Stores:
     made: list[PostgresBackend | LeaseBackend] = dataclasses.field(default_factory=list)
 
     def postgres(self, *, predecessor_prefix: str | None = None) -> PostgresBackend:
-        backend = PostgresBackend(group=self.group, dsn=self.pg_dsn, lease_duration=LEASE_DURATION,
-                                  renew_deadline=RENEW_DEADLINE, predecessor_prefix=predecessor_prefix)
+        backend = PostgresBackend(group=self.group, dsn=self.pg_dsn, timings=TIMINGS,
+                                  predecessor_prefix=predecessor_prefix)
         self.made.append(backend)
         return backend
 
     def lease(self, *, through_proxy: bool = False, predecessor_prefix: str | None = None) -> LeaseBackend:
         backend = LeaseBackend(client=self.cut_client if through_proxy else self.client, namespace=self.namespace,
-                               name=self.group, lease_duration=LEASE_DURATION, predecessor_prefix=predecessor_prefix)
+                               name=self.group, timings=TIMINGS, predecessor_prefix=predecessor_prefix)
         self.made.append(backend)
         return backend
 

@@ -26,6 +26,7 @@ from singleton_election.contract import (
 from singleton_election.core.lock import BackendUnavailable, Identity, LockRecord, Term, Token
 from singleton_election.kube import KubeClient, KubeConfig, KubeError, KubeGone, KubeUnavailable, load_kube_config
 from singleton_testbed.harness.kubehelpers import grant, service_account_kubeconfig
+from tests.backend_timings import timings_for
 from tests.conftest import Cluster
 
 pytestmark = [pytest.mark.k8s, pytest.mark.timeout(60)]
@@ -66,7 +67,7 @@ async def make_backend(kube: CountingClient, namespace: str) -> AsyncIterator[Fa
     created: list[LeaseBackend] = []
 
     def make(**kwargs: Any) -> LeaseBackend:
-        options: dict[str, Any] = {"client": kube, "namespace": namespace, "name": GROUP, "lease_duration": 10.0}
+        options: dict[str, Any] = {"client": kube, "namespace": namespace, "name": GROUP, "timings": timings_for(10.0)}
         options.update(kwargs)
         backend = LeaseBackend(**options)
         created.append(backend)
@@ -123,7 +124,7 @@ def lease_json(cluster: Cluster, namespace: str) -> dict[str, Any]:
 
 
 async def test_first_acquire_creates_the_lease(cluster: Cluster, namespace: str, make_backend: Factory) -> None:
-    backend = make_backend(lease_duration=7.5)
+    backend = make_backend(timings=timings_for(7.5))
     assert backend.name == "lease"
     assert await backend.observe(timeout=5) == LockRecord(holder=None, token=None, version="")
     term = await acquired(backend, "pod-a")
@@ -162,7 +163,7 @@ async def test_renew_extends_and_release_frees(cluster: Cluster, namespace: str,
 
 
 async def test_no_acquire_while_the_holder_renews(make_backend: Factory) -> None:
-    holder, standby = make_backend(lease_duration=1.0), make_backend(lease_duration=1.0)
+    holder, standby = make_backend(timings=timings_for(1.0)), make_backend(timings=timings_for(1.0))
     term = await acquired(holder, "pod-a")
 
     async def keep_renewing() -> None:
@@ -201,7 +202,7 @@ async def test_release_wakes_a_blocked_standby_at_once(
 
 
 async def test_a_silent_holder_expires_after_the_lease_duration(make_backend: Factory) -> None:
-    holder, standby = make_backend(lease_duration=1.0), make_backend(lease_duration=1.0)
+    holder, standby = make_backend(timings=timings_for(1.0)), make_backend(timings=timings_for(1.0))
     losses, lost = record_losses(holder)
     term = await acquired(holder, "pod-a")
     result = await standby.acquire(Identity("pod-b"), timeout=5)
@@ -221,10 +222,10 @@ async def test_expiry_counts_from_local_observation_not_renew_time(
     cluster: Cluster, namespace: str, make_backend: Factory
 ) -> None:
     """A renewTime far in the past does not make a freshly observed Lease expired."""
-    holder = make_backend(lease_duration=1.0, wall_clock=lambda: time.time() - 3600)
+    holder = make_backend(timings=timings_for(1.0), wall_clock=lambda: time.time() - 3600)
     term = await acquired(holder, "pod-a")
     assert lease_json(cluster, namespace)["spec"]["renewTime"] < micro_time(time.time() - 3000)
-    standby = make_backend(lease_duration=1.0)
+    standby = make_backend(timings=timings_for(1.0))
     started = time.monotonic()
     assert isinstance(await standby.acquire(Identity("pod-b"), timeout=0.6), LockRecord)
     result = await standby.acquire(Identity("pod-b"), timeout=5)
@@ -235,7 +236,7 @@ async def test_expiry_counts_from_local_observation_not_renew_time(
 async def test_loss_callback_when_the_lease_is_deleted(
     cluster: Cluster, namespace: str, make_backend: Factory
 ) -> None:
-    backend = make_backend(lease_duration=1.0)
+    backend = make_backend(timings=timings_for(1.0))
     losses, lost = record_losses(backend)
     term = await acquired(backend, "pod-a")
     await asyncio.sleep(0.2)
@@ -353,7 +354,7 @@ async def test_a_fresh_process_counts_the_tokens_on_the_groups_pods(
     kube.requests.clear()
     # pod-a says it leads and nothing here saw the Lease go: the lease duration is waited first.
     started = time.monotonic()
-    fresh = await acquired(make_backend(wall_clock=an_hour_behind, lease_duration=1.0), "pod-c")
+    fresh = await acquired(make_backend(wall_clock=an_hour_behind, timings=timings_for(1.0)), "pod-c")
     assert time.monotonic() - started >= 1.0
     assert fresh.token == term.token + 1  # above pod-a's token; group-b's pod does not count
     pod_lists = [r for r in kube.requests if r[1] == f"/api/v1/namespaces/{namespace}/pods"]
@@ -400,7 +401,7 @@ async def test_pod_tokens_need_the_right_to_list_pods(
     limited = load_kube_config(str(service_account_kubeconfig(cluster, namespace, "leases-only", tmp_path / "l")))
     sidecar = load_kube_config(str(service_account_kubeconfig(cluster, namespace, "sidecar", tmp_path / "s")))
     async with KubeClient(limited) as client:
-        backend = make_backend(client=client, lease_duration=1.0)  # no pods read: no Lease is waited for
+        backend = make_backend(client=client, timings=timings_for(1.0))  # no pods read: no Lease is waited for
         before = int(time.time() * 1000)
         with caplog.at_level(logging.WARNING, logger="singleton_election.backends.lease"):
             term = await acquired(backend, "pod-a")
@@ -417,15 +418,15 @@ async def test_pod_tokens_need_the_right_to_list_pods(
     assert "403" in str(warnings[0].__dict__["error"]), warnings[0].__dict__  # the refusal: the error field
     cluster.kubectl("delete", "lease", GROUP, "-n", namespace)
     async with KubeClient(sidecar) as client:
-        backend = make_backend(client=client, lease_duration=1.0)  # the leader pod's token: waited for
+        backend = make_backend(client=client, timings=timings_for(1.0))  # the leader pod's token: waited for
         term = await acquired(backend, "pod-b")
         await backend.close()
     assert term.token == pod_token + 1
 
 
 async def test_a_standby_watches_instead_of_polling(kube: CountingClient, make_backend: Factory) -> None:
-    holder = make_backend(lease_duration=30.0)
-    standby = make_backend(lease_duration=30.0)
+    holder = make_backend(timings=timings_for(30.0))
+    standby = make_backend(timings=timings_for(30.0))
     await acquired(holder, "pod-a")
     assert isinstance(await standby.acquire(Identity("pod-b"), timeout=0.5), LockRecord)
     kube.requests.clear()
@@ -457,10 +458,8 @@ async def test_an_unreachable_server_is_backend_unavailable(make_backend: Factor
 
 def test_rejects_bad_arguments() -> None:
     client = KubeClient(KubeConfig(server="https://example.invalid"))
-    with pytest.raises(ValueError, match="lease_duration"):
-        LeaseBackend(client=client, namespace="ns", name="g", lease_duration=0)
     with pytest.raises(ValueError, match="must not be empty"):
-        LeaseBackend(client=client, namespace="ns", name="", lease_duration=1)
+        LeaseBackend(client=client, namespace="ns", name="", timings=timings_for(1.0))
 
 
 class FlakyClient(CountingClient):
@@ -509,17 +508,17 @@ async def test_a_restarted_sole_candidate_takes_over_from_its_own_predecessor_at
     incarnation, its pod's sole candidate, takes it at once; a candidate of another pod, or
     one not declared sole in its pod, still waits the lease out."""
     prefix = "poller-7d9c-x2x4q/0a1b2c3d/"
-    dead = make_backend(lease_duration=3.0)
+    dead = make_backend(timings=timings_for(3.0))
     old = await acquired(dead, prefix + "11111111")
     await dead.close()  # SIGKILL: no release
 
-    other_pod = make_backend(lease_duration=3.0, predecessor_prefix="poller-7d9c-zzzzz/99999999/")
-    not_sole = make_backend(lease_duration=3.0)
+    other_pod = make_backend(timings=timings_for(3.0), predecessor_prefix="poller-7d9c-zzzzz/99999999/")
+    not_sole = make_backend(timings=timings_for(3.0))
     for standby, identity in ((other_pod, "poller-7d9c-zzzzz/99999999/22222222"),
                               (not_sole, prefix + "33333333")):
         assert isinstance(await standby.acquire(Identity(identity), timeout=0.5), LockRecord)
 
-    restarted = make_backend(lease_duration=3.0, predecessor_prefix=prefix)
+    restarted = make_backend(timings=timings_for(3.0), predecessor_prefix=prefix)
     started = time.monotonic()
     term = await acquired(restarted, prefix + "44444444")
     assert time.monotonic() - started < 1.5  # not the 3 s lease
@@ -535,7 +534,7 @@ async def test_a_lease_cleared_by_others_is_taken_only_once_its_term_has_expired
     patch do) or ``kubectl delete lease`` say nothing of whether the holder's app stopped: a
     watching standby takes over only when the last renewal it saw would have expired. It
     used to take the Lease at once, while the old leader acted on until it noticed."""
-    holder, standby = make_backend(lease_duration=2.0), make_backend(lease_duration=2.0)
+    holder, standby = make_backend(timings=timings_for(2.0)), make_backend(timings=timings_for(2.0))
     term = await acquired(holder, "pod-a")
     standby.follow()
     await asyncio.sleep(0.5)

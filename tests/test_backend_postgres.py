@@ -23,6 +23,7 @@ from singleton_election.core.lock import BackendMisconfigured, BackendUnavailabl
 from singleton_sdk.asyncpg import ensure_fence_table, fence
 from singleton_testbed.pgbouncer import PgBouncer, PoolMode
 from singleton_testbed.postgres import PostgresInfo, PostgresServer
+from tests.backend_timings import timings_for
 from tests.pgquery import fetchval
 
 pytestmark = [pytest.mark.postgres, pytest.mark.timeout(60)]
@@ -33,10 +34,12 @@ HOLDER_SCRIPT = """
 import asyncio, sys
 from singleton_election.core.lock import Identity
 from singleton_election.backends.postgres import PostgresBackend
+from singleton_election.core.timings import Timings
 
 async def main() -> None:
     group, dsn, lease, identity = sys.argv[1], sys.argv[2], float(sys.argv[3]), sys.argv[4]
-    backend = PostgresBackend(group=group, dsn=dsn, lease_duration=lease, renew_deadline=lease / 2)
+    timings = Timings(lease_duration=lease, renew_deadline=lease / 2, retry_period=lease / 4)
+    backend = PostgresBackend(group=group, dsn=dsn, timings=timings)
     result = await backend.acquire(Identity(identity), timeout=10)
     print(getattr(result, "token", "none"), flush=True)
     await asyncio.sleep(3600)
@@ -68,7 +71,7 @@ async def make_backend(pg_dsn: str) -> AsyncIterator[Factory]:
 
     def make(**kwargs: object) -> PostgresBackend:
         options: dict[str, object] = {
-            "group": default_group, "dsn": pg_dsn, "lease_duration": 10.0, "renew_deadline": 5.0,
+            "group": default_group, "dsn": pg_dsn, "timings": timings_for(10.0, 5.0),
         }
         options.update(kwargs)
         backend = PostgresBackend(**options)  # type: ignore[arg-type]
@@ -162,8 +165,25 @@ async def test_first_acquire_gets_token_as_non_superuser(make_backend: Factory, 
     assert (await make_backend().current_leader()).holder == "a"
 
 
+async def test_the_row_expires_after_the_timings_lease_duration(make_backend: Factory, pg_admin_dsn: str) -> None:
+    """The backend writes the lease duration of the Timings it is handed, on taking and on
+    renewing (23 s: neither the factory's 10 s nor any default)."""
+    timings = timings_for(23.0, 7.0)
+    backend = make_backend(timings=timings)
+    assert (backend.lease_duration, backend.renew_deadline) == (23.0, 7.0)
+    expiry_sql = "SELECT extract(epoch FROM expires_at - now())::float8 FROM singleton_leases WHERE group_name = $1"
+    term = await acquired(backend, "a")
+    left = await admin_fetchval(pg_admin_dsn, expiry_sql, backend.group)
+    assert isinstance(left, float) and 22.0 < left <= 23.0, left
+    await admin_fetchval(pg_admin_dsn, "UPDATE singleton_leases SET expires_at = now() + interval '2 seconds'"
+                         " WHERE group_name = $1", backend.group)  # so the renewal must write it again
+    assert await backend.renew(term, timeout=2) is not None
+    left = await admin_fetchval(pg_admin_dsn, expiry_sql, backend.group)
+    assert isinstance(left, float) and 22.0 < left <= 23.0, left
+
+
 async def test_connection_settings(make_backend: Factory, pg_admin_dsn: str) -> None:
-    backend = make_backend(lease_duration=15.0, renew_deadline=10.0)
+    backend = make_backend(timings=timings_for(15.0, 10.0))
     await acquired(backend, "a")
     conn = backend._conn
     assert conn is not None
@@ -317,7 +337,7 @@ async def test_a_lock_kept_after_a_renewal_that_matched_no_row_is_given_up_at_th
 ) -> None:
     """An app never confirmed stopped is never released: the lock is given up at the next
     campaign once the term's lease (from its last renewal) has run out, as at an expiry."""
-    options = {"lease_duration": 1.0, "renew_deadline": 0.5}
+    options = {"timings": timings_for(1.0, 0.5)}
     holder, standby = make_backend(**options), make_backend(**options)
     term = await acquired(holder, "a")
     await admin_fetchval(pg_admin_dsn, "UPDATE singleton_leases SET holder = NULL, holder_pid = NULL,"
@@ -389,7 +409,7 @@ async def test_a_deleted_row_whose_lock_id_is_not_known_for_sure_is_not_created_
 async def test_stalled_holder_is_terminated_after_expiry(
     make_backend: Factory, holders: list[Holder], pg_dsn: str
 ) -> None:
-    standby = make_backend(lease_duration=1.0, renew_deadline=0.5)
+    standby = make_backend(timings=timings_for(1.0, 0.5))
     holder = await Holder.start(standby.group, pg_dsn, lease=1.0)
     holders.append(holder)
     holder.signal(signal.SIGSTOP)
@@ -409,7 +429,7 @@ async def test_a_stalled_holder_is_replaced_at_its_expiry_within_one_attempt(
     """A standby whose attempt outlasts the frozen holder's lease ends its lock wait at that
     expiry, ends the holder's session and takes the term in the same attempt: at the expiry,
     not at the end of its attempt (here 3 s later)."""
-    standby = make_backend(lease_duration=1.0, renew_deadline=0.5)
+    standby = make_backend(timings=timings_for(1.0, 0.5))
     holder = await Holder.start(standby.group, pg_dsn, lease=1.0)
     holders.append(holder)
     before = await standby.observe(timeout=2)  # the row as a standby last read it
@@ -596,13 +616,7 @@ async def test_schema_creation_is_concurrent_and_idempotent(make_backend: Factor
 )
 def test_bad_identifiers_rejected(schema: str, table: str) -> None:
     with pytest.raises(ValueError, match=r"invalid (schema|table) name"):
-        PostgresBackend(group="g", dsn="postgresql://x", lease_duration=10, renew_deadline=5,
-                        schema=schema, table=table)
-
-
-def test_bad_timings_rejected() -> None:
-    with pytest.raises(ValueError, match="renew_deadline"):
-        PostgresBackend(group="g", dsn="postgresql://x", lease_duration=5, renew_deadline=5)
+        PostgresBackend(group="g", dsn="postgresql://x", timings=timings_for(10.0), schema=schema, table=table)
 
 
 async def test_unreachable_server_is_backend_unavailable(make_backend: Factory, pg_dsn: str) -> None:
@@ -743,7 +757,7 @@ async def test_stalled_holder_is_replaced_under_role_timeouts(
 ) -> None:
     """The standby's expiry check (row expired, session still holds the lock) ends the holder's session."""
     dsn, schema = strict_role
-    options = {"dsn": dsn, "schema": schema, "lease_duration": 1.0, "renew_deadline": 0.5}
+    options = {"dsn": dsn, "schema": schema, "timings": timings_for(1.0, 0.5)}
     holder, standby = make_backend(**options), make_backend(**options)
     lost = asyncio.Event()
     holder.set_loss_callback(lambda _reason: lost.set())

@@ -36,6 +36,7 @@ from tests.tcpproxy import CuttableProxy
 pytestmark = [pytest.mark.postgres, pytest.mark.timeout(90)]
 
 LEASE, RENEW_DEADLINE, RETRY = 2.0, 1.4, 0.5
+TIMINGS = Timings(lease_duration=LEASE, renew_deadline=RENEW_DEADLINE, retry_period=RETRY)
 CLOCK_SLACK_MS = 1000  # the server and this process read the same machine's clock
 
 
@@ -68,8 +69,7 @@ async def make_backend(bouncer: PgBouncer) -> AsyncIterator[Factory]:
     default_group = unique()
 
     def make(**kwargs: object) -> PooledPostgresBackend:
-        options: dict[str, object] = {"group": default_group, "dsn": bouncer.dsn, "lease_duration": LEASE,
-                                      "renew_deadline": RENEW_DEADLINE}
+        options: dict[str, object] = {"group": default_group, "dsn": bouncer.dsn, "timings": TIMINGS}
         options.update(kwargs)
         backend = PooledPostgresBackend(**options)  # type: ignore[arg-type]
         created.append(backend)
@@ -171,7 +171,7 @@ async def test_tokens_grow_from_a_token_far_ahead_and_across_modes(
         make_backend: Factory, bouncer: PgBouncer, pg_dsn: str, pg_admin_dsn: str) -> None:
     group = unique()
     pooled = make_backend(group=group)
-    session = PostgresBackend(group=group, dsn=pg_dsn, lease_duration=LEASE, renew_deadline=RENEW_DEADLINE)
+    session = PostgresBackend(group=group, dsn=pg_dsn, timings=TIMINGS)
     try:
         first = await acquired(pooled, "a")
         await pooled.release(first, timeout=1)
@@ -211,7 +211,7 @@ async def test_fenced_writes_of_an_older_term_are_refused(make_backend: Factory,
 
 async def test_a_session_mode_sidecar_never_takes_a_live_pooled_term(make_backend: Factory, pg_dsn: str) -> None:
     pooled = make_backend()
-    session = PostgresBackend(group=pooled.group, dsn=pg_dsn, lease_duration=LEASE, renew_deadline=RENEW_DEADLINE)
+    session = PostgresBackend(group=pooled.group, dsn=pg_dsn, timings=TIMINGS)
     try:
         term = await acquired(pooled, "a")
         seen = await session.acquire(Identity("s"), timeout=0.3)
@@ -236,7 +236,7 @@ async def test_a_pooled_sidecar_recreates_a_deleted_row_under_the_lock_id_a_sess
     """Issue 31, item 6: the row of a session-mode term deleted under it comes back under the
     lock id its holder's session holds, so a pooled sidecar (which checks that lock) waits."""
     pooled = make_backend()
-    session = PostgresBackend(group=pooled.group, dsn=pg_dsn, lease_duration=LEASE, renew_deadline=RENEW_DEADLINE)
+    session = PostgresBackend(group=pooled.group, dsn=pg_dsn, timings=TIMINGS)
     try:
         term = await session.acquire(Identity("s"), timeout=2)
         assert isinstance(term, Term)
@@ -380,11 +380,10 @@ class ActingLog:
 
 async def test_a_holder_whose_renewals_fail_stops_before_a_standby_takes_over(bouncer: PgBouncer) -> None:
     group = unique()
-    timings = Timings(lease_duration=LEASE, renew_deadline=RENEW_DEADLINE, retry_period=RETRY)
     proxies = [await CuttableProxy("127.0.0.1", bouncer.port).start() for _ in range(2)]
     backends = [PooledPostgresBackend(group=group, dsn=bouncer.dsn.replace(str(bouncer.port), str(proxy.port)),
-                                      lease_duration=LEASE, renew_deadline=RENEW_DEADLINE) for proxy in proxies]
-    electors = [Elector(group=group, identity=Identity(f"e{i}"), backend=backend, timings=timings,
+                                      timings=TIMINGS) for proxy in proxies]
+    electors = [Elector(group=group, identity=Identity(f"e{i}"), backend=backend, timings=TIMINGS,
                         wall_clock=time.time) for i, backend in enumerate(backends)]
     log = ActingLog()
     tasks = [asyncio.create_task(e.run()) for e in electors]
@@ -420,14 +419,9 @@ async def test_a_holder_whose_renewals_fail_stops_before_a_standby_takes_over(bo
             await proxy.close()
 
 
-def test_bad_timings_are_refused() -> None:
-    with pytest.raises(ValueError, match="renew_deadline"):
-        PooledPostgresBackend(group="g", dsn="postgresql://x/y", lease_duration=2, renew_deadline=2)
-
-
 async def test_an_unreachable_pooler_is_backend_unavailable() -> None:
     backend = PooledPostgresBackend(group=unique(), dsn="postgresql://singleton@127.0.0.1:1/singleton",
-                                    lease_duration=LEASE, renew_deadline=RENEW_DEADLINE)
+                                    timings=TIMINGS)
     with pytest.raises(BackendUnavailable, match="acquire of group"):
         await backend.acquire(Identity("a"), timeout=1)
     assert not backend.holds_connection

@@ -19,6 +19,7 @@ import pytest_asyncio
 from singleton_election.backends.postgres import PostgresBackend
 from singleton_election.backends.postgres_pooled import PooledPostgresBackend
 from singleton_election.core.lock import Identity, Term
+from tests.backend_timings import timings_for
 
 pytestmark = [pytest.mark.postgres, pytest.mark.timeout(60)]
 
@@ -78,7 +79,7 @@ async def logged(dsn: str, schema: str) -> list[tuple[str, str]]:
 async def test_takes_and_renewals_commit_synchronously_under_a_role_that_does_not(mode: str, lax_role: Role) -> None:
     dsn, schema = lax_role
     kind = PostgresBackend if mode == "session" else PooledPostgresBackend
-    options = {"dsn": dsn, "schema": schema, "lease_duration": 10.0, "renew_deadline": 5.0}
+    options = {"dsn": dsn, "schema": schema, "timings": timings_for(10.0, 5.0)}
     first = kind(group=f"d_{uuid.uuid4().hex[:12]}", **options)  # type: ignore[arg-type]
     backend = kind(group=f"d_{uuid.uuid4().hex[:12]}", **options)  # type: ignore[arg-type]
     try:

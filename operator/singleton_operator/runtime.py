@@ -127,7 +127,7 @@ async def run_operator(config: OperatorConfig) -> int:
     election_client = KubeClient(kube_config, user_agent="singleton-operator-election")
     metrics = OperatorMetrics()
     backend = LeaseBackend(client=election_client, namespace=config.lease_namespace, name=LEASE_NAME,
-                           lease_duration=BACKEND_DEFAULTS["lease"].lease_duration)
+                           timings=BACKEND_DEFAULTS["lease"])
     # kopf is this elector's app: a term ends (and the Lease passes on) only once kopf has stopped.
     kopf_stopped = asyncio.Event()
     kopf_stopped.set()

@@ -61,9 +61,7 @@ def build_backend(config: SidecarConfig, kube: KubeClient | None) -> LockBackend
 
             # No session ends with a crashed holder here: a takeover waits for the row's expiry,
             # by which the old app's own deadline has stopped it, so no stop bound is recorded.
-            return PooledPostgresBackend(group=config.lock_key, dsn=config.postgres_dsn,
-                                         lease_duration=timings.lease_duration,
-                                         renew_deadline=timings.renew_deadline,
+            return PooledPostgresBackend(group=config.lock_key, dsn=config.postgres_dsn, timings=timings,
                                          predecessor_prefix=predecessor_prefix)
         from singleton_election.backends.postgres import PostgresBackend
 
@@ -71,16 +69,15 @@ def build_backend(config: SidecarConfig, kube: KubeClient | None) -> LockBackend
         # when the sidecar hears its lock is gone: a takeover after this holder's session ended
         # waits that long, not the whole lease.
         stop_bound = KEEPER_SLACK if config.exec_command else None
-        return PostgresBackend(group=config.lock_key, dsn=config.postgres_dsn, lease_duration=timings.lease_duration,
-                               renew_deadline=timings.renew_deadline, stop_bound=stop_bound,
-                               predecessor_prefix=predecessor_prefix)
+        return PostgresBackend(group=config.lock_key, dsn=config.postgres_dsn, timings=timings,
+                               stop_bound=stop_bound, predecessor_prefix=predecessor_prefix)
 
     def lease() -> LeaseBackend:
         from singleton_election.backends.lease import LeaseBackend
 
         assert kube is not None and config.namespace is not None
-        return LeaseBackend(client=kube, namespace=config.namespace, name=config.group,
-                            lease_duration=timings.lease_duration, predecessor_prefix=predecessor_prefix)
+        return LeaseBackend(client=kube, namespace=config.namespace, name=config.group, timings=timings,
+                            predecessor_prefix=predecessor_prefix)
 
     if config.backend == "postgres":
         return postgres()

@@ -94,6 +94,7 @@ from singleton_election.core.lock import (
     Term,
     Token,
 )
+from singleton_election.core.timings import Timings
 from singleton_election.kube import KubeClient, KubeConflict, KubeError, KubeGone, KubeNotFound
 
 log = logging.getLogger(__name__)
@@ -167,18 +168,16 @@ class LeaseBackend:
         client: KubeClient,
         namespace: str,
         name: str,
-        lease_duration: float,
+        timings: Timings,
         clock: Callable[[], float] = time.monotonic,
         wall_clock: Callable[[], float] = time.time,
         predecessor_prefix: str | None = None,
     ) -> None:
         if not name or not namespace:
             raise ValueError("namespace and name must not be empty")
-        if lease_duration <= 0:
-            raise ValueError(f"lease_duration must be positive, not {lease_duration}")
         self.namespace = namespace
         self.lease_name = name
-        self.lease_duration = lease_duration
+        self.timings = timings  # checked by Timings itself (core.timings.check_timings)
         self._client = client
         self._clock = clock
         self._wall_clock = wall_clock
@@ -202,6 +201,11 @@ class LeaseBackend:
         self._term: Term | None = None  # the term held here, if any
         self._held: Lease | None = None  # the Lease as we last wrote it for self._term
         self._on_loss: LossCallback | None = None
+
+    @property
+    def lease_duration(self) -> float:
+        """Seconds a term stays valid without a renewal (``timings.lease_duration``)."""
+        return self.timings.lease_duration
 
     @property
     def name(self) -> str:
@@ -237,7 +241,7 @@ class LeaseBackend:
                     if await self._read_pod_tokens(deadline):
                         # No Lease, but a pod says it leads or led: perhaps a deleted Lease whose
                         # holder's app still acts. Wait as for a term renewed just now.
-                        self._free_at = self._clock() + self.lease_duration
+                        self._free_at = self._clock() + self.timings.lease_duration
                         log.warning("no Lease, but a pod of the group carries a token (or the pods could not be "
                                     "read): taking it after the lease duration", extra=self._fields(identity=identity))
                         continue
@@ -328,7 +332,7 @@ class LeaseBackend:
 
     def _term_expiry(self, seen: Observed) -> float:
         """When the held term ``seen`` expires if its holder renews no more."""
-        return seen.first_seen + max(self.lease_duration, seen.duration)
+        return seen.first_seen + max(self.timings.lease_duration, seen.duration)
 
     def _takeable(self, seen: Observed, identity: Identity, now: float) -> bool:
         if is_predecessor(seen.holder, identity, self._predecessor_prefix):
@@ -458,7 +462,7 @@ class LeaseBackend:
         lease["spec"].update(holderIdentity="", leaseDurationSeconds=1, renewTime=micro_time(self._wall_clock()))
 
     def _seconds(self) -> int:
-        return max(1, math.ceil(self.lease_duration))
+        return max(1, math.ceil(self.timings.lease_duration))
 
     # -- reads and the watch ---------------------------------------------------------
 

@@ -117,6 +117,7 @@ from singleton_election.core.lock import (
     Term,
     Token,
 )
+from singleton_election.core.timings import Timings
 
 if TYPE_CHECKING:
     Connection: TypeAlias = asyncpg.Connection[asyncpg.Record]
@@ -137,8 +138,7 @@ class PostgresBackend:
         *,
         group: str,
         dsn: str,
-        lease_duration: float,
-        renew_deadline: float,
+        timings: Timings,
         connect_timeout: float = 5.0,
         schema: str = "public",
         table: str = "singleton_leases",
@@ -154,14 +154,10 @@ class PostgresBackend:
         taken over without waiting (``core.identity.is_predecessor``)."""
         if not group:
             raise ValueError("group must not be empty")
-        if not 0 < renew_deadline < lease_duration:
-            raise ValueError(
-                f"need 0 < renew_deadline ({renew_deadline}) < lease_duration ({lease_duration})")
         if connect_timeout <= 0:
             raise ValueError("connect_timeout must be positive")
         self.group = group
-        self.lease_duration = lease_duration
-        self.renew_deadline = renew_deadline
+        self.timings = timings  # checked by Timings itself (core.timings.check_timings)
         self._dsn = dsn
         self._connect_timeout = connect_timeout
         self._clock = clock
@@ -187,6 +183,16 @@ class PostgresBackend:
         self._schema_ready = False
         self._busy = asyncio.Lock()  # one operation at a time on the dedicated connection
         self._on_loss: LossCallback | None = None
+
+    @property
+    def lease_duration(self) -> float:
+        """Seconds a row stays valid without a renewal (``timings.lease_duration``)."""
+        return self.timings.lease_duration
+
+    @property
+    def renew_deadline(self) -> float:
+        """Seconds the holder tries to renew before stepping down (``timings.renew_deadline``)."""
+        return self.timings.renew_deadline
 
     @property
     def name(self) -> str:
@@ -308,7 +314,7 @@ class PostgresBackend:
             try:
                 sent = self._clock()  # the deadline counts from before the write: early, never late
                 token = await conn.fetchval(
-                    self._sql.renew, self.group, term.identity, term.token, self.lease_duration)
+                    self._sql.renew, self.group, term.identity, term.token, self.timings.lease_duration)
                 if token is not None:
                     renewed = replace(term, written_at=sent)
                     self._term = renewed
@@ -349,7 +355,7 @@ class PostgresBackend:
         by then its app's own deadline stopped it. False while it has not."""
         ended = self._ended
         assert ended is not None
-        if self._clock() < ended.written_at + self.lease_duration:
+        if self._clock() < ended.written_at + self.timings.lease_duration:
             return False
         log.warning("giving up the lock of a lost term that was not released: its lease has run out",
                     extra=self._fields(identity=ended.identity, token=ended.token))
@@ -462,7 +468,7 @@ class PostgresBackend:
         try:
             async with conn.transaction():
                 await conn.execute(self._sql.durable_commit)
-                row = await conn.fetchrow(self._sql.take, self.group, identity, self.lease_duration, lock_id,
+                row = await conn.fetchrow(self._sql.take, self.group, identity, self.timings.lease_duration, lock_id,
                                           self._sql.token_seq, self.stop_bound)
             taken = self._clock()
             token = None if row is None else row["token"]
@@ -558,7 +564,7 @@ class PostgresBackend:
         conn = await self._open(deadline)
         try:
             await check_session(conn, group=self.group, second=lambda: self._short_lived(deadline))
-            settings = session_settings(self.renew_deadline, conn.get_server_version().major)
+            settings = session_settings(self.timings.renew_deadline, conn.get_server_version().major)
             await conn.fetchval(self._sql.set_session, list(settings), list(settings.values()))
             if not self._schema_ready:
                 await self._ensure_schema(conn)

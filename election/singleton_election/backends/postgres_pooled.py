@@ -97,6 +97,7 @@ from singleton_election.core.lock import (
     Term,
     Token,
 )
+from singleton_election.core.timings import Timings
 
 if TYPE_CHECKING:
     Connection: TypeAlias = asyncpg.Connection[asyncpg.Record]
@@ -195,8 +196,7 @@ class PooledPostgresBackend:
         *,
         group: str,
         dsn: str,
-        lease_duration: float,
-        renew_deadline: float,
+        timings: Timings,
         connect_timeout: float = 5.0,
         schema: str = "public",
         table: str = "singleton_leases",
@@ -208,14 +208,10 @@ class PooledPostgresBackend:
         replaced, so it is dead) is taken over without waiting for its expiry."""
         if not group:
             raise ValueError("group must not be empty")
-        if not 0 < renew_deadline < lease_duration:
-            raise ValueError(
-                f"need 0 < renew_deadline ({renew_deadline}) < lease_duration ({lease_duration})")
         if connect_timeout <= 0:
             raise ValueError("connect_timeout must be positive")
         self.group = group
-        self.lease_duration = lease_duration
-        self.renew_deadline = renew_deadline
+        self.timings = timings  # checked by Timings itself (core.timings.check_timings)
         self._dsn = dsn
         self._connect_timeout = connect_timeout
         self._clock = clock
@@ -231,6 +227,16 @@ class PooledPostgresBackend:
         self._seen_until = 0.0  # local time at which that row's expiry passes
         self._busy = asyncio.Lock()  # one statement at a time on the kept connection
         self._on_loss: LossCallback | None = None
+
+    @property
+    def lease_duration(self) -> float:
+        """Seconds a row stays valid without a renewal (``timings.lease_duration``)."""
+        return self.timings.lease_duration
+
+    @property
+    def renew_deadline(self) -> float:
+        """Seconds the holder tries to renew before stepping down (``timings.renew_deadline``)."""
+        return self.timings.renew_deadline
 
     @property
     def name(self) -> str:
@@ -293,7 +299,7 @@ class PooledPostgresBackend:
             sent = self._clock()  # the deadline counts from before the write: early, never late
             try:
                 status = await conn.execute(self._sql.renew(self.group, term.identity, term.token,
-                                                            self.lease_duration))
+                                                            self.timings.lease_duration))
             except BaseException:
                 self._drop_connection("renewal failed; the term stands until the renew deadline")
                 raise
@@ -371,7 +377,7 @@ class PooledPostgresBackend:
                 self._schema_ready = True
             for _ in range(2):
                 sent = self._clock()
-                status = await conn.execute(self._sql.take(self.group, identity, self.lease_duration,
+                status = await conn.execute(self._sql.take(self.group, identity, self.timings.lease_duration,
                                                            self._predecessor_prefix))
                 token = None
                 if status == "UPDATE 1":
