@@ -4,13 +4,22 @@ from __future__ import annotations
 
 import argparse
 import re
+from pathlib import Path
 
 import pytest
 
 from singleton_election import contract
 from singleton_election.backends.lease import WATCH_TIMEOUT as LEASE_WATCH_TIMEOUT
-from singleton_election.settings import ConfigError
-from singleton_sidecar.config import SidecarConfig, add_run_arguments, load_config
+from singleton_election.core.timings import FIELDS as TIMING_FIELDS
+from singleton_election.settings import ConfigError, Listen, parse_positive_seconds
+from singleton_sidecar.config import (
+    SETTINGS,
+    Setting,
+    SidecarConfig,
+    add_run_arguments,
+    load_config,
+    read_settings,
+)
 from singleton_sidecar.podstatus import WATCH_SECONDS as POD_WATCH_SECONDS
 
 
@@ -141,3 +150,113 @@ def test_a_bad_postgres_mode_is_refused_in_one_line(bad: str) -> None:
              SINGLETON_POSTGRES_MODE=bad)
     assert str(caught.value) == (
         f"SINGLETON_POSTGRES_MODE (--postgres-mode): must be session or pooled, got {bad!r}")
+
+
+# A valid value of each setting of the table, as given and as read, other than its default; valid
+# too over the environment below, which makes every setting usable at once.
+EXAMPLES: dict[str, tuple[str, object]] = {
+    "group": ("g2", "g2"),
+    "identity": ("me", "me"),
+    "backend": ("both", "both"),
+    "postgres_dsn": ("postgresql://x/y", "postgresql://x/y"),
+    "postgres_dsn_file": ("/run/secrets/dsn", "/run/secrets/dsn"),
+    "postgres_mode": ("pooled", "pooled"),
+    "namespace": ("ns2", "ns2"),
+    "lock_key": ("team/k", "team/k"),
+    "pod_name": ("p2", "p2"),
+    "pod_uid": ("u2", "u2"),
+    "listen": ("127.0.0.1:9090", Listen("127.0.0.1", 9090)),
+    "control_listen": ("[::1]:9091", Listen("::1", 9091)),
+    "lease_duration": ("20", 20.0),
+    "renew_deadline": ("8", 8.0),
+    "retry_period": ("3", 3.0),
+    "drain_timeout": ("12.5", 12.5),
+    "drain_url": ("http://127.0.0.1:8/drain", "http://127.0.0.1:8/drain"),
+    "gate_dir": ("/gate", Path("/gate")),
+    "kill_grace": ("0.25", 0.25),
+    "kubeconfig": ("/kube/config", "/kube/config"),
+    "readiness_gate": ("true", True),
+    "drain_wait_container": ("main", "main"),
+    "native_sidecar": ("yes", True),
+    "sole_candidate_in_pod": ("on", True),
+    "log_format": ("text", "text"),
+    "log_level": ("debug", "debug"),
+}
+EVERY_SETTING_USABLE = {"SINGLETON_GROUP": "g", "SINGLETON_BACKEND": "lease", "SINGLETON_NAMESPACE": "ns",
+                        "SINGLETON_POD_NAME": "p", "SINGLETON_POD_UID": "u",
+                        "SINGLETON_POSTGRES_DSN": "postgres://h/d", "SINGLETON_DRAIN_WAIT_CONTAINER": "app"}
+
+
+def test_every_setting_of_the_table_has_an_example_and_its_own_flag_and_variable() -> None:
+    assert sorted(EXAMPLES) == sorted(setting.name for setting in SETTINGS)
+    for attribute in ("name", "flag", "env"):
+        names = [getattr(setting, attribute) for setting in SETTINGS]
+        assert len(set(names)) == len(names), f"two settings share a {attribute}: {names}"
+
+
+@pytest.mark.parametrize("setting", SETTINGS, ids=lambda setting: setting.name)
+def test_every_setting_of_the_table_has_a_flag_a_variable_help_and_is_parsed(setting: Setting[object]) -> None:
+    assert setting.flag == "--" + setting.name.replace("_", "-")
+    assert re.fullmatch(r"[A-Z][A-Z_]*", setting.env), setting.env
+    assert setting.help.strip() and setting.env not in setting.help
+    raw, expected = EXAMPLES[setting.name]
+    assert expected != setting.default, "the example must show the setting read, not its default"
+
+    parser = argparse.ArgumentParser()
+    add_run_arguments(parser)
+    from_environment = read_settings(parser.parse_args([]), {**EVERY_SETTING_USABLE, setting.env: raw})
+    assert from_environment[setting] == expected
+    from_flag = read_settings(parser.parse_args([setting.flag, raw]), EVERY_SETTING_USABLE)
+    assert from_flag[setting] == expected
+
+    # And load_config passes it on: to the field of its name, or to the timings.
+    if setting.name == "postgres_dsn_file":
+        return  # read by load_config from the file: test_the_dsn_file_is_read_and_excludes_the_dsn
+    config = load_config(parser.parse_args([]), {**EVERY_SETTING_USABLE, setting.env: raw})
+    if setting.name in TIMING_FIELDS:
+        assert getattr(config.timings, setting.name) == expected
+    else:
+        assert getattr(config, setting.name) == expected
+
+
+def test_the_dsn_file_is_read_and_excludes_the_dsn(tmp_path: Path) -> None:
+    dsn_file = tmp_path / "dsn"
+    dsn_file.write_text(" postgresql://from/file\n")
+    config = load(SINGLETON_BACKEND="lease", SINGLETON_NAMESPACE="ns", SINGLETON_POSTGRES_DSN_FILE=str(dsn_file))
+    assert config.postgres_dsn == "postgresql://from/file"
+    with pytest.raises(ConfigError, match=r"^SINGLETON_POSTGRES_DSN_FILE \(--postgres-dsn-file\): give the DSN or "
+                       r"a file holding it, not both$"):
+        load(SINGLETON_BACKEND="lease", SINGLETON_NAMESPACE="ns", SINGLETON_POSTGRES_DSN_FILE=str(dsn_file),
+             SINGLETON_POSTGRES_DSN="postgres://h/d")
+
+
+def test_a_setting_added_to_the_table_is_in_the_help_and_read_without_other_code() -> None:
+    tea_time: Setting[float] = Setting(
+        "tea_time", "--tea-time", "SINGLETON_TEA_TIME", parse_positive_seconds, default=4.0,
+        help="seconds the sidecar waits for its tea (default 4)")
+    table = (*SETTINGS, tea_time)
+    parser = argparse.ArgumentParser()
+    add_run_arguments(parser, table)
+
+    help_text = " ".join(parser.format_help().split())  # unwrapped: the terminal's width does not count
+    assert "--tea-time TEA_TIME seconds the sidecar waits for its tea (default 4) [SINGLETON_TEA_TIME]" in help_text
+
+    environ = {"SINGLETON_GROUP": "g"}
+    assert read_settings(parser.parse_args([]), environ, table)[tea_time] == 4.0
+    assert read_settings(parser.parse_args([]), {**environ, "SINGLETON_TEA_TIME": "2.5"}, table)[tea_time] == 2.5
+    assert read_settings(parser.parse_args(["--tea-time", "1"]), {**environ, "SINGLETON_TEA_TIME": "2.5"},
+                         table)[tea_time] == 1.0
+    with pytest.raises(ConfigError, match=r"^SINGLETON_TEA_TIME \(--tea-time\): must be a number of seconds, "
+                       r"got 'soon'$"):
+        read_settings(parser.parse_args([]), {**environ, "SINGLETON_TEA_TIME": "soon"}, table)
+
+
+def test_a_required_setting_missing_everywhere_is_refused_by_its_parser() -> None:
+    """Parsed as the empty text, so one message says it is required whether absent or empty."""
+    assert [setting.name for setting in SETTINGS if setting.required] == ["group"]
+    parser = argparse.ArgumentParser()
+    add_run_arguments(parser)
+    for environ in ({}, {"SINGLETON_GROUP": ""}):
+        with pytest.raises(ConfigError, match=r"^SINGLETON_GROUP \(--group\): required: the name of the singleton "
+                           r"group$"):
+            read_settings(parser.parse_args([]), environ)
