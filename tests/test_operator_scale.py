@@ -1,6 +1,6 @@
 """What keeps the operator's requests few with hundreds of groups, against the real API server.
 
-The periodic pass over every group (``Groups.refresh_scope``): its requests do not grow with the
+The periodic pass over every group (``Refresher.refresh_scope``): its requests do not grow with the
 number of groups, it writes what a per-group refresh would, and it leaves a group marked by an
 event to the event-driven refresher. Access reviews: an ``allowed`` is asked once per TTL."""
 
@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import json
 from collections.abc import AsyncIterator, Callable, Mapping
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -18,9 +19,11 @@ from singleton_election import contract
 from singleton_election.kube import KubeClient, KubeUnavailable, load_kube_config
 from singleton_operator import groups as groups_module
 from singleton_operator import reconcile as reconcile_module
-from singleton_operator.groups import RECONCILE_DEFER, Groups
+from singleton_operator.groups import Reconciler
+from singleton_operator.marks import RefreshMarks
 from singleton_operator.metrics import OperatorMetrics
 from singleton_operator.reconcile import ACCESS_REVIEW_TTL, ACCESS_REVIEWS_IN_FLIGHT, AccessReviews
+from singleton_operator.refresher import RECONCILE_DEFER, Refresher
 from singleton_testbed.harness.kubehelpers import get_json
 from tests.conftest import Cluster
 from tests.test_operator import play_ready, play_sidecar, service
@@ -46,17 +49,29 @@ class CountingClient(KubeClient):
                                      timeout=timeout)
 
 
+@dataclass
+class Groups:
+    """The operator's reconciler and refresher, wired as runtime.py wires them."""
+
+    client: CountingClient
+    marks: RefreshMarks
+    reconciler: Reconciler
+    refresher: Refresher
+
+
 @pytest.fixture
 async def groups(cluster: Cluster) -> AsyncIterator[Groups]:
     client = CountingClient(cluster.kubeconfig)
+    metrics, marks = OperatorMetrics(), RefreshMarks()
+    reconciler = Reconciler(client=client, sidecar_image="example.invalid/sidecar:1", metrics=metrics, marks=marks)
     try:
-        yield Groups(client=client, sidecar_image="example.invalid/sidecar:1", metrics=OperatorMetrics())
+        yield Groups(client, marks, reconciler, Refresher(client=client, metrics=metrics, reconciler=reconciler,
+                                                          marks=marks))
     finally:
         await client.close()
 
 
 def calls(groups: Groups) -> list[tuple[str, str]]:
-    assert isinstance(groups.client, CountingClient)
     return groups.client.calls
 
 
@@ -85,7 +100,7 @@ async def test_a_pass_lists_each_kind_once_whatever_the_number_of_groups(
         make_pod(cluster, namespace, f"{name}-a", "leader", 10 + i)
         make_pod(cluster, namespace, f"{name}-b", "standby", None)
 
-    await groups.refresh_scope(namespace)
+    await groups.refresher.refresh_scope(namespace)
     assert [leader_of(cluster, namespace, n) for n in names] == [f"{n}-a" for n in names]
     reads = [c for c in calls(groups) if c[0] == "GET"]
     assert reads == [("GET", f"/apis/singleton.dev/v1alpha1/namespaces/{namespace}/singletonservices"),
@@ -97,16 +112,16 @@ async def test_a_pass_lists_each_kind_once_whatever_the_number_of_groups(
     # At rest nothing changed: three listings, no write; and a live refresh of a group finds
     # nothing to write either (the pass wrote what it would).
     calls(groups).clear()
-    await groups.refresh_scope(namespace)
+    await groups.refresher.refresh_scope(namespace)
     assert [m for m, _ in calls(groups)] == ["GET", "GET", "GET"]
-    await groups.refresh(namespace, "many-3")
+    await groups.refresher.refresh(namespace, "many-3")
     assert [m for m, _ in calls(groups)] == ["GET"] * 6
 
     # A leader change the pass finds: written, for that group only.
     play_sidecar(cluster, namespace, "many-2-a", "standby", None)
     play_sidecar(cluster, namespace, "many-2-b", "leader", 99)
     calls(groups).clear()
-    await groups.refresh_scope(namespace)
+    await groups.refresher.refresh_scope(namespace)
     assert leader_of(cluster, namespace, "many-2") == "many-2-b"
     assert [p for m, p in calls(groups) if m == "PATCH"] == [
         f"/apis/singleton.dev/v1alpha1/namespaces/{namespace}/singletonservices/many-2/status"]
@@ -118,14 +133,14 @@ async def test_a_group_marked_by_an_event_is_left_to_the_refresher(
         cluster.apply(service(name), namespace=namespace)
         make_pod(cluster, namespace, f"{name}-a", "leader", 5)
     # An event marked the group after (say) the listing: the pass must not write what it listed.
-    groups.mark(namespace, "marked")
-    await groups.refresh_scope(namespace)
+    groups.marks.mark(namespace, "marked")
+    await groups.refresher.refresh_scope(namespace)
     assert leader_of(cluster, namespace, "quiet") == "quiet-a"
     assert leader_of(cluster, namespace, "marked") is None
     # The refresher's turn (after the group's first reconcile: before it ends, a refresh of a
     # group without a status writes nothing, as the test below shows).
-    await groups.reconcile(get_json(cluster, "singletonservice", "marked", "-n", namespace), new=True)
-    await groups.refresh(namespace, "marked")
+    await groups.reconciler.reconcile(get_json(cluster, "singletonservice", "marked", "-n", namespace), new=True)
+    await groups.refresher.refresh(namespace, "marked")
     assert leader_of(cluster, namespace, "marked") == "marked-a"
 
 
@@ -136,7 +151,7 @@ async def test_an_adopted_groups_workload_comes_from_one_listing_of_its_kind(
                                   "metadata": {"name": name},
                                   "spec": {"workloadRef": {"kind": "Deployment", "name": f"{name}-app"}}}),
                       namespace=namespace)
-    await groups.refresh_scope(namespace)
+    await groups.refresher.refresh_scope(namespace)
     # Neither workload exists: said on each group, as the per-group refresh says it.
     for name in ("adopts-a", "adopts-b"):
         status = get_json(cluster, "singletonservice", name, "-n", namespace)["status"]
@@ -198,11 +213,10 @@ async def test_a_group_deleted_during_a_pass_is_not_written(cluster: Cluster, na
 
     def delete_while_listing(method: str, path: str) -> None:
         if path.endswith("/pods"):  # after the SingletonServices were listed
-            groups.forget(namespace, "goes")  # what kopf's delete handler does
+            groups.reconciler.forget(namespace, "goes")  # what kopf's delete handler does
 
-    assert isinstance(groups.client, CountingClient)
     groups.client.before = delete_while_listing
-    await groups.refresh_scope(namespace)
+    await groups.refresher.refresh_scope(namespace)
     assert leader_of(cluster, namespace, "stays") == "stays-a"
     assert leader_of(cluster, namespace, "goes") is None
     assert not [p for m, p in calls(groups) if m == "PATCH" and "/goes" in p]
@@ -210,19 +224,18 @@ async def test_a_group_deleted_during_a_pass_is_not_written(cluster: Cluster, na
 
 async def test_a_failed_listing_hands_the_known_groups_to_the_refresher(
         cluster: Cluster, namespace: str, groups: Groups) -> None:
-    groups.applied[(namespace, "known")] = 1
-    groups.applied[("elsewhere", "other")] = 1
+    groups.reconciler.applied[(namespace, "known")] = 1
+    groups.reconciler.applied[("elsewhere", "other")] = 1
 
     def refuse_pods(method: str, path: str) -> None:
         if path.endswith("/pods"):
             raise KubeUnavailable(0, "Timeout", "no answer")
 
     cluster.apply(service("known"), namespace=namespace)
-    assert isinstance(groups.client, CountingClient)
     groups.client.before = refuse_pods
     with pytest.raises(KubeUnavailable):
-        await groups.refresh_scope(namespace)
-    assert groups.marked() == {(namespace, "known")}  # what the refresher refreshes next
+        await groups.refresher.refresh_scope(namespace)
+    assert groups.marks.marked() == {(namespace, "known")}  # what the refresher refreshes next
 
 
 async def test_the_pass_leaves_a_re_adoption_to_the_live_refresh(
@@ -234,9 +247,9 @@ async def test_the_pass_leaves_a_re_adoption_to_the_live_refresh(
                               "metadata": {"name": "adopts"},
                               "spec": {"workloadRef": {"kind": "Deployment", "name": "plain-app"}}}),
                   namespace=namespace)
-    await groups.refresh_scope(namespace)
+    await groups.refresher.refresh_scope(namespace)
     assert [m for m, _ in calls(groups)] == ["GET"] * 4  # the lists; no apply, no status
-    assert (namespace, "adopts") in groups.marked()  # the live refresh decides
+    assert (namespace, "adopts") in groups.marks.marked()  # the live refresh decides
 
 
 async def test_groups_reconciled_together_share_one_access_review(cluster: Cluster, namespace: str) -> None:
@@ -313,7 +326,7 @@ async def test_a_deleted_deployment_is_put_back_after_the_api_server_failed_the_
     """kopf retries no event handler: the repair of a deleted Deployment retries by itself."""
     monkeypatch.setattr(groups_module, "RETRY_FIRST", 0.1)
     cluster.apply(service("mended"), namespace=namespace)
-    await groups.reconcile(get_json(cluster, "singletonservice", "mended", "-n", namespace), new=True)
+    await groups.reconciler.reconcile(get_json(cluster, "singletonservice", "mended", "-n", namespace), new=True)
     cluster.kubectl("delete", "deployment", "mended", "-n", namespace)
     failed: list[str] = []
 
@@ -322,9 +335,8 @@ async def test_a_deleted_deployment_is_put_back_after_the_api_server_failed_the_
             failed.append(path)
             raise KubeUnavailable(0, "Timeout", "no answer")
 
-    assert isinstance(groups.client, CountingClient)
     groups.client.before = fail_first_read
-    await asyncio.wait_for(groups.repair(namespace, "mended"), timeout=30)
+    await asyncio.wait_for(groups.reconciler.repair(namespace, "mended"), timeout=30)
     assert failed
     assert get_json(cluster, "deployment", "mended", "-n", namespace)["metadata"]["labels"][contract.LABEL_GROUP] \
         == "mended"
@@ -338,12 +350,12 @@ async def test_a_new_group_gets_its_first_status_once_its_first_reconcile_ended(
     moment later. The reconcile's end marks it, and that refresh writes it, applied."""
     cluster.apply(service("fresh"), namespace=namespace)
     make_pod(cluster, namespace, "fresh-a", "leader", 3)
-    await groups.refresh(namespace, "fresh")
+    await groups.refresher.refresh(namespace, "fresh")
     assert not [p for m, p in calls(groups) if m == "PATCH" and p.endswith("/status")]
     assert leader_of(cluster, namespace, "fresh") is None
-    await groups.reconcile(get_json(cluster, "singletonservice", "fresh", "-n", namespace), new=True)
-    assert groups.marked() == {(namespace, "fresh")}
-    await groups.refresh(namespace, "fresh")
+    await groups.reconciler.reconcile(get_json(cluster, "singletonservice", "fresh", "-n", namespace), new=True)
+    assert groups.marks.marked() == {(namespace, "fresh")}
+    await groups.refresher.refresh(namespace, "fresh")
     body = get_json(cluster, "singletonservice", "fresh", "-n", namespace)
     assert body["status"]["leader"] == "fresh-a"
     assert body["status"]["observedGeneration"] == body["metadata"]["generation"]
@@ -353,17 +365,17 @@ def test_a_group_in_a_reconcile_is_refreshed_after_it_or_within_the_bound(
     groups: Groups, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     now = [100.0]
-    monkeypatch.setattr("singleton_operator.groups.time.monotonic", lambda: now[0])
-    groups._in_reconcile.add(("ns", "busy"))
-    groups.mark("ns", "busy")
-    groups.mark("ns", "idle")
-    assert groups._due() == [("ns", "idle")]
-    assert groups.marked() == {("ns", "busy")}  # still marked, the refresher kept awake
+    monkeypatch.setattr("singleton_operator.refresher.time.monotonic", lambda: now[0])
+    groups.reconciler._in_reconcile.add(("ns", "busy"))
+    groups.marks.mark("ns", "busy")
+    groups.marks.mark("ns", "idle")
+    assert groups.refresher._due() == [("ns", "idle")]
+    assert groups.marks.marked() == {("ns", "busy")}  # still marked, the refresher kept awake
     now[0] += RECONCILE_DEFER / 2
-    assert groups._due() == []
+    assert groups.refresher._due() == []
     now[0] += RECONCILE_DEFER
-    assert groups._due() == [("ns", "busy")]  # a slow reconcile holds it back no longer
-    assert groups.marked() == frozenset()
+    assert groups.refresher._due() == [("ns", "busy")]  # a slow reconcile holds it back no longer
+    assert groups.marks.marked() == frozenset()
 
 
 async def test_a_new_group_is_refreshed_only_once_its_first_reconcile_has_ended(
@@ -384,21 +396,21 @@ async def test_a_new_group_is_refreshed_only_once_its_first_reconcile_has_ended(
         obj["metadata"].update(namespace="ns", uid=f"uid-{name}", generation=1)
         return {**obj, "status": status} if status else obj
 
-    groups._reconciling = asyncio.Semaphore(2)  # "queued" waits for its turn
-    reconciles = [asyncio.create_task(groups.reconcile(body("fresh", None), new=True)),
-                  asyncio.create_task(groups.reconcile(body("known", {"leader": "known-a"}))),
-                  asyncio.create_task(groups.reconcile(body("queued", None), new=True))]
+    groups.reconciler._reconciling = asyncio.Semaphore(2)  # "queued" waits for its turn
+    reconciles = [asyncio.create_task(groups.reconciler.reconcile(body("fresh", None), new=True)),
+                  asyncio.create_task(groups.reconciler.reconcile(body("known", {"leader": "known-a"}))),
+                  asyncio.create_task(groups.reconciler.reconcile(body("queued", None), new=True))]
     await asyncio.sleep(0.05)
-    assert groups._in_reconcile == {("ns", "fresh"), ("ns", "known")}
+    assert groups.reconciler._in_reconcile == {("ns", "fresh"), ("ns", "known")}
     for name in ("fresh", "known", "queued"):
-        groups.mark("ns", name)  # a pod or Deployment event meanwhile
-    assert groups._due() == []
-    assert groups.marked() == {("ns", "known")}  # held back, not dropped
+        groups.marks.mark("ns", name)  # a pod or Deployment event meanwhile
+    assert groups.refresher._due() == []
+    assert groups.marks.marked() == {("ns", "known")}  # held back, not dropped
     release.set()
     await asyncio.gather(*reconciles)
-    assert not groups._unreported
+    assert not groups.reconciler._unreported
     # "known" kept its place; the others were marked again by their reconciles' end.
-    assert groups._due() == [("ns", "known"), ("ns", "fresh"), ("ns", "queued")]
+    assert groups.refresher._due() == [("ns", "known"), ("ns", "fresh"), ("ns", "queued")]
 
 
 async def test_a_refresh_answered_404_before_its_group_was_made_keeps_the_groups_bookkeeping(
@@ -421,18 +433,18 @@ async def test_a_refresh_answered_404_before_its_group_was_made_keeps_the_groups
         return await real(method, path, **kwargs)
 
     monkeypatch.setattr(groups.client, "request", late_404)
-    refresh = asyncio.create_task(groups.refresh(namespace, "late"))
+    refresh = asyncio.create_task(groups.refresher.refresh(namespace, "late"))
     await answered.wait()  # "not found": the group is not made yet
     cluster.apply(service("late"), namespace=namespace)
     make_pod(cluster, namespace, "late-a", "leader", 1)
     body = get_json(cluster, "singletonservice", "late", "-n", namespace)
-    reconcile = asyncio.create_task(groups.reconcile(body, new=True))
+    reconcile = asyncio.create_task(groups.reconciler.reconcile(body, new=True))
     await asyncio.sleep(0.05)  # it has begun
     go_on.set()
     await refresh
     await reconcile
-    assert groups.applied[(namespace, "late")] == body["metadata"]["generation"]
-    await groups.refresh(namespace, "late")
+    assert groups.reconciler.applied[(namespace, "late")] == body["metadata"]["generation"]
+    await groups.refresher.refresh(namespace, "late")
     status = get_json(cluster, "singletonservice", "late", "-n", namespace)["status"]
     assert (status["leader"], status["observedGeneration"]) == ("late-a", body["metadata"]["generation"])
 
@@ -440,8 +452,8 @@ async def test_a_refresh_answered_404_before_its_group_was_made_keeps_the_groups
 def test_marked_groups_are_refreshed_in_the_order_they_were_first_marked(groups: Groups) -> None:
     """In a burst the groups created first get their status first."""
     for name in ("c", "a", "b", "a", "c"):
-        groups.mark("ns", name)
-    assert groups._due() == [("ns", "c"), ("ns", "a"), ("ns", "b")]
+        groups.marks.mark("ns", name)
+    assert groups.refresher._due() == [("ns", "c"), ("ns", "a"), ("ns", "b")]
 
 
 async def test_the_deletion_of_an_older_object_of_the_same_name_keeps_the_new_groups_bookkeeping(
@@ -452,11 +464,11 @@ async def test_the_deletion_of_an_older_object_of_the_same_name_keeps_the_new_gr
     dropped the new group's bookkeeping; only the UID's own is forgotten."""
     cluster.apply(service("again"), namespace=namespace)
     body = get_json(cluster, "singletonservice", "again", "-n", namespace)
-    await groups.reconcile(body, new=True)
-    groups.forget(namespace, "again", uid="the-deleted-objects-uid")
-    assert groups.applied[(namespace, "again")] == body["metadata"]["generation"]
-    groups.forget(namespace, "again", uid=body["metadata"]["uid"])
-    assert (namespace, "again") not in groups.applied
+    await groups.reconciler.reconcile(body, new=True)
+    groups.reconciler.forget(namespace, "again", uid="the-deleted-objects-uid")
+    assert groups.reconciler.applied[(namespace, "again")] == body["metadata"]["generation"]
+    groups.reconciler.forget(namespace, "again", uid=body["metadata"]["uid"])
+    assert (namespace, "again") not in groups.reconciler.applied
 
 
 async def test_a_group_made_again_under_its_name_gets_its_status_after_its_own_reconcile(
@@ -466,18 +478,17 @@ async def test_a_group_made_again_under_its_name_gets_its_status_after_its_own_r
     operator kept for the old object (attempted, applied) is not the new one's."""
     cluster.apply(service("again"), namespace=namespace)
     make_pod(cluster, namespace, "again-a", "leader", 2)
-    await groups.reconcile(get_json(cluster, "singletonservice", "again", "-n", namespace), new=True)
+    await groups.reconciler.reconcile(get_json(cluster, "singletonservice", "again", "-n", namespace), new=True)
     cluster.kubectl("delete", "singletonservice", "again", "-n", namespace, "--wait=true")
     cluster.apply(service("again"), namespace=namespace)
-    await groups.refresh(namespace, "again")
+    await groups.refresher.refresh(namespace, "again")
     assert "status" not in get_json(cluster, "singletonservice", "again", "-n", namespace)
     body = get_json(cluster, "singletonservice", "again", "-n", namespace)
     during: list[int | None] = []  # at each of the reconcile's requests
-    assert isinstance(groups.client, CountingClient)
-    groups.client.before = lambda method, path: during.append(groups.applied.get((namespace, "again")))
-    await groups.reconcile(body, new=True)
+    groups.client.before = lambda method, path: during.append(groups.reconciler.applied.get((namespace, "again")))
+    await groups.reconciler.reconcile(body, new=True)
     assert during and set(during) == {None}
-    await groups.refresh(namespace, "again")
+    await groups.refresher.refresh(namespace, "again")
     status = get_json(cluster, "singletonservice", "again", "-n", namespace)["status"]
     assert (status["leader"], status["observedGeneration"]) == ("again-a", body["metadata"]["generation"])
 
@@ -500,11 +511,11 @@ async def test_an_older_objects_reconcile_ending_late_leaves_the_new_ones_bookke
         obj["metadata"].update(namespace="ns", uid=uid, generation=generation)
         return obj
 
-    old = asyncio.create_task(groups.reconcile(body("old", 4)))
+    old = asyncio.create_task(groups.reconciler.reconcile(body("old", 4)))
     await asyncio.sleep(0.05)
-    assert ("ns", "late") in groups._in_reconcile
-    await groups.reconcile(body("new", 1), new=True)
+    assert ("ns", "late") in groups.reconciler._in_reconcile
+    await groups.reconciler.reconcile(body("new", 1), new=True)
     release_old.set()
     await old
-    assert groups.applied[("ns", "late")] == 1
-    assert ("ns", "late") in groups._attempted and ("ns", "late") not in groups._in_reconcile
+    assert groups.reconciler.applied[("ns", "late")] == 1
+    assert ("ns", "late") in groups.reconciler._attempted and ("ns", "late") not in groups.reconciler._in_reconcile

@@ -1,4 +1,5 @@
-"""kopf handlers: thin, they hand every event to ``Groups`` (found in kopf's ``memo``)."""
+"""kopf handlers: thin, they hand every event to the ``Reconciler`` or mark the group for the
+refresher in its ``RefreshMarks`` (both found in kopf's ``memo``)."""
 
 from __future__ import annotations
 
@@ -11,8 +12,9 @@ import kopf
 
 from singleton_election import contract
 from singleton_election.kube import KubeConfig, KubeError
-from singleton_operator.groups import RETRY_FIRST, Groups, retry_delay
+from singleton_operator.groups import RETRY_FIRST, Reconciler, retry_delay
 from singleton_operator.kopf_state import MemoryDiffBaseStorage, MemoryProgressStorage
+from singleton_operator.marks import RefreshMarks
 from singleton_operator.model.resources import LABEL_MANAGED_BY, MANAGED_BY
 from singleton_operator.model.spec import SpecError
 from singleton_operator.reconcile import ReconcileProblem
@@ -60,13 +62,13 @@ def registry(kube_config: KubeConfig,
     # carry the group's labels and the annotations it names.
     @kopf.on.update(*resource, registry=reg)
     async def reconcile(body: kopf.Body, memo: Any, retry: int, reason: str, **_: Any) -> None:
-        groups: Groups = memo["groups"]
+        reconciler: Reconciler = memo["reconciler"]
         # kopf keeps no state across operator processes, so to a new one every group is a
         # create: only a group without a status was never reconciled. (A retried create may
         # follow an attempt that applied objects an edit since unwants.)
         new = reason == kopf.Reason.CREATE and retry == 0 and not body.get("status")
         try:
-            await groups.reconcile(dict(body), new=new)
+            await reconciler.reconcile(dict(body), new=new)
         except SpecError as exc:
             raise kopf.PermanentError(str(exc)) from exc
         except ReconcileProblem as exc:
@@ -85,38 +87,39 @@ def registry(kube_config: KubeConfig,
             progress.forget(uid)
             diffbase.forget(uid)
         if namespace:
-            memo["groups"].forget(namespace, name, uid=uid)
+            memo["reconciler"].forget(namespace, name, uid=uid)
 
     # Not optional for adopting groups: kopf keeps its finalizer on them until the adopted
     # workload is given back (the group label off its template), so a deleted group never
     # leaves a workload whose new pods the webhook would refuse to run without a group.
     @kopf.on.delete(*resource, registry=reg, when=lambda spec, **_: bool(spec.get("workloadRef")))
     async def give_back(body: kopf.Body, memo: Any, **_: Any) -> None:
-        await memo["groups"].release(dict(body))
+        await memo["reconciler"].release(dict(body))
 
     # `kubectl singleton release` asks on the object; the answer goes on it too (release.py).
     @kopf.on.event(*resource, annotations={RELEASE_REQUEST: kopf.PRESENT}, registry=reg)
     async def release_requested(event: kopf.RawEvent, body: kopf.Body, name: str, namespace: str | None,
                                 memo: Any, **_: Any) -> None:
         if namespace and event.get("type") != "DELETED" and pending_request(dict(body)) is not None:
-            await answer_pending(memo["groups"].client, namespace, name)
+            await answer_pending(memo["reconciler"].client, namespace, name)
 
     # Every pod of a group carries the group label: the operator's own and adopted ones.
     @kopf.on.event("v1", "pods", labels={contract.LABEL_GROUP: kopf.PRESENT}, registry=reg)
     async def pod_changed(labels: kopf.Labels, namespace: str | None, memo: Any, **_: Any) -> None:
         group = labels.get(contract.LABEL_GROUP)
         if group and namespace:
-            memo["groups"].mark(namespace, group)
+            memo["marks"].mark(namespace, group)
 
     @kopf.on.event("apps", "v1", "deployments", labels=OWNED, registry=reg)
     async def deployment_changed(event: kopf.RawEvent, name: str, namespace: str | None, memo: Any,
                                  **_: Any) -> None:
         if not namespace:
             return
-        groups: Groups = memo["groups"]
-        groups.mark(namespace, name)
+        marks: RefreshMarks = memo["marks"]
+        marks.mark(namespace, name)
         if event.get("type") == "DELETED":
             # Deleted by someone else while its owner lives: put it back.
-            await groups.repair(namespace, name)
+            reconciler: Reconciler = memo["reconciler"]
+            await reconciler.repair(namespace, name)
 
     return reg

@@ -32,10 +32,12 @@ from singleton_election.core.timings import BACKEND_DEFAULTS
 from singleton_election.kube import KubeClient, KubeConfig, KubeConfigError, KubeError, load_kube_config
 from singleton_election.settings import Listen
 from singleton_operator import certs
-from singleton_operator.groups import Groups
+from singleton_operator.groups import Reconciler
 from singleton_operator.handlers import registry
+from singleton_operator.marks import RefreshMarks
 from singleton_operator.metrics import OperatorMetrics
 from singleton_operator.model.spec import ConnectionCheck
+from singleton_operator.refresher import Refresher
 from singleton_operator.webhook import PATH as WEBHOOK_PATH
 from singleton_operator.webhook import PodAdmission
 
@@ -223,8 +225,10 @@ class PodWebhook:
             names = [*certs.service_names(self.hook.service, config.lease_namespace), *self.hook.extra_names]
             self.source = certs.SecretSource(certs.SecretStore(client, config.lease_namespace, self.hook.secret, names),
                                              self.hook.configuration)
-        readers = Groups(client=client, sidecar_image=config.sidecar_image, metrics=metrics,
-                         sidecar_pull_policy=config.sidecar_pull_policy, image_pull_secrets=config.image_pull_secrets)
+        # Only its spec reader (spec_of) is used: it never reconciles, so its marks are never served.
+        readers = Reconciler(client=client, sidecar_image=config.sidecar_image, metrics=metrics, marks=RefreshMarks(),
+                             sidecar_pull_policy=config.sidecar_pull_policy,
+                             image_pull_secrets=config.image_pull_secrets)
         self.admission = PodAdmission(client, readers.spec_of, metrics.admission_seconds.observe)
         self.runner: web.AppRunner | None = None
         self.task: asyncio.Task[None] | None = None
@@ -299,20 +303,25 @@ async def _first(*events: asyncio.Event) -> asyncio.Event:
 async def _run_kopf_while_leading(config: OperatorConfig, client: KubeClient, metrics: OperatorMetrics,
                                   lost: asyncio.Event, stopping: asyncio.Event, *,
                                   expiration: Callable[[], dt.datetime | None]) -> int:
-    groups = Groups(client=client, sidecar_image=config.sidecar_image, metrics=metrics,
-                    sidecar_pull_policy=config.sidecar_pull_policy, image_pull_secrets=config.image_pull_secrets,
-                    webhook_serving=config.webhook is not None, operator_namespace=config.lease_namespace,
-                    postgres_connection_check=config.postgres_connection_check)
+    # The reconciler marks the groups it reconciled, kopf's handlers those whose pods changed;
+    # the refresher writes their status from what the reconciler kept.
+    marks = RefreshMarks()
+    reconciler = Reconciler(client=client, sidecar_image=config.sidecar_image, metrics=metrics, marks=marks,
+                            sidecar_pull_policy=config.sidecar_pull_policy,
+                            image_pull_secrets=config.image_pull_secrets,
+                            webhook_serving=config.webhook is not None, operator_namespace=config.lease_namespace,
+                            postgres_connection_check=config.postgres_connection_check)
+    refresher = Refresher(client=client, metrics=metrics, reconciler=reconciler, marks=marks)
     loop = asyncio.get_running_loop()
     stop_flag: asyncio.Future[None] = loop.create_future()
     ready_flag: asyncio.Future[None] = loop.create_future()
     kopf_task = asyncio.create_task(kopf.operator(
-        registry=registry(client.config, expiration), memo=kopf.Memo(groups=groups), stop_flag=stop_flag,
-        ready_flag=ready_flag, clusterwide=not config.namespaces, namespaces=list(config.namespaces),
-        standalone=True,
+        registry=registry(client.config, expiration), memo=kopf.Memo(reconciler=reconciler, marks=marks),
+        stop_flag=stop_flag, ready_flag=ready_flag, clusterwide=not config.namespaces,
+        namespaces=list(config.namespaces), standalone=True,
     ), name="kopf")
-    helpers = [asyncio.create_task(groups.run_refresher(), name="status-refresher"),
-               asyncio.create_task(groups.run_periodic(config.namespaces), name="periodic-refresh")]
+    helpers = [asyncio.create_task(refresher.run_refresher(), name="status-refresher"),
+               asyncio.create_task(refresher.run_periodic(config.namespaces), name="periodic-refresh")]
     try:
         await _first(_future_event(ready_flag), _done_event(kopf_task))
         # kopf installs its own SIGTERM handler; ours must decide the order of shutdown.
@@ -344,7 +353,7 @@ async def _run_kopf_while_leading(config: OperatorConfig, client: KubeClient, me
         for task in (*helpers, kopf_task):
             task.cancel()
         await asyncio.gather(*helpers, kopf_task, return_exceptions=True)
-        await groups.close()
+        await reconciler.close()
 
 
 def _future_event(future: asyncio.Future[None]) -> asyncio.Event:
