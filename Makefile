@@ -39,7 +39,7 @@ test: prerequisites venv testbed lint
 # The inner loop: every test that starts no server and builds nothing (markers: pyproject.toml).
 UNIT_MARKERS := not k8s and not postgres and not controlplane and not node and not image and not build and not slow
 unit: venv ## the inner loop: every test that needs no server and builds nothing (under a minute)
-	$(BIN)/pytest -ra -m "$(UNIT_MARKERS)" $(PYTEST_ARGS)
+	$(BIN)/pytest -ra -n 4 -m "$(UNIT_MARKERS)" $(PYTEST_ARGS)
 
 testbed-up: venv testbed ## start PostgreSQL + control plane (+ a real node when root) in the background
 	$(BIN)/singleton-testbed up
