@@ -95,8 +95,10 @@ image: venv ## build the Dockerfile with buildah into an OCI archive; prints its
 	$(BIN)/singleton-testbed image
 
 # Wheels and sdists of both distributions, the chart, the krew plugin's zipapps and archives
-# (all four platforms: minutes), SHA256SUMS, each checked (twine check --strict, helm lint,
-# their contents): singleton_testbed/dist.py; tests/test_dist.py and test_krew.py run it too.
+# (all four platforms: minutes), the image as an OCI archive with its SBOM (root: buildah,
+# mmdebstrap; syft built once, about 5 minutes; `--no-image` leaves it out), SHA256SUMS, each
+# checked (twine check --strict, helm lint, their contents): singleton_testbed/dist.py;
+# tests/test_dist.py, test_krew.py and test_image.py run its steps too.
 .PHONY: dist
 dist: venv ## build and check every release artifact into dist/ (nothing is pushed)
 	$(BIN)/python -m singleton_testbed.dist dist

@@ -19,7 +19,15 @@ import pytest_asyncio
 from singleton_election.backends.postgres import PostgresBackend, force_release, takeover_wait
 from singleton_election.backends.postgres_session import keepalive_settings, server_session, session_settings
 from singleton_election.backends.postgres_sql import NAMESPACE, Statements
-from singleton_election.core.lock import BackendMisconfigured, BackendUnavailable, Identity, LockRecord, Term, Token
+from singleton_election.core.lock import (
+    BackendMisconfigured,
+    BackendUnavailable,
+    ForceReleaseFailed,
+    Identity,
+    LockRecord,
+    Term,
+    Token,
+)
 from singleton_sdk.asyncpg import ensure_fence_table, fence
 from singleton_testbed.pgbouncer import PgBouncer, PoolMode
 from singleton_testbed.postgres import PostgresInfo, PostgresServer
@@ -1081,6 +1089,8 @@ async def test_a_force_release_ends_the_holders_session(make_backend: Factory, p
     holder = make_backend()
     conn = await asyncpg.connect(pg_dsn)
     try:
+        with pytest.raises(ForceReleaseFailed, match=r"no lock table \S*no_such_table\S* in this database"):
+            await force_release(conn, holder.group, sql=Statements.build("public", "no_such_table"), timeout=5)
         await acquired(make_backend(group=unique()), "other")  # the table exists, with another group's row
         assert await force_release(conn, holder.group, sql=SQL, timeout=5) == "no PostgreSQL holder"
         await acquired(holder, "a")

@@ -81,3 +81,17 @@ def test_every_action_is_pinned_by_its_commit_and_names_its_release() -> None:
     pinned = re.compile(r"(- )?uses: [\w.-]+/[\w.-]+@[0-9a-f]{40}  # v\d+\.\d+\.\d+")
     unpinned = [line for line in uses if not pinned.fullmatch(line)]
     assert not unpinned, unpinned
+
+
+# Releases older than these cannot publish what `make dist` builds.
+MINIMUM_RELEASES = {
+    # Metadata 2.4 (setuptools >= 77 writes it for `license = "Apache-2.0"`): older releases
+    # bundle a twine that refuses it ("Metadata is missing required fields: Name, Version").
+    "pypa/gh-action-pypi-publish": (1, 12, 4),
+}
+
+
+def test_the_pinned_releases_are_new_enough_for_what_they_publish() -> None:
+    pinned = dict(re.findall(r"uses: ([\w.-]+/[\w.-]+)@[0-9a-f]{40}  # v([\d.]+)", WORKFLOW.read_text()))
+    for action, least in MINIMUM_RELEASES.items():
+        assert tuple(int(part) for part in pinned[action].split(".")) >= least, (action, pinned[action])

@@ -122,7 +122,8 @@ class Sidecar:
     @staticmethod
     def _stop_hook(gate: Gate, reporter: PodReporter | None) -> Callable[[bool], Awaitable[None]]:
         """The stop step: the app has stopped, and (in a pod) the pod's role label no longer says
-        leader, so the leader Service cannot send a request to two pods. The elector
+        leader, so the leader Service cannot send a request to two pods (a pod being deleted
+        does not wait: ``PodReporter.labelled_leader_unduly``). The elector
         bounds the wait (``stop_timeout``): a label not written by then (the API server
         unreachable) means no release, and the lock expires by itself; meanwhile ``/candidate``
         says 503, so the pod's readiness takes it out of the endpoints."""

@@ -225,6 +225,7 @@ class PodReporter:
         self._note_requests(metadata.get("annotations") or {})
         if (deleted or metadata.get("deletionTimestamp")) and not self._deleting:
             self._deleting = True
+            self._wrote.set()  # wait_unlabelled: a terminating pod's endpoints are not ready (labelled_leader_unduly)
             self._on_deleting()
 
     def _note_requests(self, annotations: dict[str, str]) -> None:

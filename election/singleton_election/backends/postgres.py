@@ -665,7 +665,9 @@ async def force_release(conn: Connection, group_key: str, *, sql: Statements, ti
             return "no PostgreSQL holder"
         ended = await conn.fetchval(sql.terminate, row["holder_pid"], timeout=timeout)
     except asyncpg.UndefinedTableError:
-        return "no PostgreSQL holder (no sidecar has made the lock table yet)"
+        # Not "no holder": a DSN naming another database than the group's would then look released.
+        raise ForceReleaseFailed(f"PostgreSQL: no lock table {sql.leases} in this database: no sidecar of the "
+                                 "group has run against it (is the Secret's DSN the group's?)") from None
     except (asyncpg.PostgresError, asyncpg.InterfaceError, TimeoutError) as exc:
         raise ForceReleaseFailed(f"PostgreSQL: {type(exc).__name__}: {exc}") from None
     if not ended:

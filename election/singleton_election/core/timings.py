@@ -48,9 +48,10 @@ def _shown(value: object) -> str:
 
 
 def check_timings(lease_duration: object, renew_deadline: object, retry_period: object) -> None:
-    """The one rule set of timings, in the order the CRD's validation rules check them (the CRD
-    says them again in CEL, for admission; tests/test_crd.py checks that both agree to the
-    nanosecond). Raises ``TimingError`` on the first broken rule."""
+    """The one rule set of timings: positive finite numbers, then the CRD's validation rules in
+    their order (the CRD says them again in CEL, for admission, where its schema's pattern
+    already refuses a zero or negative duration; tests/test_crd.py checks that both agree to
+    the nanosecond). Raises ``TimingError`` on the first broken rule."""
     values: dict[str, object] = {"lease_duration": lease_duration, "renew_deadline": renew_deadline,
                                  "retry_period": retry_period}
     for name, value in values.items():
@@ -69,9 +70,9 @@ def check_timings(lease_duration: object, renew_deadline: object, retry_period: 
         raise TimingError("renew_deadline", f"must be more than {JITTER_FACTOR:g} times {{retry_period}}, so the "
                           "leader can retry a failed renewal before the deadline", values)
     if retry < _nanoseconds(MIN_RETRY_PERIOD):
-        raise TimingError("retry_period", f"must be at least {MIN_RETRY_PERIOD:g}s", values)
+        raise TimingError("retry_period", f"must be at least {MIN_RETRY_PERIOD:g}s (100ms)", values)
     if lease > _nanoseconds(MAX_LEASE_DURATION):
-        raise TimingError("lease_duration", f"must be at most {MAX_LEASE_DURATION:g}s", values)
+        raise TimingError("lease_duration", f"must be at most {MAX_LEASE_DURATION:g}s (5m)", values)
 
 
 @dataclass(frozen=True)
