@@ -340,9 +340,7 @@ async def test_a_term_is_released_only_once_the_pod_no_longer_shows_it_as_leader
     leader = await asyncio.to_thread(one_leader, members)
     other = next(s for s in members if s is not leader)
     full = contract.sidecar_rbac_rules(group)
-    read_only = [r for r in full if r["resources"] != ["pods"]] + [
-        {"apiGroups": [""], "resources": ["pods"], "verbs": ["get", "list", "watch"]}]
-    sidecar_role(cluster, namespace, read_only)
+    sidecar_role(cluster, namespace, without_pod_writes(full))
     await asyncio.sleep(1.0)  # RBAC takes effect
     assert (await asyncio.to_thread(leader.control, "POST", "/step-down"))[0] == 202
     stepped_down = time.monotonic()
@@ -364,6 +362,24 @@ TERMINATED_APP = {"status": {"containerStatuses": [{
     "state": {"terminated": {"exitCode": 0, "reason": "Completed"}}}]}}
 
 
+def without_pod_writes(rules: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The sidecar's RBAC rules with pods only readable: its label writes fail."""
+    return [r for r in rules if r["resources"] != ["pods"]] + [
+        {"apiGroups": [""], "resources": ["pods"], "verbs": ["get", "list", "watch"]}]
+
+
+async def wired_as_the_operator_wires_it_and_acting(pod_sidecars: Factory) -> tuple[Any, Any, int]:
+    """Two pod sidecars wired as the operator wires them (native sidecar, main container
+    ``app``), the leader's SDK app registered for its term: (leader, the other, the token)."""
+    members = pod_sidecars("lease", 2, extra={"SINGLETON_DRAIN_WAIT_CONTAINER": "app",
+                                              "SINGLETON_NATIVE_SIDECAR": "true", "SINGLETON_DRAIN_TIMEOUT": "20"})
+    leader = await asyncio.to_thread(one_leader, members)
+    other = next(s for s in members if s is not leader)
+    token = (leader.leader_doc() or {})["token"]
+    assert (await asyncio.to_thread(leader.control, "POST", f"/acting?token={token}"))[0] == 200
+    return leader, other, token
+
+
 @pytest.mark.parametrize("app_ends", ["says it stopped", "dies without a word"])
 async def test_a_deleted_pods_term_ends_when_the_app_has_stopped_not_when_the_kubelet_says(
         cluster: Cluster, pod_sidecars: Factory, app_ends: str) -> None:
@@ -372,12 +388,7 @@ async def test_a_deleted_pods_term_ends_when_the_app_has_stopped_not_when_the_ku
     kubelet would tell the sidecar a second or more later (there is no kubelet here, so it never
     does); this used to wait for it. An app that dies without a word ends the term when its
     container shows terminated; this used to wait for the drain timeout."""
-    members = pod_sidecars("lease", 2, extra={"SINGLETON_DRAIN_WAIT_CONTAINER": "app",
-                                              "SINGLETON_NATIVE_SIDECAR": "true", "SINGLETON_DRAIN_TIMEOUT": "20"})
-    leader = await asyncio.to_thread(one_leader, members)
-    other = next(s for s in members if s is not leader)
-    token = (leader.leader_doc() or {})["token"]
-    assert (await asyncio.to_thread(leader.control, "POST", f"/acting?token={token}"))[0] == 200
+    leader, other, token = await wired_as_the_operator_wires_it_and_acting(pod_sidecars)
     cluster.kubectl("delete", "pod", leader.pod, "-n", leader.namespace, "--wait=false")
     await asyncio.to_thread(wait_for, lambda: (leader.leader_doc() or {}).get("role") == "draining", 5,
                             "the leader to drain")
@@ -402,16 +413,9 @@ async def test_a_deleted_pod_releases_once_its_app_stopped_without_waiting_for_i
     ``test_a_term_is_released_only_once_the_pod_no_longer_shows_it_as_leader``, where a
     step-down of a pod that is not being deleted does wait). This wait used to add an API write
     to every deletion's handover."""
-    members = pod_sidecars("lease", 2, extra={"SINGLETON_DRAIN_WAIT_CONTAINER": "app",
-                                              "SINGLETON_NATIVE_SIDECAR": "true", "SINGLETON_DRAIN_TIMEOUT": "20"})
-    leader = await asyncio.to_thread(one_leader, members)
-    other = next(s for s in members if s is not leader)
-    token = (leader.leader_doc() or {})["token"]
-    assert (await asyncio.to_thread(leader.control, "POST", f"/acting?token={token}"))[0] == 200
+    leader, other, token = await wired_as_the_operator_wires_it_and_acting(pod_sidecars)
     full = contract.sidecar_rbac_rules(group)
-    read_only = [r for r in full if r["resources"] != ["pods"]] + [
-        {"apiGroups": [""], "resources": ["pods"], "verbs": ["get", "list", "watch"]}]
-    sidecar_role(cluster, namespace, read_only)
+    sidecar_role(cluster, namespace, without_pod_writes(full))
     await asyncio.sleep(1.0)  # RBAC takes effect
     cluster.kubectl("delete", "pod", leader.pod, "-n", leader.namespace, "--wait=false")
     await asyncio.to_thread(wait_for, lambda: (leader.leader_doc() or {}).get("role") == "draining", 5,
