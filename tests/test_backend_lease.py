@@ -195,7 +195,9 @@ async def test_release_wakes_a_blocked_standby_at_once(
     result = await waiting
     elapsed = time.monotonic() - started
     assert isinstance(result, Term) and result.identity == "pod-b"
-    assert elapsed < 0.15, f"handover took {elapsed:.3f}s"
+    # Without the watch the standby would wake at the Lease's expiry, 10 s on: a bound ten times
+    # below that proves the wake-up and holds on a loaded machine (the speed is benchmarked, not tested).
+    assert elapsed < 1.0, f"handover took {elapsed:.3f}s"
     assert result.token >= now_ms > term.token  # the clock moved on: the token follows it
     spec = lease_json(cluster, namespace)["spec"]
     assert (spec["holderIdentity"], spec["leaseTransitions"]) == ("pod-b", 1)

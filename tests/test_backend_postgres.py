@@ -230,7 +230,9 @@ async def test_release_wakes_blocked_standby_at_once(make_backend: Factory) -> N
     second = await asyncio.wait_for(waiting, 5)
     elapsed = time.monotonic() - started
     assert isinstance(second, Term) and second.token > first.token
-    assert elapsed < 0.05, f"standby took {elapsed * 1000:.1f} ms after release"
+    # Without the wake-up the standby would wait out its 10 s acquire: a bound far below that holds on
+    # a loaded machine too (how fast it is lives in the benchmarks, not here).
+    assert elapsed < 1.0, f"standby took {elapsed * 1000:.1f} ms after release"
     await holder.release(first, timeout=2)  # idempotent
     assert await holder.renew(first, timeout=2) is None
     assert (await holder.observe(timeout=2)).holder == "b"
@@ -255,7 +257,7 @@ async def test_sigkilled_holder_frees_lock_at_once(
     term = await asyncio.wait_for(waiting, 5)
     elapsed = time.monotonic() - started
     assert isinstance(term, Term) and term.token > holder.token
-    assert elapsed < 0.2, f"failover took {elapsed * 1000:.1f} ms"
+    assert elapsed < 1.0, f"failover took {elapsed * 1000:.1f} ms"  # the session's end, not an expiry
 
 
 async def test_crashed_holder_without_standby_is_not_reported(make_backend: Factory, pg_dsn: str) -> None:
