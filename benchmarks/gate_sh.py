@@ -6,7 +6,7 @@ without it (the 0.1 s check of the files that it falls back on, and that it did 
 ``gate.sh`` runs as PID 1 of a PID namespace of its own (``unshare --pid --mount-proc``), as
 the operator wires it in a container, so it takes the whole namespace for the app, around an
 app that records when it starts (a shell that writes a file, then sleeps). The sidecar's side
-is ``singleton_sidecar.gate.FileGate``, called as the elector calls it. Measures, per mode:
+is ``singleton_sidecar.gates.file_gate.FileGate``, called as the elector calls it. Measures, per mode:
 
 - **start**: the flag written (a new term) -> the app's first sign of life, ``--runs`` times;
 - **stop**: the flag removed and a stop requested -> ``gate.sh``'s acknowledgement that no
@@ -40,7 +40,7 @@ from typing import TypeVar
 from benchmarks.failover import percentile
 from singleton_election.core.lock import Identity, Term, Token
 from singleton_election.core.status import ElectionStatus, Role
-from singleton_sidecar.gate import FileGate
+from singleton_sidecar.gates.file_gate import FileGate
 
 APP = 'echo started > "$SINGLETON_GATE_DIR/started"; trap "exit 0" TERM; while :; do sleep 1; done'
 TICKS = os.sysconf("SC_CLK_TCK")

@@ -55,10 +55,10 @@ from typing import Any, BinaryIO
 
 import asyncpg
 
-from singleton_election.backends.postgres import PostgresBackend
-from singleton_election.backends.postgres_pooled import PooledPostgresBackend
-from singleton_election.backends.postgres_session import ensure_schema
-from singleton_election.backends.postgres_sql import Statements
+from singleton_election.backends.postgres.connection import ensure_schema
+from singleton_election.backends.postgres.pooled_mode import PooledPostgresBackend
+from singleton_election.backends.postgres.session_mode import PostgresBackend
+from singleton_election.backends.postgres.sql import Statements
 from singleton_election.core.elector import Elector
 from singleton_election.core.lock import Identity
 from singleton_election.core.status import ElectionStatus, Role

@@ -15,7 +15,7 @@ import pytest_asyncio
 
 from singleton_election.backends.both import BothBackend
 from singleton_election.backends.lease import NEWCOMER_DEFERENCE, LeaseBackend
-from singleton_election.backends.postgres import PostgresBackend
+from singleton_election.backends.postgres.session_mode import PostgresBackend
 from singleton_election.core.lock import BackendUnavailable, Identity, LockRecord, Term
 from singleton_election.core.timings import Timings
 from singleton_election.kube import KubeClient, load_kube_config

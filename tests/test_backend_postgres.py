@@ -16,9 +16,9 @@ import asyncpg
 import pytest
 import pytest_asyncio
 
-from singleton_election.backends.postgres import PostgresBackend, force_release, takeover_wait
-from singleton_election.backends.postgres_session import keepalive_settings, server_session, session_settings
-from singleton_election.backends.postgres_sql import NAMESPACE, Statements
+from singleton_election.backends.postgres.connection import keepalive_settings, server_session, session_settings
+from singleton_election.backends.postgres.session_mode import PostgresBackend, force_release, takeover_wait
+from singleton_election.backends.postgres.sql import NAMESPACE, Statements
 from singleton_election.core.lock import (
     BackendMisconfigured,
     BackendUnavailable,
@@ -41,7 +41,7 @@ SQL = Statements.build("public", "singleton_leases")
 HOLDER_SCRIPT = """
 import asyncio, sys
 from singleton_election.core.lock import Identity
-from singleton_election.backends.postgres import PostgresBackend
+from singleton_election.backends.postgres.session_mode import PostgresBackend
 from singleton_election.core.timings import Timings
 
 async def main() -> None:
@@ -106,7 +106,7 @@ async def acquire_within(backend: PostgresBackend, identity: str, seconds: float
     started = time.monotonic()
     seen: list[Term | LockRecord] = []
     while time.monotonic() - started < seconds:
-        result = await backend.acquire(Identity(identity), timeout=0.3)
+        result = await backend.acquire(Identity(identity), timeout=1.0)
         seen.append(result)
         if isinstance(result, Term):
             return result, seen
@@ -211,10 +211,10 @@ async def test_second_candidate_sees_holder(make_backend: Factory) -> None:
     holder, standby = make_backend(), make_backend()
     term = await acquired(holder, "a")
     started = time.monotonic()
-    result = await standby.acquire(Identity("b"), timeout=0.3)
+    result = await standby.acquire(Identity("b"), timeout=1.0)
     elapsed = time.monotonic() - started
     assert result == LockRecord(holder=Identity("a"), token=term.token, version=str(term.token))
-    assert 0.1 < elapsed < 1.0
+    assert 0.5 < elapsed < 2.5  # it waited out its budget (1 s: a fresh backend connects within it)
     # the same backend does not hand its session lock to a second identity
     assert await holder.acquire(Identity("c"), timeout=0.3) == result
 
@@ -291,7 +291,7 @@ async def test_terminated_session_fires_loss_callback(make_backend: Factory, pg_
     taken = await acquired(standby, "b", timeout=2)
     assert taken.token > term.token
     # the old holder reconnects on its next acquire and sees the new holder
-    assert await holder.acquire(Identity("a"), timeout=0.2) == LockRecord(
+    assert await holder.acquire(Identity("a"), timeout=1.0) == LockRecord(
         holder=Identity("b"), token=taken.token, version=str(taken.token))
     assert len(lost) == 1
 
@@ -308,7 +308,7 @@ async def test_renew_checks_row_count(make_backend: Factory, pg_admin_dsn: str) 
     )
     assert await holder.renew(term, timeout=2) is None
     # the lock is kept until the release, which comes once the app has stopped
-    assert not isinstance(await standby.acquire(Identity("b"), timeout=0.3), Term)
+    assert not isinstance(await standby.acquire(Identity("b"), timeout=1.0), Term)
     assert await holder.renew(term, timeout=2) is None
     await holder.release(term, timeout=2)
     taken = await acquired(standby, "b", timeout=2)
@@ -330,12 +330,12 @@ async def test_a_renewal_that_matches_no_row_keeps_the_lock_until_the_release(
     held until the release that follows; a standby must not take the term meanwhile."""
     holder, standby = make_backend(), make_backend()
     term = await acquired(holder, "a")
-    assert isinstance(await standby.acquire(Identity("b"), timeout=0.2), LockRecord)  # waiting on the group's lock
+    assert isinstance(await standby.acquire(Identity("b"), timeout=1.0), LockRecord)  # waiting on the group's lock
     await admin_fetchval(pg_admin_dsn, "DELETE FROM singleton_leases WHERE group_name = $1", holder.group)
     assert await holder.renew(term, timeout=2) is None  # the loss, reported to the elector
     assert await holds_lock(holder)
     for _ in range(3):
-        result = await standby.acquire(Identity("b"), timeout=0.3)
+        result = await standby.acquire(Identity("b"), timeout=1.0)
         assert not isinstance(result, Term), "a standby took the term before the old holder released it"
     await holder.release(term, timeout=2)  # the elector: the app has stopped
     taken, _ = await acquire_within(standby, "b", 5)
@@ -380,7 +380,7 @@ async def test_a_deleted_row_comes_back_under_the_lock_id_its_holder_still_holds
     lock_id = holder._lock_id
     await admin_fetchval(pg_admin_dsn, "DELETE FROM singleton_leases WHERE group_name = $1", holder.group)
     newcomer = make_backend()  # never saw the group: it creates the row again
-    result = await newcomer.acquire(Identity("b"), timeout=0.5)
+    result = await newcomer.acquire(Identity("b"), timeout=1.0)
     assert not isinstance(result, Term), "the term was taken under a new lock id while the old one is held"
     assert await row_lock_id(pg_admin_dsn, holder.group) == lock_id
     other = make_backend(group=unique())  # another group is not given the lock id its row lost
@@ -410,7 +410,7 @@ async def test_a_deleted_row_whose_lock_id_is_not_known_for_sure_is_not_created_
         await newcomer.acquire(Identity("b"), timeout=0.5)
     assert await row_lock_id(pg_admin_dsn, first.group) is None
     await second.release(terms[1], timeout=2)  # now the one left is first's own
-    assert not isinstance(await newcomer.acquire(Identity("b"), timeout=0.3), Term)
+    assert not isinstance(await newcomer.acquire(Identity("b"), timeout=1.0), Term)
     assert await row_lock_id(pg_admin_dsn, first.group) == first._lock_id
     await first.release(terms[0], timeout=2)
     taken, _ = await acquire_within(newcomer, "b", 5)
@@ -463,7 +463,7 @@ async def test_a_lock_taken_twice_is_given_back_whole_and_a_lock_without_a_term_
     term = await acquired(holder, "a")
     assert holder._conn is not None
     await holder._conn.execute("SELECT pg_advisory_lock($1::int4, $2::int4)", NAMESPACE, holder._held_lock_id)
-    caplog.set_level("WARNING", logger="singleton_election.backends.postgres")
+    caplog.set_level("WARNING", logger="singleton_election.backends.postgres.session_mode")
     await holder.release(term, timeout=2)
     assert "this session held the group's lock more than once; gave back every level" in caplog.text
     second = await acquired(standby, "b", timeout=5)
@@ -516,7 +516,7 @@ async def test_cancelled_wait_leaves_backend_usable(make_backend: Factory) -> No
     waiting.cancel()
     with pytest.raises(asyncio.CancelledError):
         await waiting
-    assert await standby.acquire(Identity("b"), timeout=0.2) == LockRecord(
+    assert await standby.acquire(Identity("b"), timeout=1.0) == LockRecord(
         holder=Identity("a"), token=first.token, version=str(first.token))
     await holder.release(first, timeout=2)
     second = await acquired(standby, "b", timeout=2)
@@ -611,7 +611,7 @@ async def test_schema_creation_is_concurrent_and_idempotent(make_backend: Factor
     assert all(t.token >= started_ms - CLOCK_SLACK_MS for t in terms), (started_ms, terms)
     again = make_backend(group=backends[0].group, schema=schema, table=table)
     assert (await again.observe(timeout=2)).holder == "c0"
-    assert isinstance(await again.acquire(Identity("x"), timeout=0.2), LockRecord)
+    assert isinstance(await again.acquire(Identity("x"), timeout=1.0), LockRecord)
     other = make_backend(group=unique(), schema=schema, table=table)
     await acquired(other, "y")
     versions = await admin_fetchval(pg_dsn, f'SELECT count(*) FROM "{schema}"."{table}_schema_version"')
@@ -788,7 +788,7 @@ async def test_stalled_holder_is_replaced_under_role_timeouts(
 async def test_lock_timeout_is_reset_after_each_wait(make_backend: Factory) -> None:
     holder, standby = make_backend(), make_backend()
     first = await acquired(holder, "a")
-    assert isinstance(await standby.acquire(Identity("b"), timeout=0.3), LockRecord)
+    assert isinstance(await standby.acquire(Identity("b"), timeout=1.0), LockRecord)
     assert standby._conn is not None
     assert await standby._conn.fetchval("SHOW lock_timeout") == "0"
     await holder.release(first, timeout=2)
@@ -915,7 +915,7 @@ async def test_session_pooler_works(make_backend: Factory, pgbouncer: Bouncers) 
     dsn = pgbouncer("session").dsn
     holder, standby = make_backend(dsn=dsn), make_backend(dsn=dsn)
     term = await acquired(holder, "a")
-    assert await standby.acquire(Identity("b"), timeout=0.3) == LockRecord(
+    assert await standby.acquire(Identity("b"), timeout=1.0) == LockRecord(
         holder=Identity("a"), token=term.token, version=str(term.token))
     renewed = await holder.renew(term, timeout=2)
     assert renewed is not None
@@ -934,7 +934,7 @@ async def test_a_deleted_row_comes_back_under_its_lock_id_through_a_session_pool
     holder = make_backend(dsn=pgbouncer("session").dsn)
     term = await acquired(holder, "a")
     await admin_fetchval(pg_admin_dsn, "DELETE FROM singleton_leases WHERE group_name = $1", holder.group)
-    assert not isinstance(await make_backend().acquire(Identity("b"), timeout=0.3), Term)
+    assert not isinstance(await make_backend().acquire(Identity("b"), timeout=1.0), Term)
     assert await row_lock_id(pg_admin_dsn, holder.group) == holder._lock_id
     await holder.release(term, timeout=2)
 
@@ -962,7 +962,7 @@ async def test_direct_connections_pass_the_pooler_check(
 
         monkeypatch.setattr(backend, "_open", counting_open)
     term = await acquired(tcp, "a")
-    assert await unix.acquire(Identity("b"), timeout=0.3) == LockRecord(
+    assert await unix.acquire(Identity("b"), timeout=1.0) == LockRecord(
         holder=Identity("a"), token=term.token, version=str(term.token))
     assert opened == {"tcp": 1, "unix": 1}
 

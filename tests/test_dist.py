@@ -91,7 +91,7 @@ def test_the_root_wheel_installs_into_a_fresh_venv_and_its_scripts_run(dist: Pat
 
     where = subprocess.run([str(python), "-c", "import importlib.resources as r, singleton_sidecar, singleton_ctl; "
                             "print(singleton_sidecar.__file__); print(singleton_ctl.__file__); "
-                            "print((r.files('singleton_sidecar') / 'gate.sh').read_text()[:9])"],
+                            "print((r.files('singleton_sidecar') / 'gates' / 'gate.sh').read_text()[:9])"],
                            capture_output=True, text=True, check=True).stdout.splitlines()
     assert where[:2] == [f"{site}/singleton_sidecar/__init__.py", f"{site}/singleton_ctl/__init__.py"]
     assert where[2] == "#!/bin/sh"

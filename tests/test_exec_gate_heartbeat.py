@@ -26,10 +26,10 @@ import pytest
 
 from singleton_election.core.lock import Identity, Term, Token
 from singleton_election.core.status import ElectionStatus, Role
-from singleton_sidecar import gate as gate_module
-from singleton_sidecar import keeper
 from singleton_sidecar.app import KEEPER_SLACK
-from singleton_sidecar.gate import HEARTBEAT_INTERVAL, HEARTBEAT_STALL, HEARTBEAT_TIMEOUT, ExecGate
+from singleton_sidecar.gates import exec_gate as gate_module
+from singleton_sidecar.gates import keeper
+from singleton_sidecar.gates.exec_gate import HEARTBEAT_INTERVAL, HEARTBEAT_STALL, HEARTBEAT_TIMEOUT, ExecGate
 from singleton_testbed.procs import process_alive
 from tests.acting import APP, spans
 

@@ -20,8 +20,8 @@ import pytest
 
 from singleton_election.core.lock import Identity, Term, Token
 from singleton_election.core.status import ElectionStatus, Role
-from singleton_sidecar import gate as gate_module
-from singleton_sidecar.gate import ExecGate
+from singleton_sidecar.gates import exec_gate as gate_module
+from singleton_sidecar.gates.exec_gate import ExecGate
 from singleton_testbed.procs import process_alive
 
 ME = Identity("pod/uid/n")

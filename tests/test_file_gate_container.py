@@ -26,7 +26,7 @@ import pytest
 
 from singleton_election.core.lock import Identity, Term, Token
 from singleton_election.core.status import ElectionStatus, Role
-from singleton_sidecar import gate
+from singleton_sidecar.gates import file_gate as gate
 from singleton_testbed.harness.sidecars import one_leader, wait_for
 from tests.acting import APP, FINISH, Factory, assert_never_two_actors, spans
 
@@ -286,7 +286,7 @@ import asyncio, sys
 from pathlib import Path
 from singleton_election.core.lock import Identity, Term, Token
 from singleton_election.core.status import ElectionStatus, Role
-from singleton_sidecar.gate import FileGate
+from singleton_sidecar.gates.file_gate import FileGate
 
 async def main() -> None:
     gate = FileGate(Path(sys.argv[1]), kill_grace=0.3, on_app_stopping=lambda: print("handover", flush=True))

@@ -73,8 +73,8 @@ print(json.dumps({"cli": cli_only, "imported": imported, "built": sorted(sys.mod
 
 PKG, ELECTION = "singleton_sidecar", "singleton_election"
 KUBE, LEASE, BOTH = f"{ELECTION}.kube", f"{ELECTION}.backends.lease", f"{ELECTION}.backends.both"
-SESSION, POOLED = f"{ELECTION}.backends.postgres", f"{ELECTION}.backends.postgres_pooled"
-POSTGRES_MODULES = {"asyncpg", f"{ELECTION}.backends.postgres_session", f"{ELECTION}.backends.postgres_sql"}
+SESSION, POOLED = f"{ELECTION}.backends.postgres.session_mode", f"{ELECTION}.backends.postgres.pooled_mode"
+POSTGRES_MODULES = {"asyncpg", f"{ELECTION}.backends.postgres.connection", f"{ELECTION}.backends.postgres.sql"}
 NEVER_AT_START = {"asyncpg", "yaml", "ctypes", KUBE, f"{PKG}.podstatus", LEASE, SESSION, POOLED, BOTH}
 NEVER = {"aiohttp", "multidict", "yarl"}
 """Loaded by no sidecar, whatever its configuration (the operator's and the SDK's library)."""

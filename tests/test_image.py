@@ -202,7 +202,8 @@ def test_the_file_gates_script_ships_in_the_image(run: RunInImage) -> None:
     """The file gate writes ``gate.sh`` from the package's data into the shared folder: a wheel
     without it made every file-gated sidecar exit at start ("No such file or directory")."""
     result = run("/opt/singleton/bin/singleton-sidecar", "gate-script")
-    packaged = (Path(__file__).resolve().parent.parent / "sidecar" / "singleton_sidecar" / "gate.sh").read_text()
+    sidecar_package = Path(__file__).resolve().parent.parent / "sidecar" / "singleton_sidecar"
+    packaged = (sidecar_package / "gates" / "gate.sh").read_text()
     assert result.returncode == 0, result.stderr
     assert result.stdout == packaged
 

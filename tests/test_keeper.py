@@ -16,7 +16,7 @@ from typing import Protocol
 
 import pytest
 
-from singleton_sidecar import keeper
+from singleton_sidecar.gates import keeper
 from singleton_testbed.procs import process_alive
 
 KEEPER = keeper.__file__

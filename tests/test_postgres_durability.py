@@ -16,8 +16,8 @@ import asyncpg
 import pytest
 import pytest_asyncio
 
-from singleton_election.backends.postgres import PostgresBackend
-from singleton_election.backends.postgres_pooled import PooledPostgresBackend
+from singleton_election.backends.postgres.pooled_mode import PooledPostgresBackend
+from singleton_election.backends.postgres.session_mode import PostgresBackend
 from singleton_election.core.lock import Identity, Term
 from tests.backend_timings import timings_for
 

@@ -24,8 +24,9 @@ from typing import Any
 import asyncpg
 
 from singleton_election import contract
-from singleton_election.backends import lease, postgres
-from singleton_election.backends.postgres_sql import Statements
+from singleton_election.backends import lease
+from singleton_election.backends.postgres import session_mode as postgres
+from singleton_election.backends.postgres.sql import Statements
 from singleton_election.core.lock import ForceReleaseFailed
 from singleton_election.kube import KubeClient, KubeError, KubeNotFound, event_body
 from singleton_operator.model.resources import MANAGED_BY

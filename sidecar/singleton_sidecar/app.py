@@ -24,7 +24,8 @@ from singleton_election.core.identity import make_identity, pod_prefix
 from singleton_election.core.lock import BackendMisconfigured, LockBackend
 from singleton_election.httpclient import use_small_tls_buffers
 from singleton_sidecar.config import SidecarConfig, describe
-from singleton_sidecar.gate import CooperativeGate, ExecGate, FileGate, Gate, become_subreaper
+from singleton_sidecar.gates import CooperativeGate, ExecGate, FileGate, Gate
+from singleton_sidecar.gates.exec_gate import become_subreaper
 from singleton_sidecar.http import control_server, probe_server
 from singleton_sidecar.metrics import SidecarMetrics
 
@@ -57,13 +58,13 @@ def build_backend(config: SidecarConfig, kube: KubeClient | None) -> LockBackend
     def postgres() -> LockBackend:
         assert config.postgres_dsn is not None
         if config.postgres_mode == "pooled":
-            from singleton_election.backends.postgres_pooled import PooledPostgresBackend
+            from singleton_election.backends.postgres.pooled_mode import PooledPostgresBackend
 
             # No session ends with a crashed holder here: a takeover waits for the row's expiry,
             # by which the old app's own deadline has stopped it, so no stop bound is recorded.
             return PooledPostgresBackend(group=config.lock_key, dsn=config.postgres_dsn, timings=timings,
                                          predecessor_prefix=predecessor_prefix)
-        from singleton_election.backends.postgres import PostgresBackend
+        from singleton_election.backends.postgres.session_mode import PostgresBackend
 
         # The exec gate's keeper kills the app's group as soon as the sidecar dies, and at once
         # when the sidecar hears its lock is gone: a takeover after this holder's session ended

@@ -71,7 +71,7 @@ def main(argv: list[str] | None = None) -> int:  # noqa: PLR0911 - one exit per 
     stop_on_sigterm_until_started(PROG)
     args = _parser().parse_args(argv)
     if args.action == "gate-script":
-        from singleton_sidecar.gate import GATE_SCRIPT, PACKAGE_FILES  # here: only this command reads it
+        from singleton_sidecar.gates.file_gate import GATE_SCRIPT, PACKAGE_FILES  # here: only this command reads it
 
         sys.stdout.write((PACKAGE_FILES / GATE_SCRIPT).read_text())
         return 0

@@ -252,7 +252,7 @@ class SidecarConfig:
     postgres_mode: PostgresMode = POSTGRES_MODE.default
     """``session``: an advisory lock on a dedicated connection per sidecar (crash failover in
     milliseconds; no transaction pooler). ``pooled``: expiring rows written in short
-    transactions, through PgBouncer or RDS Proxy in transaction mode (``backends.postgres_pooled``)."""
+    transactions, through PgBouncer or RDS Proxy in transaction mode (``backends.postgres.pooled_mode``)."""
     namespace: str | None = NAMESPACE.default
     """Namespace of the pod and the Lease; None outside Kubernetes."""
     lock_key: str = ""

@@ -32,7 +32,7 @@ from typing import Any
 
 from singleton_election.core.elector import Elector
 from singleton_election.core.status import ElectionStatus, Role
-from singleton_sidecar.gate import CooperativeGate
+from singleton_sidecar.gates.cooperative_gate import CooperativeGate
 from singleton_sidecar.httpserver import Handler, HttpServer, Request, Response, json_response, text_response
 from singleton_sidecar.metrics import SidecarMetrics
 

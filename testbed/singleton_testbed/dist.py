@@ -49,7 +49,7 @@ PROJECTS = {"kube-singleton": ROOT, "kube-singleton-sdk": ROOT / "sdk"}
 # Files a wheel must hold besides its modules: what setuptools leaves out when package-data
 # is wrong, and nothing notices until a pod starts (the file gate runs gate.sh).
 WHEEL_DATA = {
-    "kube-singleton": ["singleton_election/py.typed", "singleton_sidecar/gate.sh", "singleton_sidecar/py.typed",
+    "kube-singleton": ["singleton_election/py.typed", "singleton_sidecar/gates/gate.sh", "singleton_sidecar/py.typed",
                        "singleton_operator/py.typed", "singleton_ctl/py.typed"],
     "kube-singleton-sdk": ["singleton_sdk/py.typed"],
 }

@@ -1,7 +1,7 @@
 """The one small interface every lock backend implements, and the records that cross it.
 
 Owned by the election core (``singleton_election.core.elector``); implemented by
-``backends.postgres``, ``backends.lease`` and ``backends.both``. The interface carries
+``backends.postgres.session_mode``, ``backends.lease`` and ``backends.both``. The interface carries
 its state explicitly: the version a backend observed travels in the ``Term`` and
 ``LockRecord`` values, so no call order is hidden inside a backend.
 

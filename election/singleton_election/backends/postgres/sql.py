@@ -303,6 +303,11 @@ class Statements:
         return "SELECT pg_terminate_backend($1)"
 
     @property
+    def session_alive(self) -> str:
+        # pg_terminate_backend only signals the session: it holds its locks until it has exited.
+        return "SELECT EXISTS (SELECT 1 FROM pg_stat_activity WHERE pid = $1)"
+
+    @property
     def holder(self) -> str:
         """$1 group. Who holds the row: its holder, the holder's session (none in pooled mode)
         and the seconds until the row expires by the database clock."""

@@ -1,5 +1,5 @@
 """What the PostgreSQL backend's lock connection must be: a session of its own, with the
-settings the backend depends on. Used by ``backends.postgres`` when it opens that connection.
+settings the backend depends on. Used by ``backends.postgres.session_mode`` when it opens that connection.
 
 - ``check_session`` refuses a connection pooler in transaction or statement mode, which
   hands a server session (and the advisory lock in it) to other clients between
@@ -27,7 +27,7 @@ from typing import TYPE_CHECKING, NoReturn, TypeAlias
 
 import asyncpg
 
-from singleton_election.backends.postgres_sql import (
+from singleton_election.backends.postgres.sql import (
     DDL_LOCK_ID,
     NAMESPACE,
     PROBE_SETTING,

@@ -2,7 +2,7 @@
 taken from the DATABASE clock, written in single short statements that work through a
 connection pooler in transaction mode (PgBouncer ``pool_mode = transaction``, RDS Proxy).
 
-Why a second mode: the session mode (``backends.postgres``) holds an advisory lock on one
+Why a second mode: the session mode (``backends.postgres.session_mode``) holds an advisory lock on one
 dedicated connection per sidecar, leader and standbys alike, which no transaction pooler can
 carry and which fills a default server (``max_connections`` 100) at about 32 groups of 3.
 Here nothing lives in a session, so a pooler can share a few server connections among
@@ -35,7 +35,7 @@ expires (the lease duration), not the instant its session ends.
 - **Connections**: what counts is server sessions (``max_connections``), and a standby holds
   none between its checks. Which connection that takes depends on what the DSN reaches, so
   the first connection is asked once whether it reaches the server itself
-  (``postgres_session.server_session``: the backend pid announced at connect is the one that
+  (``connection.server_session``: the backend pid announced at connect is the one that
   answers, which no pooler's is). One that does is opened for each check and closed after
   it; one through a pooler is kept, since behind a transaction pooler an idle client
   connection holds no server connection, and reconnecting every check would cost each
@@ -81,7 +81,7 @@ from typing import TYPE_CHECKING, TypeAlias
 
 import asyncpg
 
-from singleton_election.backends.postgres_session import (
+from singleton_election.backends.postgres.connection import (
     close_connection,
     ensure_schema,
     guarded,
@@ -89,7 +89,7 @@ from singleton_election.backends.postgres_session import (
     server_session,
     short_lived,
 )
-from singleton_election.backends.postgres_sql import NAMESPACE, Statements, application_name
+from singleton_election.backends.postgres.sql import NAMESPACE, Statements, application_name
 from singleton_election.core.lock import (
     Identity,
     LockRecord,

@@ -1,7 +1,7 @@
 """The exec gate's keeper: runs the app in a process group of its own and stops it on time,
 even when the sidecar cannot.
 
-The sidecar starts one keeper per term (``gate.ExecGate``) and talks to it over a pipe:
+The sidecar starts one keeper per term (``exec_gate.ExecGate``) and talks to it over a pipe:
 
     deadline <t>   the term may act until monotonic time <t> (sent on every renewal)
     stop <g>       stop now: SIGTERM to the whole group, SIGKILL <g> seconds later ("inf": no kill)

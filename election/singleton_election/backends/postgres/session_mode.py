@@ -51,7 +51,7 @@ Design (the server is the authority; its clock decides expiry):
   connection must prove it is a session of its own: a direct TCP connection by the server
   seeing our socket's two ends, anything else by a probe (a session setting with a nonce
   that must stay on this connection and must not show on a second one; see
-  ``postgres_session.check_session``). Failing that raises ``BackendMisconfigured``, which is
+  ``connection.check_session``). Failing that raises ``BackendMisconfigured``, which is
   not wrapped in ``BackendUnavailable``: the sidecar exits rather than retry.
 - **A holder that did not release** (its session ended under it) may still have an app
   stopping, so a standby that gets its lock acts only after that term's stop bound or expiry.
@@ -72,7 +72,7 @@ Design (the server is the authority; its clock decides expiry):
   term lost through the callback too, since the server freed the lock at that moment.
 
 Server-side TCP keepalives (``tcp_keepalives_*``, set after connecting by
-``postgres_session``) make the server drop a *partitioned* holder's session, freeing its
+``connection``) make the server drop a *partitioned* holder's session, freeing its
 lock, only after that holder has stepped down.
 The holder steps down ``renew_deadline`` after its last successful renewal; the server last
 heard from it at that renewal and drops it ``idle + interval * count`` seconds later, with
@@ -97,7 +97,7 @@ from typing import TYPE_CHECKING, TypeAlias
 
 import asyncpg
 
-from singleton_election.backends.postgres_session import (
+from singleton_election.backends.postgres.connection import (
     check_session,
     close_connection,
     ensure_schema,
@@ -106,7 +106,7 @@ from singleton_election.backends.postgres_session import (
     session_settings,
     short_lived,
 )
-from singleton_election.backends.postgres_sql import NAMESPACE, Statements, application_name
+from singleton_election.backends.postgres.sql import NAMESPACE, Statements, application_name
 from singleton_election.core.identity import is_predecessor
 from singleton_election.core.lock import (
     BackendUnavailable,
@@ -447,7 +447,7 @@ class PostgresBackend:
 
     async def _pooled_holder(self, conn: Connection, lock_id: int) -> LockRecord | None:
         """Under the advisory lock: the row's holder if it is a live term of the pooled mode
-        (``backends.postgres_pooled``, a group moving between modes), which holds no advisory
+        (``backends.postgres.pooled_mode``, a group moving between modes), which holds no advisory
         lock; the lock is then given back. The pooled mode takes a row only while no session
         holds this lock, so nothing can slip in between this check and the take."""
         try:
@@ -644,13 +644,18 @@ def takeover_wait(*, unreleased: bool, expiry_left: float | None, stop_bound: fl
     return left if stop_bound is None else min(left, max(stop_bound, 0.0))
 
 
+_TERMINATION_POLL = 0.01
+"""Seconds between looks, after ``pg_terminate_backend``, for the holder's session to be gone."""
+
+
 async def force_release(conn: Connection, group_key: str, *, sql: Statements, timeout: float) -> str:
     """End the group's holder on an operator's say-so (``kubectl singleton release``); returns
     what was done, in words. Either mode's rule, judged from the row:
 
     - session mode (the row names the holder's session): end that session, which frees its
-      advisory lock; a standby takes over after ``takeover_wait`` for an unreleased holder, as
-      after any session end, so the old app has stopped first;
+      advisory lock, and wait (within ``timeout``) until it has ended: PostgreSQL only signals
+      it, and "ended" must be true when we say it; a standby takes over after ``takeover_wait``
+      for an unreleased holder, as after any session end, so the old app has stopped first;
     - pooled mode (a live row without a session): nothing to end. Expiring the row now would
       let a standby act while a live holder still acts until its next renewal; it frees by
       itself within the lease, as a crashed holder's does.
@@ -663,7 +668,14 @@ async def force_release(conn: Connection, group_key: str, *, sql: Statements, ti
                     f"expires, in {row['expires_in']:.1f}s; a standby takes over then")
         if row is None or row["holder_pid"] is None:
             return "no PostgreSQL holder"
+        deadline = time.monotonic() + timeout
         ended = await conn.fetchval(sql.terminate, row["holder_pid"], timeout=timeout)
+        while ended and await conn.fetchval(sql.session_alive, row["holder_pid"],
+                                            timeout=max(0.1, deadline - time.monotonic())):
+            if time.monotonic() >= deadline:
+                return (f"asked PostgreSQL to end the session of holder {row['holder']}; it has not ended within "
+                        f"{timeout:g}s (it keeps its lock until it does)")
+            await asyncio.sleep(_TERMINATION_POLL)
     except asyncpg.UndefinedTableError:
         # Not "no holder": a DSN naming another database than the group's would then look released.
         raise ForceReleaseFailed(f"PostgreSQL: no lock table {sql.leases} in this database: no sidecar of the "
