@@ -33,6 +33,12 @@ read on the node: the RSS of the container's main process, and the time from tha
 start (``/proc/<pid>/stat``) to the sidecar's first log line (imports and configuration: it
 campaigns next).
 
+Deletions and evictions are also split into the steps the sidecars log (``PHASES``) and end
+at the new leader's app acting: with ``--gating file`` the app (started by gate.sh on the
+leader only) prints "acting" first, and its line's time in the container log on the node is
+when it began; that, not the ``/readyz`` this machine sees a little later, is what issue 31's
+goals name.
+
 Prints medians and p99 (nearest rank) per backend and fault, and each run's figure.
 """
 
@@ -75,7 +81,7 @@ CRD = ROOT / "crds" / "singleton.dev_singletonservices.yaml"
 FAULTS = ("delete-pod", "evict-pod", "sidecar-kill", "partition")
 NAMESPACE = "bench"
 SIDECAR_PORT = 7450
-POLL = 0.003
+POLL = 0.003  # the default of --poll-ms
 
 
 @dataclass
@@ -226,7 +232,7 @@ def settle(bed: Bed, group: str, timeout: float = 180) -> tuple[dict[str, Any], 
 
 
 def wait_new_leader(bed: Bed, group: str, old_token: int, *, exclude: str | None,
-                    timeout: float = 60) -> tuple[str, float]:
+                    poll: float = POLL, timeout: float = 60) -> tuple[str, float]:
     """The first pod (name) whose sidecar leads with a token newer than ``old_token``, and when.
     Every pod of the group counts but ``exclude`` (the deleted or cut-off one), a replacement
     pod too: its sidecar may win the lock. The pod list is read anew every 0.25 s."""
@@ -242,7 +248,7 @@ def wait_new_leader(bed: Bed, group: str, old_token: int, *, exclude: str | None
             doc = leader_doc(ip)
             if doc is not None and int(doc.get("token") or 0) > old_token:
                 return name, time.monotonic()
-        time.sleep(POLL)
+        time.sleep(poll)
     raise TimeoutError(f"no new leader within {timeout:.0f}s: {({n: describe(ip) for n, ip in ips.items()})}")
 
 
@@ -258,9 +264,11 @@ def describe(ip: str) -> str:
 def group_manifest(bed: Bed, backend: str, gating: str = "cooperative") -> dict[str, Any]:
     spec: dict[str, Any] = {"replicas": 3, "backend": backend, "template": {"spec": {"containers": [{
         "name": "app", "image": bed.busybox, "imagePullPolicy": "Never",
-        # The sleep in the background: a shell runs its trap only once a foreground command ends,
-        # so `sleep 0.1` in the foreground made the app take up to 0.1 s to exit on SIGTERM.
-        "command": ["sh", "-c", "trap 'exit 0' TERM; while true; do sleep 0.1 & wait $!; done"]}]}}}
+        # "acting" first: its line's time in the container's log is when this app began to act
+        # (file gate: gate.sh starts it on the leader only). The sleep in the background: a shell
+        # runs its trap only once a foreground command ends, so `sleep 0.1` in the foreground
+        # made the app take up to 0.1 s to exit on SIGTERM.
+        "command": ["sh", "-c", "echo acting; trap 'exit 0' TERM; while true; do sleep 0.1 & wait $!; done"]}]}}}
     if gating != "cooperative":
         spec["gating"] = {"mode": gating}
     if backend != "lease":
@@ -307,37 +315,61 @@ PHASES: tuple[tuple[str, str, Callable[[dict[str, Any]], bool]], ...] = (
 
 
 class HeldLogs:
-    """The sidecar log files of a group's pods, opened before a fault: the kubelet removes a
-    deleted pod's files with the pod, and an open handle still reads them."""
+    """The sidecar's and the app's log files of a group's pods, opened before a fault: the
+    kubelet removes a deleted pod's files with the pod, and an open handle still reads them."""
 
     def __init__(self, bed: Bed, pods: list[dict[str, Any]]) -> None:
-        self.handles: dict[str, Any] = {}
+        self.handles: dict[tuple[str, str], Any] = {}
         for pod in pods:
             meta = pod["metadata"]
-            folder = bed.node.paths.pod_logs / f"{NAMESPACE}_{meta['name']}_{meta['uid']}" / "singleton-sidecar"
-            files = sorted(folder.glob("*.log"), key=lambda f: f.stat().st_mtime)
-            if files:
-                handle = files[-1].open("rb")
-                handle.seek(0, os.SEEK_END)
-                self.handles[meta["name"]] = handle
+            for container in ("singleton-sidecar", "app"):
+                folder = bed.node.paths.pod_logs / f"{NAMESPACE}_{meta['name']}_{meta['uid']}" / container
+                files = sorted(folder.glob("*.log"), key=lambda f: f.stat().st_mtime)
+                # The app of a standby behind the file gate has not started: no file yet, and the
+                # kubelet names its first one 0.log.
+                path = files[-1] if files else folder / "0.log"
+                if path.exists():
+                    handle = path.open("rb")
+                    handle.seek(0, os.SEEK_END)
+                    self.handles[meta["name"], container] = handle
+                else:
+                    self.handles[meta["name"], container] = path
 
     def lines_since(self, pod: str) -> list[dict[str, Any]]:
         """The JSON log lines the pod's sidecar wrote since the files were opened (CRI format:
         ``<time> <stream> <tag> <line>``)."""
-        handle = self.handles.get(pod)
-        if handle is None:
-            return []
         docs = []
-        for raw in handle.read().decode(errors="replace").splitlines():
-            with contextlib.suppress(ValueError, IndexError):
-                doc = json.loads(raw.split(" ", 3)[3])
+        for _, line in self._cri_lines(pod, "singleton-sidecar"):
+            with contextlib.suppress(ValueError):
+                doc = json.loads(line)
                 if isinstance(doc, dict) and _doc_time(doc) is not None:
                     docs.append(doc)
         return docs
 
+    def app_acting(self, pod: str) -> float | None:
+        """When the pod's app printed "acting" since the files were opened: the time the node's
+        containerd stamped on the line (wall clock, read from the app's stdout as it came)."""
+        return next((stamp for stamp, line in self._cri_lines(pod, "app") if line == "acting"), None)
+
+    def _cri_lines(self, pod: str, container: str) -> list[tuple[float, str]]:
+        held = self.handles.get((pod, container))
+        if isinstance(held, Path):  # not there at the fault: a file begun since holds only new lines
+            if not held.exists():
+                return []
+            held = self.handles[pod, container] = held.open("rb")
+        if held is None:  # not a pod of the group at the fault (the ReplicaSet's replacement)
+            return []
+        found = []
+        for raw in held.read().decode(errors="replace").splitlines():
+            with contextlib.suppress(ValueError, IndexError):
+                stamp, _, _, line = raw.split(" ", 3)
+                found.append((_cri_time(stamp), line))
+        return found
+
     def close(self) -> None:
         for handle in self.handles.values():
-            handle.close()
+            if not isinstance(handle, Path):
+                handle.close()
 
 
 def handover_phases(held: HeldLogs, old: str, new: str, fault_at: float) -> dict[str, float]:
@@ -349,10 +381,13 @@ def handover_phases(held: HeldLogs, old: str, new: str, fault_at: float) -> dict
         stamp = next((t for doc in lines[whose] if matches(doc) and (t := _doc_time(doc)) is not None), None)
         if stamp is not None:
             found[name] = stamp - fault_at
+    acting = held.app_acting(new)
+    if acting is not None:
+        found["new app acting"] = acting - fault_at
     return found
 
 
-def one_run(bed: Bed, backend: str, fault: str, *, crash_loop: bool = False) -> Run:
+def one_run(bed: Bed, backend: str, fault: str, *, crash_loop: bool = False, poll: float = POLL) -> Run:
     group = f"bench-{backend}"
     fresh = fault == "sidecar-kill" and not crash_loop
     leader, token = settle_on_fresh_sidecar(bed, group) if fresh else settle(bed, group)
@@ -366,7 +401,7 @@ def one_run(bed: Bed, backend: str, fault: str, *, crash_loop: bool = False) -> 
             else:
                 started = evict(bed, name)
                 fault_at = time.time() - (time.monotonic() - started)
-            new, at = wait_new_leader(bed, group, token, exclude=name)
+            new, at = wait_new_leader(bed, group, token, exclude=name, poll=poll)
             phases = handover_phases(held, name, new, fault_at)
         finally:
             held.close()
@@ -375,7 +410,7 @@ def one_run(bed: Bed, backend: str, fault: str, *, crash_loop: bool = False) -> 
     elif fault == "sidecar-kill":
         node_pods.signal_container(leader, "singleton-sidecar", signal.SIGKILL, layout=bed.layout)
         started, killed = time.monotonic(), time.time()
-        new, at = wait_new_leader(bed, group, token, exclude=None)
+        new, at = wait_new_leader(bed, group, token, exclude=None, poll=poll)
         if new == name:
             restart, start_to_lead = incarnation_times(bed, name, killed)
             return Run(backend, fault, at - started, name, new, restart, start_to_lead, sidecar_restarts(leader))
@@ -386,7 +421,7 @@ def one_run(bed: Bed, backend: str, fault: str, *, crash_loop: bool = False) -> 
             node_pods.partition(leader, address, port=port, layout=bed.layout)
         started = time.monotonic()
         try:
-            new, at = wait_new_leader(bed, group, token, exclude=name)
+            new, at = wait_new_leader(bed, group, token, exclude=name, poll=poll)
         finally:
             for address, port in targets:
                 node_pods.heal(leader, address, port=port, layout=bed.layout)
@@ -414,6 +449,12 @@ def _log_time(line: str) -> float | None:
     with contextlib.suppress(ValueError):
         return _doc_time(json.loads(line))
     return None
+
+
+def _cri_time(stamp: str) -> float:
+    """A CRI log line's RFC 3339 time, nanoseconds cut to the microseconds Python parses."""
+    whole, _, fraction = stamp.rstrip("Z").partition(".")
+    return datetime.fromisoformat(f"{whole}.{(fraction + '000000')[:6]}+00:00").timestamp()
 
 
 def _doc_time(doc: Any) -> float | None:
@@ -513,7 +554,7 @@ def print_runs(backends: list[str], faults: list[str], runs: list[Run]) -> None:
             if leads:
                 print("    " + summary("its first log line -> acquired", leads))
             phased = [r.phases for r in runs if r.backend == backend and r.fault == fault and r.phases]
-            for phase in [*(name for name, _, _ in PHASES), "new ready seen"]:
+            for phase in [*(name for name, _, _ in PHASES), "new app acting", "new ready seen"]:
                 values = [p[phase] for p in phased if phase in p]
                 if values:
                     print("    " + summary(f"-> {phase}", values))
@@ -534,11 +575,18 @@ def main() -> int:
     parser.add_argument("--crash-loop", action="store_true",
                         help="sidecar-kill: kill the same leader container run after run, the kubelet's crash-loop "
                              "back-off included (default: each run kills a container that never restarted)")
+    parser.add_argument("--poll-ms", type=float, default=POLL * 1000,
+                        help="pause between rounds of /readyz requests to every pod while a new leader is awaited "
+                             f"(default {POLL * 1000:g}; each round opens a connection per pod, which costs the "
+                             "sidecars CPU: with --gating file a deletion's figure is the app's own log line, so a "
+                             "slower poll measures it with less of the observer's load)")
     parser.add_argument("--keep-logs", action="store_true",
                         help="keep the pods', the node's (kubelet, containerd) and the operator's logs in a folder")
     args = parser.parse_args()
     if args.runs < 0:
         parser.error("--runs must be at least 0 (0: the footprint only)")
+    if args.poll_ms <= 0:
+        parser.error("--poll-ms must be more than 0")
     if args.rest_seconds < 0:
         parser.error("--rest-seconds must be 0 or more")
     with tempfile.TemporaryDirectory(prefix="node-bench-") as folder:
@@ -555,7 +603,7 @@ def main() -> int:
                 for fault in args.fault:
                     for index in range(args.runs):
                         try:
-                            run = one_run(bed, backend, fault, crash_loop=args.crash_loop)
+                            run = one_run(bed, backend, fault, crash_loop=args.crash_loop, poll=args.poll_ms / 1000)
                         except TimeoutError:
                             keep_evidence(bed)
                             raise
