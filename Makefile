@@ -33,8 +33,13 @@ lint: venv
 	$(BIN)/mypy --config-file tests/mypy.ini tests benchmarks  # not strict: types where tests and benchmarks give them
 	$(BIN)/lint-imports --no-logo --no-cache  # the layer contracts: [tool.importlinter] in pyproject.toml
 
+# Workers of `make test` (pytest-xdist): the tests mostly wait on servers and programs, so more
+# workers than cores pay. One worker runs the group that needs the machine to itself (the real
+# node, the image: tests/conftest.py MACHINE_GROUP); the others share the rest by module, each
+# with a PostgreSQL and a control plane of its own. TEST_WORKERS=0 runs everything in one process.
+TEST_WORKERS ?= 3
 test: prerequisites venv testbed lint
-	$(BIN)/pytest -ra --durations=12 $(PYTEST_ARGS)
+	$(BIN)/pytest -ra --durations=12 -n $(TEST_WORKERS) --dist loadgroup $(PYTEST_ARGS)
 
 # The inner loop: every test that starts no server and builds nothing (markers: pyproject.toml).
 UNIT_MARKERS := not k8s and not postgres and not controlplane and not node and not image and not build and not slow
@@ -48,7 +53,7 @@ testbed-down: venv
 	$(BIN)/singleton-testbed down
 
 testbed-node-test: venv testbed ## root: the real node's tests (containerd + kubelet + kube-proxy), docs/testbed.md
-	$(BIN)/pytest -ra tests/test_node.py $(PYTEST_ARGS)
+	$(BIN)/pytest -ra tests/node/test_node.py $(PYTEST_ARGS)
 
 # USE_EXISTING_CLUSTER's path, proven on the test bed's own real node through its kubeconfig
 # alone: `singleton-testbed up` (control plane + real node + the project's image), the e2e
@@ -98,7 +103,7 @@ image: venv ## build the Dockerfile with buildah into an OCI archive; prints its
 # (all four platforms: minutes), the image as an OCI archive with its SBOM (root: buildah,
 # mmdebstrap; syft built once, about 5 minutes; `--no-image` leaves it out), SHA256SUMS, each
 # checked (twine check --strict, helm lint, their contents): singleton_testbed/dist.py;
-# tests/test_dist.py, test_krew.py and test_image.py run its steps too.
+# tests/release/test_dist.py, test_krew.py and test_image.py run its steps too.
 .PHONY: dist
 dist: venv ## build and check every release artifact into dist/ (nothing is pushed)
 	$(BIN)/python -m singleton_testbed.dist dist

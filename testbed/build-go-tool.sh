@@ -3,7 +3,7 @@
 # or the pinned one from the Go module proxy), into a cache folder keyed by its version, and
 # prints that folder on its last line:
 #
-#   bash testbed/build-go-tool.sh actionlint   # the linter of GitHub Actions workflows (tests/test_release_workflow.py)
+#   bash testbed/build-go-tool.sh actionlint   # the linter of GitHub Actions workflows (tests/release/test_release_workflow.py)
 #   bash testbed/build-go-tool.sh syft         # the image's SBOM in `make dist` (singleton_testbed/dist.py)
 #
 # `go install module@version` builds with the module's own go.mod and go.sum, so the

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# `make e2e-existing`: the end-to-end suite (tests/test_e2e.py) with USE_EXISTING_CLUSTER=true,
+# `make e2e-existing`: the end-to-end suite (tests/node/test_e2e.py) with USE_EXISTING_CLUSTER=true,
 # against the test bed's own real-node cluster known to it only through its kubeconfig: the
 # path a user takes with any cluster, proven here without one.
 #
@@ -31,7 +31,7 @@ log=$(mktemp)
 status=0
 env -u SINGLETON_TEST_DSN -u SINGLETON_TEST_ADMIN_DSN \
   PATH="$PATH_PREFIX:$PATH" USE_EXISTING_CLUSTER=true KUBECONFIG="$KUBECONFIG" SINGLETON_E2E_POD_DSN="$POD_DSN" \
-  "$BIN/pytest" -ra -p no:cacheprovider tests/test_e2e.py "$@" 2>&1 | tee "$log" || status=$?
+  "$BIN/pytest" -ra -p no:cacheprovider tests/node/test_e2e.py "$@" 2>&1 | tee "$log" || status=$?
 if [ "$status" -eq 0 ] && grep -Eq '^=+ .*[0-9]+ skipped' "$log"; then
   echo "[e2e-existing] tests were skipped (see above): every step must run against this node" >&2
   status=1

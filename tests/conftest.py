@@ -32,8 +32,9 @@ from singleton_testbed.binaries import add_to_path, find_all
 from singleton_testbed.controlplane import ControlPlane, wait_established
 from singleton_testbed.harness.sidecars import SidecarProcess
 from singleton_testbed.postgres import PostgresInfo, PostgresServer
-from tests import acting
-from tests.connectproxy import ConnectProxy
+from tests.support import acting
+from tests.support.connectproxy import ConnectProxy
+from tests.support.paths import REPO_ROOT
 
 if TYPE_CHECKING:
     from singleton_testbed.node import Node
@@ -112,16 +113,47 @@ FIXTURE_MARKERS = {
 }
 
 
+MACHINE_GROUP = "machine"
+"""The xdist group of the tests that need this machine to themselves: ``tests/node/`` (the real
+node, one per machine: its lock; the image's build, one cache; the demo and the doc tests'
+``singleton-testbed up``, which start nodes of their own), every test marked ``node`` or
+``image`` elsewhere, and the test bed's own tests (they take the node's lock)."""
+MACHINE_MARKERS = frozenset({"node", "image"})
+MACHINE_MODULES = frozenset({"test_testbed.py"})
+RELEASE_GROUP = "release"
+"""``tests/release/``: one worker, so that the ``make dist`` they share (``dist_dir``, a session
+fixture: one per worker) is built once."""
+
+
+def xdist_group(item: pytest.Item) -> str | None:
+    """The xdist group a test belongs to (``MACHINE_GROUP``, ``RELEASE_GROUP``), or None: the
+    worker that runs its module's other tests."""
+    folder = item.path.parent.name
+    marked = any(item.get_closest_marker(m) for m in MACHINE_MARKERS)
+    if folder == "node" or item.path.name in MACHINE_MODULES or marked:
+        return MACHINE_GROUP
+    if folder == "release":
+        return RELEASE_GROUP
+    return None
+
+
+@pytest.hookimpl(tryfirst=True)  # before xdist's own, which reads the xdist_group marks
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
-    """Marks each test by its fixtures (``FIXTURE_MARKERS``). Tests on the session's real node
-    run last, in their order: the node lives until the session ends and holds the machine's
-    node lock, which the demo's test and the doc tests' ``make testbed-up`` need for nodes of
-    their own. (``test_e2e`` asks for the node at run time; its module sorts after theirs.)"""
+    """Marks each test by its fixtures (``FIXTURE_MARKERS``) and puts the tests that must share
+    a worker in an xdist group (``xdist_group``: under ``make test``'s ``--dist loadgroup`` one
+    worker runs a group in this order, while the others share the rest by module). The groups
+    sort first, as the longest shares should start first; within them the tests on the
+    session's real node run last: the node lives until the session (the worker) ends and holds
+    the machine's node lock, which the demo's test and the doc tests' ``singleton-testbed up``
+    need for nodes of their own (``test_e2e`` asks for the node at run time)."""
     for item in items:
         for fixture in getattr(item, "fixturenames", ()):
             if marker := FIXTURE_MARKERS.get(fixture):
                 item.add_marker(marker)
-    items.sort(key=lambda item: "real_node" in getattr(item, "fixturenames", ()))
+        if group := xdist_group(item):
+            item.add_marker(pytest.mark.xdist_group(group))
+    items.sort(key=lambda item: (item.get_closest_marker("xdist_group") is None,
+                                 "real_node" in getattr(item, "fixturenames", ()) or item.path.name == "test_e2e.py"))
 
 
 def phase_failed(request: pytest.FixtureRequest) -> bool:
@@ -178,7 +210,8 @@ def testbed_binaries() -> dict[str, Path]:
 @pytest.fixture(scope="session")
 def dist_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """What `make dist` builds (the krew plugin for this machine only; the image and its SBOM
-    are tests/test_image.py's), built once for tests/test_dist.py and tests/test_krew.py; no server."""
+    are tests/node/test_image.py's), built once for tests/release/test_dist.py and
+    tests/release/test_krew.py; no server."""
     out = tmp_path_factory.mktemp("dist")
     result = subprocess.run([sys.executable, "-m", "singleton_testbed.dist", "--krew-host", "--no-image", str(out)],
                             capture_output=True, text=True, check=False, timeout=900)
@@ -236,7 +269,7 @@ def controllers(cluster: Cluster) -> Cluster:
     return cluster
 
 
-CRD_PATH = Path(__file__).resolve().parent.parent / "crds" / "singleton.dev_singletonservices.yaml"
+CRD_PATH = REPO_ROOT / "crds" / "singleton.dev_singletonservices.yaml"
 
 
 @pytest.fixture(scope="session")
@@ -379,7 +412,7 @@ def proxy() -> Iterator[ConnectProxy]:
         server.server_close()
 
 
-# --- gated apps that record their acts (tests/acting.py) ---------------------------------------
+# --- gated apps that record their acts (tests/support/acting.py) ---------------------------------------
 
 
 @pytest.fixture

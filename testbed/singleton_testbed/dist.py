@@ -18,7 +18,7 @@ would publish it (nothing is pushed from here)::
 - ``SHA256SUMS`` of all of them.
 
 Every check raises ``DistError`` naming what is wrong; the last line printed is the folder.
-``tests/test_dist.py`` runs it and checks the artifacts again from the outside.
+``tests/release/test_dist.py`` runs it and checks the artifacts again from the outside.
 """
 
 from __future__ import annotations

@@ -13,7 +13,7 @@ lock lost). A graceful ending first drains: the term stays renewed while the app
 its in-flight work, up to the drain timeout. A forced ending stops the app at once.
 
 This module decides which, from a snapshot of the loop's state; it does no I/O, so every
-case is table-tested (``tests/test_elector.py``).
+case is table-tested (``tests/unit/election/test_elector.py``).
 """
 
 from __future__ import annotations

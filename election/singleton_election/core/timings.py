@@ -50,7 +50,7 @@ def _shown(value: object) -> str:
 def check_timings(lease_duration: object, renew_deadline: object, retry_period: object) -> None:
     """The one rule set of timings: positive finite numbers, then the CRD's validation rules in
     their order (the CRD says them again in CEL, for admission, where its schema's pattern
-    already refuses a zero or negative duration; tests/test_crd.py checks that both agree to
+    already refuses a zero or negative duration; tests/integration/kube/test_crd.py checks that both agree to
     the nanosecond). Raises ``TimingError`` on the first broken rule."""
     values: dict[str, object] = {"lease_duration": lease_duration, "renew_deadline": renew_deadline,
                                  "retry_period": retry_period}

@@ -6,9 +6,10 @@ because the operator could not build it: an object the API server would refuse (
 name, a label, a resource quantity), a sidecar that would refuse its settings (timings, a
 port), or a group that would not work (a drain hook on the sidecar's own port). So the
 operator never builds from an object that an older CRD in the cluster let through, and the
-two agree: what admission accepts, ``read_spec`` accepts (tests/test_operator_units.py runs
-every variant the admission tests of tests/test_crd.py accept through it; tests/test_crd.py
-compares the API server's verdict with its own on durations near every rule's boundary).
+two agree: what admission accepts, ``read_spec`` accepts (tests/unit/operator/test_operator_units.py
+runs every variant the admission tests of tests/integration/kube/test_crd.py accept through it;
+test_crd.py compares the API server's verdict with its own on durations near every rule's
+boundary).
 
 Admission also refuses a few things the operator could build but that would surprise the
 user; ``read_spec`` leaves those alone, so a group admitted by an older CRD keeps being

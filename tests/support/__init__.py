@@ -1,0 +1,1 @@
+"""What the tests share: apps and detectors, proxies, fakes, timings, the repository's paths."""
