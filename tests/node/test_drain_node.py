@@ -44,7 +44,7 @@ GATE_WORD = "draining: the gate says the app has stopped; not waiting for the ku
 HANDOVER_BOUND = 1.5
 """Seconds from the accepted eviction to another pod's sidecar answering ``/readyz`` 200 as the
 new leader. On the gate's word the handover takes about 0.25 s on the real node
-(benchmarks/README.md, eviction with the file gate: median 237 ms, max 332 ms on lease). The
+(benchmarks/LAB-LOG.md, eviction with the file gate: median 237 ms, max 332 ms on lease). The
 kubelet's path cannot meet 1.5 s: the kubelet signals a native sidecar only once its relist
 (every second) has noticed the main container's exit and it has written the pod's status, which
 took 1.9-2.3 s from the deletion before the term ended on the gate's word."""
