@@ -114,45 +114,59 @@ FIXTURE_MARKERS = {
 
 
 MACHINE_GROUP = "machine"
-"""The xdist group of the tests that need this machine to themselves: ``tests/node/`` (the real
-node, one per machine: its lock; the image's build, one cache; the demo and the doc tests'
-``singleton-testbed up``, which start nodes of their own), every test marked ``node`` or
-``image`` elsewhere, and the test bed's own tests (they take the node's lock)."""
-MACHINE_MARKERS = frozenset({"node", "image"})
-MACHINE_MODULES = frozenset({"test_testbed.py"})
+"""The share of ``make test`` that needs this machine to itself: ``tests/node/`` (the real node,
+one per machine: its lock; the image's build, one cache; the demo and the doc tests'
+``singleton-testbed up``, which start nodes of their own) and the test bed's own tests (they
+take the node's lock)."""
+MACHINE_MODULES = frozenset({"tests/integration/kube/test_testbed.py"})
 RELEASE_GROUP = "release"
 """``tests/release/``: one worker, so that the ``make dist`` they share (``dist_dir``, a session
 fixture: one per worker) is built once."""
 
 
-def xdist_group(item: pytest.Item) -> str | None:
-    """The xdist group a test belongs to (``MACHINE_GROUP``, ``RELEASE_GROUP``), or None: the
-    worker that runs its module's other tests."""
-    folder = item.path.parent.name
-    marked = any(item.get_closest_marker(m) for m in MACHINE_MARKERS)
-    if folder == "node" or item.path.name in MACHINE_MODULES or marked:
+def worker_share(nodeid: str) -> str:
+    """Which tests one pytest-xdist worker runs together, in order: ``MACHINE_GROUP``,
+    ``RELEASE_GROUP``, or the test's module (its module-scoped fixtures are set up once)."""
+    module = nodeid.split("::", 1)[0]
+    if module.startswith("tests/node/") or module in MACHINE_MODULES:
         return MACHINE_GROUP
-    if folder == "release":
+    if module.startswith("tests/release/"):
         return RELEASE_GROUP
-    return None
+    return module
 
 
-@pytest.hookimpl(tryfirst=True)  # before xdist's own, which reads the xdist_group marks
+def pytest_xdist_make_scheduler(config: pytest.Config, log: object) -> object | None:
+    """``make test``'s ``--dist loadgroup``: the workers share the suite by ``worker_share``.
+    xdist's own loadgroup reads ``xdist_group`` marks by renaming each test's node id, which
+    pytest 9.2 no longer lets a plugin do (the marks are ignored and a group spreads over the
+    workers), so the shares are decided here, from the tests' paths. Other modes are xdist's."""
+    if config.getoption("dist") != "loadgroup":
+        return None
+    from xdist.scheduler import LoadScopeScheduling
+
+    class Shares(LoadScopeScheduling):
+        def _split_scope(self, nodeid: str) -> str:  # the documented override of the scope schedulers
+            return worker_share(nodeid)
+
+    return Shares(config, log)
+
+
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
-    """Marks each test by its fixtures (``FIXTURE_MARKERS``) and puts the tests that must share
-    a worker in an xdist group (``xdist_group``: under ``make test``'s ``--dist loadgroup`` one
-    worker runs a group in this order, while the others share the rest by module). The groups
-    sort first, as the longest shares should start first; within them the tests on the
-    session's real node run last: the node lives until the session (the worker) ends and holds
-    the machine's node lock, which the demo's test and the doc tests' ``singleton-testbed up``
-    need for nodes of their own (``test_e2e`` asks for the node at run time)."""
+    """Marks each test by its fixtures (``FIXTURE_MARKERS``) and orders the suite: the shares of
+    ``worker_share`` first, as the longest should start first (a worker runs its share in this
+    order); within them the tests on the session's real node last: the node lives until the
+    session (the worker) ends and holds the machine's node lock, which the demo's test and the
+    doc tests' ``singleton-testbed up`` need for nodes of their own (``test_e2e`` asks for the
+    node at run time). A test on the real node outside ``tests/node/`` is refused: it would
+    run beside the node's share, and two nodes cannot run on one machine."""
     for item in items:
         for fixture in getattr(item, "fixturenames", ()):
             if marker := FIXTURE_MARKERS.get(fixture):
                 item.add_marker(marker)
-        if group := xdist_group(item):
-            item.add_marker(pytest.mark.xdist_group(group))
-    items.sort(key=lambda item: (item.get_closest_marker("xdist_group") is None,
+        if worker_share(item.nodeid) != MACHINE_GROUP and any(item.get_closest_marker(m) for m in ("node", "image")):
+            raise pytest.UsageError(f"{item.nodeid} runs on the real node or builds the image: "
+                                    "it belongs in tests/node/")
+    items.sort(key=lambda item: (worker_share(item.nodeid) == item.nodeid.split("::", 1)[0],
                                  "real_node" in getattr(item, "fixturenames", ()) or item.path.name == "test_e2e.py"))
 
 

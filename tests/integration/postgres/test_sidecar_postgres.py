@@ -171,7 +171,9 @@ async def test_sigterm_drains_then_hands_over_without_losing_work(
     for _ in range(2):
         alive = [s for s in members if s.alive()]
         leader = await asyncio.to_thread(one_leader, alive)
-        await asyncio.sleep(0.4)
+        # Its worker acts before the drain (a fixed pause ran out on a loaded machine: the
+        # worker's Python had not started, and the ledger had nothing to judge).
+        await rows_written(pg_dsn, leader.env["SINGLETON_IDENTITY"], at_least=3)
         leader.signal(signal.SIGTERM)
         started = time.monotonic()
         await asyncio.to_thread(one_leader, [s for s in alive if s is not leader], 5)
