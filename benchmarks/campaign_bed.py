@@ -62,7 +62,6 @@ import secrets
 import signal
 import subprocess
 import time
-import urllib.error
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any, BinaryIO, TypeVar
@@ -73,6 +72,7 @@ from benchmarks.campaign_pods import Frozen, freeze_pod, loopback_request, thaw_
 from benchmarks.campaign_poll import PORT, Poller, Sample
 from singleton_election import contract
 from singleton_election.core.elector import DRAIN_TIMEOUT_PASSED
+from singleton_election.kube import KubeUnavailable
 from singleton_operator.model import resources
 from singleton_operator.model.spec import read_spec
 from singleton_testbed import images, node_pods
@@ -154,7 +154,7 @@ def admin_call(api: AdminApi, method: str, path: str, body: dict[str, Any] | Non
     for _ in range(attempts):
         try:
             status, answer = api.request(method, path, body)
-        except (urllib.error.URLError, OSError):
+        except KubeUnavailable:  # no answer: refused or timed out
             time.sleep(0.5)
             continue
         if status in ok:
@@ -235,7 +235,7 @@ def watch_running(api: AdminApi, poller: Poller, namespace: str, container: str,
         return
     try:
         ips = running_ips(api, namespace, container)
-    except (urllib.error.URLError, OSError):
+    except KubeUnavailable:
         return  # the API server is being restarted: next time
     for pod, ip in ips.items():
         if pod in pods and not pods[pod]:
@@ -303,6 +303,8 @@ class Bed:
                                   ["spec"]["clusterIP"])
 
     def stop(self) -> None:
+        if self.api is not None:
+            self.api.close()
         if self.borrowed is None:
             self.node.stop()
             self.cp.stop()

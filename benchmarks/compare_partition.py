@@ -290,9 +290,9 @@ def pod_bed(plane: ControlPlane, workdir: Path, peers: list[PodPeer], on_node: O
     else:
         node, project_image, tolerations = on_node.node, on_node.project_image, on_node.tolerations
     poller = Poller(slow=0.05, fast=0.01)
+    api = AdminApi(plane.info.kubeconfig)
     try:
-        bed = PodBed(AdminApi(plane.info.kubeconfig), plane, node, poller, workdir, "", project_image,
-                     tolerations=tolerations)
+        bed = PodBed(api, plane, node, poller, workdir, "", project_image, tolerations=tolerations)
         for binary in {p.clientgo_binary for p in peers if p.clientgo_binary is not None}:
             archive, reference = elector_image(binary, workdir)
             try:
@@ -306,6 +306,7 @@ def pod_bed(plane: ControlPlane, workdir: Path, peers: list[PodPeer], on_node: O
         yield bed
     finally:
         poller.stop()
+        api.close()
         if own:
             node.stop()
 

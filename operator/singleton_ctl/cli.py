@@ -10,8 +10,9 @@
 
 kubectl runs ``kubectl-singleton`` from PATH for ``kubectl singleton``. Uses the usual
 kubeconfig (``--kubeconfig``, ``$KUBECONFIG``, ``~/.kube/config``, or the pod's service
-account) through the official client: ``--context``, exec credential plugins, OIDC and other
-auth providers, ``HTTPS_PROXY``/``NO_PROXY``. ``release`` is carried out by the operator
+account) with the official client's loader: ``--context``, exec credential plugins, OIDC and
+other auth providers, ``HTTPS_PROXY``/``NO_PROXY`` (an ``http://`` proxy); the requests go
+through the project's own client (``singleton_ctl.kube``). ``release`` is carried out by the operator
 inside the cluster. Errors are one line on stderr and exit status 1 (2 for bad usage).
 """
 
@@ -27,8 +28,9 @@ from typing import Any
 import yaml
 
 from singleton_ctl.groups import Ctl, CtlError, GroupView
-from singleton_ctl.kube import CLUSTER_ERRORS, Api, error_line
+from singleton_ctl.kube import CLUSTER_ERRORS, error_line
 from singleton_ctl.manifests import inject_files
+from singleton_election.kube_blocking import BlockingKubeClient
 from singleton_operator.cli import DEFAULT_SIDECAR_IMAGE, PULL_POLICIES
 from singleton_operator.kubelogin import resolve
 
@@ -172,7 +174,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         if args.command == "release" and not args.yes and not confirmed(namespace, args.group):
             print("Nothing done.")
             return 1
-        api = Api(resolved, user_agent=PLUGIN_NAME)
+        api = BlockingKubeClient(resolved.kube_config(), user_agent=PLUGIN_NAME)
         try:
             return run(args, Ctl(api, prog=prog), namespace)
         finally:

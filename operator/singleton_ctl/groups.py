@@ -15,11 +15,9 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-from kubernetes.client.exceptions import NotFoundException
-
-from singleton_ctl.kube import Api
 from singleton_election import contract
-from singleton_election.kube import event_body
+from singleton_election.kube import KubeNotFound, event_body
+from singleton_election.kube_blocking import BlockingKubeClient
 from singleton_operator.release_request import RELEASE_REQUEST, ReleaseRequest, answer_of, request_of
 
 CRS = f"/apis/{contract.API_GROUP}/{contract.API_VERSION}"
@@ -81,14 +79,14 @@ def _member(pod: dict[str, Any], now: dt.datetime) -> Member:
 
 
 class Ctl:
-    def __init__(self, api: Api, *, prog: str = "kubectl singleton") -> None:
+    def __init__(self, api: BlockingKubeClient, *, prog: str = "kubectl singleton") -> None:
         self.api = api
         self.prog = prog
 
     def get_group(self, namespace: str, name: str) -> dict[str, Any]:
         try:
             return self.api.request("GET", f"{CRS}/namespaces/{namespace}/{contract.PLURAL}/{name}")
-        except NotFoundException:
+        except KubeNotFound:
             raise CtlError(f"no SingletonService {name!r} in namespace {namespace!r} "
                            f"(list them with: {self.prog} status -n {namespace})") from None
 
@@ -118,7 +116,7 @@ class Ctl:
         review = {"apiVersion": "authentication.k8s.io/v1", "kind": "SelfSubjectReview"}
         try:
             answer = self.api.request("POST", "/apis/authentication.k8s.io/v1/selfsubjectreviews", body=review)
-        except NotFoundException:
+        except KubeNotFound:
             return "unknown user"
         return str(((answer.get("status") or {}).get("userInfo") or {}).get("username", "unknown user"))
 

@@ -3,16 +3,14 @@
 from __future__ import annotations
 
 import json
-import ssl
-import urllib.error
-import urllib.request
 from pathlib import Path
 from typing import Any, Protocol
 
 import yaml
 
 from singleton_election import contract
-from singleton_election.kube import load_kube_config
+from singleton_election.kube import KubeError, load_kube_config
+from singleton_election.kube_blocking import BlockingKubeClient
 
 
 class KubectlRunner(Protocol):
@@ -126,24 +124,23 @@ def save_pod_logs(cluster: KubectlRunner, namespace: str, folder: Path, *, selec
 
 
 class AdminApi:
-    """The API server with the admin kubeconfig's token, for callers that time things or call
-    it in a loop (kubectl's start would blur the figures or slow the loop)."""
+    """The API server with the admin kubeconfig's credentials, for callers that time things or
+    call it in a loop (kubectl's start would blur the figures or slow the loop): the project's
+    request client, driven synchronously, safe to call from any thread. ``close`` when done."""
 
     def __init__(self, kubeconfig: Path) -> None:
-        config = load_kube_config(str(kubeconfig))
-        self.server = config.server
-        self.token = config.bearer_token() or ""
-        self.ssl = ssl.create_default_context(cadata=(config.ca_data or b"").decode())
+        self.client = BlockingKubeClient(load_kube_config(str(kubeconfig)), user_agent="singleton-testbed")
+
+    def close(self) -> None:
+        self.client.close()
 
     def request(self, method: str, path: str, body: dict[str, Any] | None = None,
                 timeout: float = 10) -> tuple[int, dict[str, Any]]:
-        """(status, JSON answer); HTTP errors are answers too."""
-        data = None if body is None else json.dumps(body).encode()
-        request = urllib.request.Request(self.server + path, data=data, method=method, headers={
-            "Authorization": f"Bearer {self.token}", "Content-Type": "application/json",
-            "Accept": "application/json"})
+        """(status, JSON answer): an HTTP error is an answer too (its ``Status``), 200 stands for
+        any success; no answer at all (refused, timed out) raises ``KubeUnavailable``."""
         try:
-            with urllib.request.urlopen(request, context=self.ssl, timeout=timeout) as response:
-                return response.status, json.loads(response.read())
-        except urllib.error.HTTPError as exc:
-            return exc.code, json.loads(exc.read() or b"{}")
+            return 200, self.client.request(method, path, body=body, timeout=timeout)
+        except KubeError as exc:
+            if exc.status == 0:
+                raise
+            return exc.status, {"kind": "Status", "code": exc.status, "reason": exc.reason, "message": exc.message}

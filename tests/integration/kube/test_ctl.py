@@ -1,6 +1,7 @@
-"""kubectl singleton (the `kubectl-singleton` plugin, official Kubernetes client) against the
-real API server, with real sidecar processes playing the pods of a group (the sidecar's own
-service account) and, for `release`, a real operator process carrying the request out."""
+"""kubectl singleton (the `kubectl-singleton` plugin: the official client's kubeconfig loader,
+the project's request client) against the real API server, with real sidecar processes
+playing the pods of a group (the sidecar's own service account) and, for `release`, a real
+operator process carrying the request out."""
 
 from __future__ import annotations
 

@@ -9,6 +9,7 @@ import json
 import os
 import stat
 import subprocess
+import threading
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import aclosing, asynccontextmanager
@@ -33,6 +34,7 @@ from singleton_election.kube import (
     KubeUnavailable,
     load_kube_config,
 )
+from singleton_election.kube_blocking import BlockingKubeClient
 from tests.conftest import Cluster
 from tests.support.connectproxy import ConnectProxy
 
@@ -387,3 +389,30 @@ async def test_watch_error_events_raise(code: int, expected: type[KubeError]) ->
                 seen.append((kind, len(obj["metadata"]["name"])))
     assert seen == [("ADDED", 100_000)]
     assert error.value.status == code and "too old resource version" in error.value.message
+
+
+def test_the_blocking_client_serves_several_threads_and_ends_its_loop(cluster: Cluster) -> None:
+    """``BlockingKubeClient`` (kubectl singleton, the harness): calls from several threads at
+    once on its one loop and connection pool; the client's errors as they are; ``close`` ends
+    its thread and loop, and a call after it fails rather than hangs."""
+    client = BlockingKubeClient(admin_config(cluster), user_agent="singleton-tests")
+    names: list[str] = []
+
+    def read_the_namespace() -> None:
+        for _ in range(5):
+            names.append(client.request("GET", "/api/v1/namespaces/default")["metadata"]["name"])
+
+    threads = [threading.Thread(target=read_the_namespace) for _ in range(8)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(30)
+    assert names == ["default"] * 40
+    with pytest.raises(KubeNotFound):
+        client.request("GET", "/api/v1/namespaces/no-such-namespace-here")
+    loop_thread = client._thread
+    client.close()
+    assert not loop_thread.is_alive()
+    client.close()  # idempotent
+    with pytest.raises(RuntimeError):
+        client.request("GET", "/api/v1/namespaces/default")
