@@ -303,12 +303,14 @@ class Bed:
                                   ["spec"]["clusterIP"])
 
     def stop(self) -> None:
-        if self.api is not None:
-            self.api.close()
-        if self.borrowed is None:
-            self.node.stop()
-            self.cp.stop()
-        self.pg.cleanup()
+        try:
+            if self.api is not None:
+                self.api.close()
+        finally:
+            if self.borrowed is None:
+                self.node.stop()
+                self.cp.stop()
+            self.pg.cleanup()
 
     @property
     def admin(self) -> AdminApi:

@@ -290,8 +290,9 @@ def pod_bed(plane: ControlPlane, workdir: Path, peers: list[PodPeer], on_node: O
     else:
         node, project_image, tolerations = on_node.node, on_node.project_image, on_node.tolerations
     poller = Poller(slow=0.05, fast=0.01)
-    api = AdminApi(plane.info.kubeconfig)
+    api: AdminApi | None = None
     try:
+        api = AdminApi(plane.info.kubeconfig)
         bed = PodBed(api, plane, node, poller, workdir, "", project_image, tolerations=tolerations)
         for binary in {p.clientgo_binary for p in peers if p.clientgo_binary is not None}:
             archive, reference = elector_image(binary, workdir)
@@ -306,7 +307,8 @@ def pod_bed(plane: ControlPlane, workdir: Path, peers: list[PodPeer], on_node: O
         yield bed
     finally:
         poller.stop()
-        api.close()
+        if api is not None:
+            api.close()
         if own:
             node.stop()
 

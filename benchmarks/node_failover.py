@@ -49,6 +49,7 @@ import base64
 import contextlib
 import json
 import os
+import re
 import shutil
 import signal
 import ssl
@@ -451,10 +452,18 @@ def _log_time(line: str) -> float | None:
     return None
 
 
+CRI_TIME = re.compile(r"^(\d{4}-\d\d-\d\dT\d\d:\d\d:\d\d)(?:\.(\d+))?(Z|[+-]\d\d:\d\d)$")
+
+
 def _cri_time(stamp: str) -> float:
-    """A CRI log line's RFC 3339 time, nanoseconds cut to the microseconds Python parses."""
-    whole, _, fraction = stamp.rstrip("Z").partition(".")
-    return datetime.fromisoformat(f"{whole}.{(fraction + '000000')[:6]}+00:00").timestamp()
+    """A CRI log line's RFC 3339 time (containerd writes local time with its offset, or Z),
+    nanoseconds cut to the microseconds Python parses; ValueError if it is none."""
+    found = CRI_TIME.match(stamp)
+    if found is None:
+        raise ValueError(f"not an RFC 3339 time: {stamp!r}")
+    whole, fraction, zone = found.groups()
+    offset = "+00:00" if zone == "Z" else zone
+    return datetime.fromisoformat(f"{whole}.{((fraction or '') + '000000')[:6]}{offset}").timestamp()
 
 
 def _doc_time(doc: Any) -> float | None:

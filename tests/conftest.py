@@ -144,6 +144,10 @@ def pytest_xdist_make_scheduler(config: pytest.Config, log: object) -> object | 
         return None
     from xdist.scheduler import LoadScopeScheduling
 
+    # The shares start in collection order (``pytest_collection_modifyitems``: the node's first),
+    # not by their number of tests: the longest share is not the one with the most tests.
+    config.option.loadscopereorder = False
+
     class Shares(LoadScopeScheduling):
         def _split_scope(self, nodeid: str) -> str:  # the documented override of the scope schedulers
             return worker_share(nodeid)
@@ -152,13 +156,14 @@ def pytest_xdist_make_scheduler(config: pytest.Config, log: object) -> object | 
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
-    """Marks each test by its fixtures (``FIXTURE_MARKERS``) and orders the suite: the shares of
-    ``worker_share`` first, as the longest should start first (a worker runs its share in this
-    order); within them the tests on the session's real node last: the node lives until the
-    session (the worker) ends and holds the machine's node lock, which the demo's test and the
-    doc tests' ``singleton-testbed up`` need for nodes of their own (``test_e2e`` asks for the
-    node at run time). A test on the real node outside ``tests/node/`` is refused: it would
-    run beside the node's share, and two nodes cannot run on one machine."""
+    """Marks each test by its fixtures (``FIXTURE_MARKERS``) and orders the suite: the tests on
+    the session's real node last (the node lives until the session, or the worker, ends and
+    holds the machine's node lock, which the demo's test and the doc tests' ``singleton-testbed
+    up`` need for nodes of their own; ``test_e2e`` asks for the node at run time), and before
+    the rest the other tests of the shares of ``worker_share``, so that under ``make test``
+    the node's share starts first: it is the longest. A worker runs its share in this order.
+    A test on the real node outside ``tests/node/`` is refused: it would run beside the node's
+    share, and two nodes cannot run on one machine."""
     for item in items:
         for fixture in getattr(item, "fixturenames", ()):
             if marker := FIXTURE_MARKERS.get(fixture):
@@ -166,8 +171,8 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
         if worker_share(item.nodeid) != MACHINE_GROUP and any(item.get_closest_marker(m) for m in ("node", "image")):
             raise pytest.UsageError(f"{item.nodeid} runs on the real node or builds the image: "
                                     "it belongs in tests/node/")
-    items.sort(key=lambda item: (worker_share(item.nodeid) == item.nodeid.split("::", 1)[0],
-                                 "real_node" in getattr(item, "fixturenames", ()) or item.path.name == "test_e2e.py"))
+    items.sort(key=lambda item: ("real_node" in getattr(item, "fixturenames", ()) or item.path.name == "test_e2e.py",
+                                 worker_share(item.nodeid) == item.nodeid.split("::", 1)[0]))
 
 
 def phase_failed(request: pytest.FixtureRequest) -> bool:

@@ -2,7 +2,7 @@
 
 The project's one request client: the lease backend, the sidecar's own-pod updater, the
 operator's own calls (its election, status, reconciles, webhook certificate) and
-``kubectl singleton`` (driven synchronously by ``singleton_ctl.kube``). Ours rather than
+``kubectl singleton`` (driven synchronously by ``singleton_election.kube_blocking``). Ours rather than
 kubernetes_asyncio because the sidecar must start campaigning within 0.5 s and stay within
 30 MB: that library imports about a thousand model modules (and aiohttp). Objects are plain JSON
 dicts.

@@ -174,7 +174,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         if args.command == "release" and not args.yes and not confirmed(namespace, args.group):
             print("Nothing done.")
             return 1
-        api = BlockingKubeClient(resolved.kube_config(), user_agent=PLUGIN_NAME)
+        try:
+            api = BlockingKubeClient(resolved.kube_config(), user_agent=PLUGIN_NAME)
+        except ValueError as exc:  # the server or proxy URL is not one
+            raise CtlError(f"kubeconfig: {exc}") from None
         try:
             return run(args, Ctl(api, prog=prog), namespace)
         finally:

@@ -5,8 +5,9 @@ The sidecar's small client (``singleton_election.kube``) reads tokens, token fil
 certificates only; a laptop's kubeconfig for EKS, GKE, AKS or an OIDC cluster needs exec
 credential plugins and auth providers, and a corporate network needs ``HTTPS_PROXY`` and
 ``NO_PROXY``. The official client's loader does all of that; ``Resolved`` wraps what it
-produced so that the CLI (a synchronous ``ApiClient``), kopf (a ``ConnectionInfo``) and the
-operator's own aiohttp client (a ``KubeConfig`` whose token comes from here) share it.
+produced so that kopf (a ``ConnectionInfo``) and the project's own request client (a
+``KubeConfig`` whose token comes from here: the operator's calls, and ``kubectl singleton``
+through ``singleton_election.kube_blocking``) share it.
 
 Expiring credentials (an exec plugin's ``expirationTimestamp``, a ``gcp`` auth provider's
 ``expiry``) are renewed by the loader's refresh hook whenever a token is asked for after they
@@ -108,8 +109,13 @@ class Resolved:
         return str(conf.proxy)
 
     def kube_config(self) -> KubeConfig:
-        """The same credentials for the sidecar's small client (used by the operator)."""
+        """The same credentials for the project's request client (the operator's calls, the CLI)."""
         conf = self.configuration
+        if getattr(conf, "tls_server_name", None):
+            # Our client checks the certificate against the server URL's host; refusing beats a
+            # hostname mismatch that would read as "cannot reach the API server".
+            raise KubeLoginError(f"tls-server-name {conf.tls_server_name!r} is not supported: point the cluster's "
+                                 "server at a name its certificate holds")
         ca_data = Path(conf.ssl_ca_cert).read_bytes() if conf.ssl_ca_cert else None
         return KubeConfig(server=str(conf.host).rstrip("/"), ca_data=ca_data, client_cert_file=conf.cert_file or None,
                           client_key_file=conf.key_file or None, insecure=not conf.verify_ssl,

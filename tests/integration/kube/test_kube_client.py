@@ -34,7 +34,7 @@ from singleton_election.kube import (
     KubeUnavailable,
     load_kube_config,
 )
-from singleton_election.kube_blocking import BlockingKubeClient
+from singleton_election.kube_blocking import BlockingKubeClient, ClientClosed
 from tests.conftest import Cluster
 from tests.support.connectproxy import ConnectProxy
 
@@ -414,5 +414,5 @@ def test_the_blocking_client_serves_several_threads_and_ends_its_loop(cluster: C
     client.close()
     assert not loop_thread.is_alive()
     client.close()  # idempotent
-    with pytest.raises(RuntimeError):
+    with pytest.raises(ClientClosed):
         client.request("GET", "/api/v1/namespaces/default")

@@ -1088,6 +1088,29 @@ async def test_another_pods_sole_candidate_takes_over_once_the_old_app_is_stoppe
     assert term.acting_from <= time.monotonic() and term.token > old.token
 
 
+async def test_a_force_release_whose_session_does_not_end_fails(
+        make_backend: Factory, pg_dsn: str, postgres_server: PostgresServer | None) -> None:
+    """A holder's server process that cannot act on ``pg_terminate_backend`` (stopped here with
+    SIGSTOP, as a hung backend would be) keeps its lock: the release says it failed, within its
+    timeout, rather than "ended"."""
+    if postgres_server is None:
+        pytest.skip("the server's processes are not ours to stop")
+    holder = make_backend()
+    await acquired(holder, "a")
+    assert holder._conn is not None
+    backend_pid = holder._conn.get_server_pid()
+    conn = await asyncpg.connect(pg_dsn)
+    os.kill(backend_pid, signal.SIGSTOP)
+    try:
+        started = time.monotonic()
+        with pytest.raises(ForceReleaseFailed, match=r"had not ended within 0.5s: it keeps its lock"):
+            await force_release(conn, holder.group, sql=SQL, timeout=0.5)
+        assert time.monotonic() - started < 2.0
+    finally:
+        os.kill(backend_pid, signal.SIGCONT)
+        await conn.close()
+
+
 async def test_a_force_release_ends_the_holders_session(make_backend: Factory, pg_dsn: str) -> None:
     """``kubectl singleton release``'s PostgreSQL step (session mode), as the operator carries it out."""
     holder = make_backend()

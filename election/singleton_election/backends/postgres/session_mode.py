@@ -653,35 +653,52 @@ async def force_release(conn: Connection, group_key: str, *, sql: Statements, ti
     what was done, in words. Either mode's rule, judged from the row:
 
     - session mode (the row names the holder's session): end that session, which frees its
-      advisory lock, and wait (within ``timeout``) until it has ended: PostgreSQL only signals
-      it, and "ended" must be true when we say it; a standby takes over after ``takeover_wait``
+      advisory lock, and wait until it has ended (``timeout`` bounds the whole call; a session
+      still there then is a ``ForceReleaseFailed``): PostgreSQL only signals it, and "ended"
+      must be true when we say it; a standby takes over after ``takeover_wait``
       for an unreleased holder, as after any session end, so the old app has stopped first;
     - pooled mode (a live row without a session): nothing to end. Expiring the row now would
       let a standby act while a live holder still acts until its next renewal; it frees by
       itself within the lease, as a crashed holder's does.
     """
+    deadline = time.monotonic() + timeout
+
+    def left() -> float:
+        return max(0.001, deadline - time.monotonic())
+
     try:
-        row = await conn.fetchrow(sql.holder, group_key, timeout=timeout)
+        row = await conn.fetchrow(sql.holder, group_key, timeout=left())
         if row is not None and row["holder"] is not None and row["holder_pid"] is None \
                 and (row["expires_in"] or 0) > 0:
             return (f"PostgreSQL holder {row['holder']} (pooled mode: no session to end) keeps its row until it "
                     f"expires, in {row['expires_in']:.1f}s; a standby takes over then")
         if row is None or row["holder_pid"] is None:
             return "no PostgreSQL holder"
-        deadline = time.monotonic() + timeout
-        ended = await conn.fetchval(sql.terminate, row["holder_pid"], timeout=timeout)
-        while ended and await conn.fetchval(sql.session_alive, row["holder_pid"],
-                                            timeout=max(0.1, deadline - time.monotonic())):
-            if time.monotonic() >= deadline:
-                return (f"asked PostgreSQL to end the session of holder {row['holder']}; it has not ended within "
-                        f"{timeout:g}s (it keeps its lock until it does)")
-            await asyncio.sleep(_TERMINATION_POLL)
+        ended = await conn.fetchval(sql.terminate, row["holder_pid"], timeout=left())
     except asyncpg.UndefinedTableError:
         # Not "no holder": a DSN naming another database than the group's would then look released.
         raise ForceReleaseFailed(f"PostgreSQL: no lock table {sql.leases} in this database: no sidecar of the "
                                  "group has run against it (is the Secret's DSN the group's?)") from None
     except (asyncpg.PostgresError, asyncpg.InterfaceError, TimeoutError) as exc:
         raise ForceReleaseFailed(f"PostgreSQL: {type(exc).__name__}: {exc}") from None
+    if ended and not await _session_ended(conn, row["holder_pid"], sql, deadline):
+        raise ForceReleaseFailed(f"PostgreSQL was asked to end the session of holder {row['holder']}, but it had not "
+                                 f"ended within {timeout:g}s: it keeps its lock until it does")
     if not ended:
         return f"the session of PostgreSQL holder {row['holder']} had ended already"
     return f"ended the PostgreSQL session of holder {row['holder']}"
+
+
+async def _session_ended(conn: Connection, pid: int, sql: Statements, deadline: float) -> bool:
+    """Whether the session ``pid`` (signalled by ``pg_terminate_backend``) is gone by ``deadline``;
+    a look that cannot be answered in time counts as not gone."""
+    while True:
+        try:
+            alive = await conn.fetchval(sql.session_alive, pid, timeout=max(0.001, deadline - time.monotonic()))
+        except (asyncpg.PostgresError, asyncpg.InterfaceError, TimeoutError):
+            return False
+        if not alive:
+            return True
+        if time.monotonic() >= deadline:
+            return False
+        await asyncio.sleep(_TERMINATION_POLL)
