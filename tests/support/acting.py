@@ -37,6 +37,12 @@ def spans(log: Path) -> list[Span]:
     return sorted((Span(t, f, la, frozenset(p)) for t, (f, la, p) in seen.items()), key=lambda s: s.first)
 
 
+def has_acted(log: Path) -> bool:
+    """Whether an app has recorded an act in ``log`` yet (the app creates the file when it
+    starts, before its first act: a file that exists is no act)."""
+    return log.exists() and bool(spans(log))
+
+
 def idle_gaps(log: Path) -> list[float]:
     """Seconds between one token's last act and the next token's first; negative: both acted at once."""
     ordered = spans(log)

@@ -640,10 +640,12 @@ def singleton_service(name: str, namespace: str) -> Obj:
 
 
 @pytest.mark.k8s
-def test_install_creates_the_crd_then_the_fixture_still_applies(cluster: Cluster, release: Release,
-                                                                 tmp_path: Path) -> None:
+def test_install_creates_the_crd_then_the_fixture_still_applies(cluster: Cluster, singleton_crd: Path,
+                                                                 release: Release, tmp_path: Path) -> None:
     """Order 1: helm installs the CRD (none there), then the fixture's server-side apply
-    takes it over without conflict. helm never deletes a CRD of crds/ on uninstall."""
+    takes it over without conflict. helm never deletes a CRD of crds/ on uninstall. (The
+    fixture first: the groups left by earlier tests are listed through the CRD, which a worker
+    that runs this module before any other has not applied yet.)"""
     if use_existing_cluster():
         pytest.skip("deletes the SingletonService CRD (and every SingletonService): test bed only")
     crd = "crd/singletonservices.singleton.dev"

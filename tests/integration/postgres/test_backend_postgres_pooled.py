@@ -29,7 +29,7 @@ from singleton_sdk.asyncpg import StaleToken, ensure_fence_table, fence
 from singleton_testbed.harness.sidecars import SidecarProcess, one_leader, wait_for
 from singleton_testbed.pgbouncer import PgBouncer
 from singleton_testbed.postgres import PostgresInfo
-from tests.support.acting import assert_never_two_actors, spans
+from tests.support.acting import assert_never_two_actors, has_acted, spans
 from tests.support.paths import DATA
 from tests.support.pgquery import fetchval
 from tests.support.tcpproxy import CuttableProxy
@@ -475,7 +475,7 @@ def test_real_sidecars_in_the_pooled_mode_hand_over_and_fail_over_with_the_exec_
         for sidecar in sidecars:
             sidecar.start()
         first = one_leader(sidecars, timeout=20)
-        wait_for(acts.exists, 10, "the first leader's app to act")
+        wait_for(lambda: has_acted(acts), 10, "the first leader's app to act")
         first.signal_sidecar_only(signal.SIGTERM)  # a drain: stop the app, release, exit
         wait_for(lambda: len(spans(acts)) >= 2, 10, "a standby's app to act after the release")
         second = one_leader([s for s in sidecars if s is not first], timeout=5)

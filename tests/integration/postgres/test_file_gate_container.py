@@ -28,7 +28,7 @@ from singleton_election.core.lock import Identity, Term, Token
 from singleton_election.core.status import ElectionStatus, Role
 from singleton_sidecar.gates import file_gate as gate
 from singleton_testbed.harness.sidecars import one_leader, wait_for
-from tests.support.acting import APP, FINISH, Factory, assert_never_two_actors, spans
+from tests.support.acting import APP, FINISH, Factory, assert_never_two_actors, has_acted, spans
 
 pytestmark = pytest.mark.postgres
 
@@ -146,7 +146,7 @@ def test_a_process_that_entered_the_container_is_not_the_app(
     members = gated(2, file_gate=True)
     containers.extend(gate_in_container(tmp_path / f"gate{i}", {"ACT_LOG": str(acting_log)}) for i in range(2))
     leader = one_leader(members)
-    wait_for(acting_log.exists, 15, "the leader's app to act")
+    wait_for(lambda: has_acted(acting_log), 15, "the leader's app to act")
     container = containers[members.index(leader)]
     visitor = subprocess.Popen(["nsenter", "--target", str(gate_pid(container)), "--pid", "--mount",
                                 "sh", "-c", "sleep 60 & wait"], start_new_session=True)
@@ -179,23 +179,24 @@ def test_the_kill_grace_counts_from_the_deadline_when_gate_sh_notices_late(tmp_p
     """gate.sh stalled across the flag's deadline (SIGSTOP): the app, deaf to SIGTERM, is killed
     at once on resuming, since deadline + grace has passed; it used to get the whole grace again."""
     gate_dir, acts = tmp_path / "gate", tmp_path / "acts.log"
-    gate.FileGate(gate_dir, kill_grace=1.0).install()
+    gate.FileGate(gate_dir, kill_grace=3.0).install()
     deadline = gate.boot_centiseconds() + 100
-    (gate_dir / "leader").write_text(f"5 {deadline} 100\n")  # 1 s left, grace 1 s
+    (gate_dir / "leader").write_text(f"5 {deadline} 300\n")  # 1 s left, grace 3 s
     script = subprocess.Popen(["/bin/sh", str(gate_dir / "gate.sh"), sys.executable, APP],
                               env={**os.environ, "ACT_LOG": str(acts), "ACT_IGNORE_TERM": "1"},
                               start_new_session=True, stderr=subprocess.DEVNULL)
     try:
-        wait_for(acts.exists, 10, "the app to act")
+        wait_for(lambda: has_acted(acts), 10, "the app to act")
         (gate_dir / "stop").write_text("late\n")  # acknowledged once the app has stopped
         os.kill(script.pid, signal.SIGSTOP)
-        # Resume 1.4 s after the deadline: 0.4 s past deadline + grace, 1 s before resume + grace.
-        time.sleep(max(0.0, (deadline + 140 - gate.boot_centiseconds()) / 100))
+        # Resume 3.4 s after the deadline: 0.4 s past deadline + grace. The whole grace again
+        # would be 3 s after resuming; a gate.sh slowed by a loaded machine takes about 1 s.
+        time.sleep(max(0.0, (deadline + 340 - gate.boot_centiseconds()) / 100))
         os.kill(script.pid, signal.SIGCONT)
         resumed = gate.boot_centiseconds()
         idle = gate_dir / "idle"
         wait_for(lambda: idle.exists() and idle.read_text().strip() == "late", 5, "gate.sh to say the app stopped")
-        assert gate.boot_centiseconds() - resumed < 70, "the app was given the whole grace again after resuming"
+        assert gate.boot_centiseconds() - resumed < 200, "the app was given the whole grace again after resuming"
     finally:
         script.kill()
         script.wait()
@@ -223,7 +224,7 @@ def test_gate_sh_starts_the_app_on_the_sidecars_wake_not_at_its_next_look(tmp_pa
         follower.on_status(ElectionStatus(group="g", identity=Identity("me"), role=Role.LEADER, term=term,
                                           leader=Identity("me"), leader_token=Token(9), leader_since=0.0,
                                           transitions=1, reason="test"))
-        wait_for(acts.exists, 10, "the app to act")
+        wait_for(lambda: has_acted(acts), 10, "the app to act")
         first = spans(acts)[0]
         assert first.token == 9
         assert first.first - written < 0.5, f"the app began {first.first - written:.3f} s after the flag"

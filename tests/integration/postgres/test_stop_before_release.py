@@ -22,7 +22,7 @@ from pathlib import Path
 import pytest
 
 from singleton_testbed.harness.sidecars import SidecarProcess, leaders, one_leader, stop_gate_script, wait_for
-from tests.support.acting import APP, FINISH, TIMINGS, Factory, assert_never_two_actors, group_gone, spans
+from tests.support.acting import APP, FINISH, TIMINGS, Factory, assert_never_two_actors, group_gone, has_acted, spans
 from tests.support.pgquery import fetchval
 
 pytestmark = pytest.mark.postgres
@@ -32,7 +32,7 @@ def test_step_down_with_a_slow_app_hands_over_only_once_it_stopped(gated: Factor
     """Was: 0.77 s of two apps acting at once on every planned handover."""
     members = gated(3)
     leader = one_leader(members)
-    wait_for(acting_log.exists, 10, "the leader's app to act")
+    wait_for(lambda: has_acted(acting_log), 10, "the leader's app to act")
     time.sleep(0.3)
     started = time.monotonic()
     status, _ = leader.control("POST", "/step-down?reason=test")
@@ -55,7 +55,7 @@ def test_step_down_with_a_slow_app_hands_over_only_once_it_stopped(gated: Factor
 def test_a_drain_that_hits_its_timeout_kills_the_app_before_release(gated: Factory, acting_log: Path) -> None:
     members = gated(2, env={"SINGLETON_DRAIN_TIMEOUT": "0.3"}, app_env={"ACT_FINISH": "5"})
     leader = one_leader(members)
-    wait_for(acting_log.exists, 10, "the leader's app to act")
+    wait_for(lambda: has_acted(acting_log), 10, "the leader's app to act")
     leader.signal_sidecar_only(signal.SIGTERM)
     wait_for(lambda: len(spans(acting_log)) >= 2, 10, "the next leader's app to act")
     gaps = assert_never_two_actors(acting_log, terms=2)
@@ -82,7 +82,7 @@ def test_a_stalled_sidecar_cannot_keep_its_app_acting(gated: Factory, acting_log
     before the lease lets anyone else lead."""
     members = gated(2, app_env={"ACT_CHILDREN": "1"})
     leader = one_leader(members)
-    wait_for(acting_log.exists, 10, "the leader's app to act")
+    wait_for(lambda: has_acted(acting_log), 10, "the leader's app to act")
     stalled_at = time.monotonic()
     leader.signal_sidecar_only(signal.SIGSTOP)
     try:
@@ -101,7 +101,7 @@ def test_a_stalled_sidecar_cannot_keep_its_app_acting(gated: Factory, acting_log
 def test_a_killed_sidecar_takes_its_app_with_it(gated: Factory, acting_log: Path) -> None:
     members = gated(2, app_env={"ACT_CHILDREN": "1"})
     leader = one_leader(members)
-    wait_for(acting_log.exists, 10, "the leader's app to act")
+    wait_for(lambda: has_acted(acting_log), 10, "the leader's app to act")
     time.sleep(0.2)
     killed_at = time.monotonic()
     leader.signal_sidecar_only(signal.SIGKILL)
@@ -120,7 +120,7 @@ def test_a_drain_hook_that_refuses_the_connection_still_waits_for_the_app(gated:
         port = closed.getsockname()[1]
     members = gated(2, env={"SINGLETON_DRAIN_URL": f"http://127.0.0.1:{port}/drain"})
     leader = one_leader(members)
-    wait_for(acting_log.exists, 10, "the leader's app to act")
+    wait_for(lambda: has_acted(acting_log), 10, "the leader's app to act")
     started = time.monotonic()
     leader.signal_sidecar_only(signal.SIGTERM)
     wait_for(lambda: len(spans(acting_log)) >= 2, 10, "the next leader's app to act")
@@ -154,7 +154,7 @@ def test_file_gate_step_down_waits_for_gate_sh(gated: Factory, acting_log: Path,
     members = gated(2, file_gate=True, env={"SINGLETON_DRAIN_TIMEOUT": "0.5", "SINGLETON_KILL_GRACE": "0.3"})
     gate_scripts.extend(run_gate_script(tmp_path / f"gate{i}", app_env) for i in range(2))
     leader = one_leader(members)
-    wait_for(acting_log.exists, 10, "the leader's app to act")
+    wait_for(lambda: has_acted(acting_log), 10, "the leader's app to act")
     old_token = leader.leader_doc()["token"]  # type: ignore[index]
     time.sleep(0.3)
     status, _ = leader.control("POST", "/step-down")
@@ -177,7 +177,7 @@ def test_file_gate_keeps_the_leaders_app_running_across_renewals(
     members = gated(1, file_gate=True, env=slow)
     gate_scripts.append(run_gate_script(tmp_path / "gate0", {"ACT_LOG": str(acting_log)}))
     one_leader(members)
-    wait_for(acting_log.exists, 10, "the leader's app to act")
+    wait_for(lambda: has_acted(acting_log), 10, "the leader's app to act")
     time.sleep(20)  # three renewals
     acting = spans(acting_log)
     assert len(acting) == 1 and len(acting[0].pids) == 1, "the leader's app was restarted"
@@ -194,7 +194,7 @@ def test_file_gate_hands_over_when_its_container_stops(
     gate_scripts.extend(run_gate_script(tmp_path / f"gate{i}", {"ACT_LOG": str(acting_log)}) for i in range(2))
     leader = one_leader(members)
     index = members.index(leader)
-    wait_for(acting_log.exists, 10, "the leader's app to act")
+    wait_for(lambda: has_acted(acting_log), 10, "the leader's app to act")
     os.kill(gate_scripts[index].pid, signal.SIGTERM)
     assert gate_scripts[index].wait(10) == 0
     new = wait_for(lambda: [m for m in leaders(members) if m is not leader], 10, "the other replica to lead")
@@ -210,7 +210,7 @@ def test_a_lost_session_makes_the_next_leader_wait_for_the_old_app(gated: Factor
     next leader holds the term without acting until the old holder's stop bound has passed."""
     members = gated(2, env={"SINGLETON_KILL_GRACE": "0.9"}, app_env={"ACT_FINISH": "0.8"})
     leader = one_leader(members)
-    wait_for(acting_log.exists, 10, "the leader's app to act")
+    wait_for(lambda: has_acted(acting_log), 10, "the leader's app to act")
     pid = _holder_pid(leader, pg_admin_dsn)
     assert asyncio.run(fetchval(pg_admin_dsn, "SELECT pg_terminate_backend($1)", pid)) is True
     wait_for(lambda: len(spans(acting_log)) >= 2, 10, "the next leader's app to act")
@@ -261,7 +261,7 @@ def test_file_gate_a_killed_sidecar_leaves_no_two_apps(
     members = gated(2, file_gate=True)
     gate_scripts.extend(run_gate_script(tmp_path / f"gate{i}", {"ACT_LOG": str(acting_log)}) for i in range(2))
     leader = one_leader(members)
-    wait_for(acting_log.exists, 10, "the leader's app to act")
+    wait_for(lambda: has_acted(acting_log), 10, "the leader's app to act")
     leader.signal_sidecar_only(signal.SIGKILL)
     wait_for(lambda: len(spans(acting_log)) >= 2, 15, "the next leader's app to act")
     assert_never_two_actors(acting_log, terms=2)
@@ -302,7 +302,7 @@ def test_a_sidecar_stalled_while_draining_cannot_stretch_the_drain(gated: Factor
     sidecar stalled mid-drain let its app act on after another replica took over."""
     members = gated(2, env={"SINGLETON_DRAIN_TIMEOUT": "60"}, app_env={"ACT_FINISH": "30"})
     leader = one_leader(members)
-    wait_for(acting_log.exists, 10, "the leader's app to act")
+    wait_for(lambda: has_acted(acting_log), 10, "the leader's app to act")
     leader.signal_sidecar_only(signal.SIGTERM)
     wait_for(lambda: (leader.leader_doc() or {}).get("role") == "draining", 5, "the drain to begin")
     leader.signal_sidecar_only(signal.SIGSTOP)
@@ -318,7 +318,7 @@ def test_a_healthy_exec_gated_leader_is_never_frozen(gated: Factory, acting_log:
     its acts (every 10 ms) never pause for long enough to have been frozen."""
     members = gated(1)
     leader = one_leader(members)
-    wait_for(acting_log.exists, 10, "the leader's app to act")
+    wait_for(lambda: has_acted(acting_log), 10, "the leader's app to act")
     time.sleep(10)
     acting = spans(acting_log)
     assert len(acting) == 1 and len(acting[0].pids) == 1, "the leader's app was restarted"
