@@ -128,6 +128,17 @@ async def test_acquire_renew_release_through_a_transaction_pooler(make_backend: 
     assert (await row(pg_admin_dsn, holder.group))["transitions"] == 2
 
 
+async def test_a_standby_answer_survives_a_loop_that_wakes_late_at_the_end_of_its_budget(
+        make_backend: Factory) -> None:
+    """A loaded machine wakes the loop late: the call's end and its guard's timeout are then
+    due together. The standby still answers with the holder, not "unavailable"."""
+    holder, standby = make_backend(), make_backend()
+    term = await acquired(holder, "a")
+    asyncio.get_running_loop().call_later(0.4, time.sleep, 0.2)  # the loop stalls across the call's end
+    seen = await standby.acquire(Identity("b"), timeout=0.5)
+    assert seen == LockRecord(holder=Identity("a"), token=term.token, version=str(term.token))
+
+
 async def test_a_standby_takes_over_only_after_the_expiry_by_the_database_clock(make_backend: Factory) -> None:
     holder, standby = make_backend(), make_backend()
     term = await acquired(holder, "a")  # then never renewed: a crashed holder

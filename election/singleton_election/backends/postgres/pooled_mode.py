@@ -280,14 +280,16 @@ class PooledPostgresBackend:
                 if isinstance(result, Term):
                     return result
                 remaining = deadline - self._clock()
-                if expiry_left is not None and expiry_left + _EXPIRY_SLACK < remaining:
-                    # The holder's row expires within this call's budget: check again right then.
-                    await asyncio.sleep(max(expiry_left, 0.0) + _EXPIRY_SLACK)
-                    continue
-                # The next check is the elector's next call, a retry period from this one; this
-                # call returns just inside its budget.
-                await asyncio.sleep(max(remaining - _RETURN_RESERVE, 0.0))
-                return result
+                if expiry_left is None or expiry_left + _EXPIRY_SLACK >= remaining:
+                    break
+                # The holder's row expires within this call's budget: check again right then.
+                await asyncio.sleep(max(expiry_left, 0.0) + _EXPIRY_SLACK)
+        # The next check is the elector's next call, a retry period from this one; this call
+        # returns just inside its budget. The wait is outside the guard: a loop woken late
+        # would otherwise let the guard's timeout fire first and turn a standby's answer into
+        # "unavailable".
+        await asyncio.sleep(max(deadline - self._clock() - _RETURN_RESERVE, 0.0))
+        return result
 
     async def renew(self, term: Term, *, timeout: float) -> Term | None:
         deadline = self._clock() + timeout

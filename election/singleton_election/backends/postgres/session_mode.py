@@ -210,38 +210,44 @@ class PostgresBackend:
     async def acquire(self, identity: Identity, *, timeout: float) -> Term | LockRecord:
         deadline = self._clock() + timeout
         async with self._guard("acquire", timeout), self._busy:
-            conn = await self._connection(deadline)
+            result, wait_out = await self._acquire_within(identity, deadline)
+        if wait_out:
+            # Waited out, as a lock wait would be. Outside the guard: a loop woken late would
+            # otherwise let the guard's timeout fire first and turn the answer into "unavailable".
+            await self._sleep_out(deadline)
+        return result
+
+    async def _acquire_within(self, identity: Identity, deadline: float) -> tuple[Term | LockRecord, bool]:
+        """The acquisition's work: its answer, and whether the caller waits out the budget
+        before returning it (one check per call, as a lock wait that timed out)."""
+        conn = await self._connection(deadline)
+        with self._closed_on_failure(conn):
+            if self._term is not None:
+                log.warning("asked to acquire while a term is held here",
+                            extra=self._fields(identity=identity, holder=self._term.identity,
+                                               token=self._term.token))
+                return await self._read(conn), False
+            if self._ended is not None and not await self._give_up_ended(conn):
+                return await self._read(conn), True
+            lock_id = await self._group_lock_id(conn)
+        while True:
             with self._closed_on_failure(conn):
-                if self._term is not None:
-                    log.warning("asked to acquire while a term is held here",
-                                extra=self._fields(identity=identity, holder=self._term.identity,
-                                                   token=self._term.token))
-                    return await self._read(conn)
-                if self._ended is not None and not await self._give_up_ended(conn):
-                    record = await self._read(conn)
-                    await self._sleep_out(deadline)  # waited out, as a lock wait would be
-                    return record
-                lock_id = await self._group_lock_id(conn)
-            while True:
-                with self._closed_on_failure(conn):
-                    if not await self._wait_for_lock(conn, lock_id, deadline):
-                        record = await self._busy_record(conn, identity)
-                        if self._may_wait_again(deadline):
-                            continue
-                        return record
-                if (pooled := await self._pooled_holder(conn, lock_id)) is not None:
-                    await self._sleep_out(deadline)  # waited out, as a lock wait would be
-                    return pooled
-                held_off = await self._hold_off(conn, identity, lock_id)
-                if held_off is None:
-                    return await self._take(conn, identity, lock_id)
-                record, wait = held_off
-                remaining = deadline - self._clock()
-                if wait + _CHECK_SLACK >= remaining - min(_LOCK_RESERVE_MAX, remaining * 0.2):
-                    await self._sleep_out(deadline)
-                    return record
-                await asyncio.sleep(wait + _CHECK_SLACK)
-                conn = await self._connection(deadline)
+                if not await self._wait_for_lock(conn, lock_id, deadline):
+                    record = await self._busy_record(conn, identity)
+                    if self._may_wait_again(deadline):
+                        continue
+                    return record, False
+            if (pooled := await self._pooled_holder(conn, lock_id)) is not None:
+                return pooled, True
+            held_off = await self._hold_off(conn, identity, lock_id)
+            if held_off is None:
+                return await self._take(conn, identity, lock_id), False
+            record, wait = held_off
+            remaining = deadline - self._clock()
+            if wait + _CHECK_SLACK >= remaining - min(_LOCK_RESERVE_MAX, remaining * 0.2):
+                return record, True
+            await asyncio.sleep(wait + _CHECK_SLACK)
+            conn = await self._connection(deadline)
 
     def _may_wait_again(self, deadline: float) -> bool:
         """After a lock wait that timed out: wait again within this call if the live holder's
