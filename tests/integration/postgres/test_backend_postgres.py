@@ -16,7 +16,12 @@ import asyncpg
 import pytest
 import pytest_asyncio
 
-from singleton_election.backends.postgres.connection import keepalive_settings, server_session, session_settings
+from singleton_election.backends.postgres.connection import (
+    ACQUIRE_GUARD_SLACK,
+    keepalive_settings,
+    server_session,
+    session_settings,
+)
 from singleton_election.backends.postgres.session_mode import PostgresBackend, force_release, takeover_wait
 from singleton_election.backends.postgres.sql import NAMESPACE, Statements
 from singleton_election.core.lock import (
@@ -33,6 +38,7 @@ from singleton_testbed.pgbouncer import PgBouncer, PoolMode
 from singleton_testbed.postgres import PostgresInfo, PostgresServer
 from tests.support.backend_timings import timings_for
 from tests.support.pgquery import fetchval
+from tests.support.tcpproxy import CuttableProxy
 
 pytestmark = [pytest.mark.postgres, pytest.mark.timeout(60)]
 
@@ -521,8 +527,36 @@ async def test_cancelled_wait_leaves_backend_usable(make_backend: Factory) -> No
     await holder.release(first, timeout=2)
     second = await acquired(standby, "b", timeout=2)
     assert second.token > first.token
-    with pytest.raises(BackendUnavailable):
-        await holder.acquire(Identity("a"), timeout=0.000001)
+    # A budget too short for any wait still gets the holder (the guard allows the statements
+    # after the lock wait ACQUIRE_GUARD_SLACK more), at once.
+    started = time.monotonic()
+    assert await holder.acquire(Identity("a"), timeout=0.000001) == LockRecord(
+        holder=Identity("b"), token=second.token, version=str(second.token))
+    assert time.monotonic() - started < ACQUIRE_GUARD_SLACK
+
+
+async def test_a_server_that_stops_answering_is_reported_within_the_budget_and_its_slack(
+        make_backend: Factory, pg_dsn: str) -> None:
+    """The guard bounds a standby's call when the server goes silent mid-wait (packets dropped,
+    no reset): "unavailable" comes at the budget plus ACQUIRE_GUARD_SLACK, not later."""
+    parts = urlsplit(pg_dsn)
+    proxy = await CuttableProxy(parts.hostname or "127.0.0.1", parts.port or 5432).start()
+    try:
+        holder = make_backend()
+        through = parts.netloc.replace(f"{parts.hostname}:{parts.port}", f"127.0.0.1:{proxy.port}")
+        standby = make_backend(dsn=urlunsplit(parts._replace(netloc=through)))
+        first = await acquired(holder, "a")
+        assert await standby.acquire(Identity("b"), timeout=0.5) == LockRecord(
+            holder=Identity("a"), token=first.token, version=str(first.token))  # connected through the proxy
+        proxy.cut()
+        started = time.monotonic()
+        with pytest.raises(BackendUnavailable, match=r"acquire of group .* timed out after 1\.5s"):
+            await standby.acquire(Identity("b"), timeout=1.0)
+        took = time.monotonic() - started
+        assert 1.0 + ACQUIRE_GUARD_SLACK - 0.05 < took < 1.0 + ACQUIRE_GUARD_SLACK + 1.0, took
+    finally:
+        proxy.heal()
+        await proxy.close()
 
 
 async def test_tokens_increase_across_server_restart(

@@ -224,6 +224,13 @@ async def close_connection(conn: Connection) -> None:
         raise
 
 
+ACQUIRE_GUARD_SLACK = 0.5
+"""Seconds an acquisition's guard allows past its budget. An acquisition plans its waits to
+end inside the budget and keeps a reserve for the statements after them, but on a loaded
+machine those few round trips can overrun the reserve: a standby's answer a little late is
+better than "unavailable". A server that does not answer is still reported, this much later."""
+
+
 @asynccontextmanager
 async def guarded(what: str, group: str, budget: float, *, schema_gone: Callable[[], None]) -> AsyncIterator[None]:
     """Bound a call by ``budget`` seconds; failures to reach the server become

@@ -82,6 +82,7 @@ from typing import TYPE_CHECKING, TypeAlias
 import asyncpg
 
 from singleton_election.backends.postgres.connection import (
+    ACQUIRE_GUARD_SLACK,
     close_connection,
     ensure_schema,
     guarded,
@@ -266,7 +267,7 @@ class PooledPostgresBackend:
 
     async def acquire(self, identity: Identity, *, timeout: float) -> Term | LockRecord:
         deadline = self._clock() + timeout
-        async with self._guard("acquire", timeout):
+        async with self._guard("acquire", timeout + ACQUIRE_GUARD_SLACK):
             while True:
                 async with self._busy:
                     if self._term is not None:

@@ -27,7 +27,7 @@ Design (the server is the authority; its clock decides expiry):
   also the next value of the table's token sequence, which the same statement advances past
   the token when it lags). So tokens of a group strictly increase whatever the clocks do,
   and a group switched from the Lease backend (wall-clock-ms tokens, same fence key) starts
-  above the Lease's tokens. The acquiring transaction commits with ``synchronous_commit`` on,
+  above the Lease's tokens. The acquiring statement commits with ``synchronous_commit`` on,
   so a crash never reissues a token. The sequence is shared by groups and only a floor:
   tokens are unique per group, two groups may get the same one. Renewals and releases are
   conditional on holder and token (and, for renewals, on the holder's session) and check
@@ -98,6 +98,7 @@ from typing import TYPE_CHECKING, TypeAlias
 import asyncpg
 
 from singleton_election.backends.postgres.connection import (
+    ACQUIRE_GUARD_SLACK,
     check_session,
     close_connection,
     ensure_schema,
@@ -209,7 +210,7 @@ class PostgresBackend:
 
     async def acquire(self, identity: Identity, *, timeout: float) -> Term | LockRecord:
         deadline = self._clock() + timeout
-        async with self._guard("acquire", timeout), self._busy:
+        async with self._guard("acquire", timeout + ACQUIRE_GUARD_SLACK), self._busy:
             result, wait_out = await self._acquire_within(identity, deadline)
         if wait_out:
             # Waited out, as a lock wait would be. Outside the guard: a loop woken late would
@@ -237,9 +238,14 @@ class PostgresBackend:
                     if self._may_wait_again(deadline):
                         continue
                     return record, False
-            if (pooled := await self._pooled_holder(conn, lock_id)) is not None:
+            try:
+                row = await conn.fetchrow(self._sql.under_lock, self.group, lock_id)
+            except BaseException:
+                self._discard(conn, "reading the row under the lock failed; closed the connection")  # frees the lock
+                raise
+            if (pooled := await self._pooled_holder(conn, lock_id, row)) is not None:
                 return pooled, True
-            held_off = await self._hold_off(conn, identity, lock_id)
+            held_off = await self._hold_off(conn, identity, lock_id, row)
             if held_off is None:
                 return await self._take(conn, identity, lock_id), False
             record, wait = held_off
@@ -272,19 +278,19 @@ class PostgresBackend:
         remaining = deadline - self._clock()
         await asyncio.sleep(max(remaining - min(_LOCK_RESERVE_MAX, remaining * 0.2), 0.0))
 
-    async def _hold_off(self, conn: Connection, identity: Identity, lock_id: int) -> tuple[LockRecord, float] | None:
-        """We hold the lock. If its last holder did not release and its app may act a while
-        yet (``takeover_wait``), and that holder may be restarted in its pod (we are our pod's
-        sole candidate, so every pod of the group runs so), give the lock back: (the old
-        holder, the seconds until its app is surely stopped). None: take the term now."""
-        if self._predecessor_prefix is None:
+    async def _hold_off(self, conn: Connection, identity: Identity, lock_id: int,
+                        row: asyncpg.Record | None) -> tuple[LockRecord, float] | None:
+        """We hold the lock and read the ``row`` under it. If its last holder did not release
+        and its app may act a while yet (``takeover_wait``), and that holder may be restarted
+        in its pod (we are our pod's sole candidate, so every pod of the group runs so), give
+        the lock back: (the old holder, the seconds until its app is surely stopped). None:
+        take the term now."""
+        if self._predecessor_prefix is None or row is None or not row["same_lock"]:
+            return None
+        holder = row["holder"]
+        if holder is None or holder == identity or is_predecessor(holder, identity, self._predecessor_prefix):
             return None
         try:
-            row = await conn.fetchrow(self._sql.previous_term, self.group, lock_id)
-            holder = None if row is None else row["holder"]
-            if row is None or holder is None or holder == identity \
-                    or is_predecessor(holder, identity, self._predecessor_prefix):
-                return None
             token = row["token"]
             first_seen = self._held_off is None or self._held_off[0] != token
             if first_seen:
@@ -451,15 +457,14 @@ class PostgresBackend:
             raise
         return granted
 
-    async def _pooled_holder(self, conn: Connection, lock_id: int) -> LockRecord | None:
-        """Under the advisory lock: the row's holder if it is a live term of the pooled mode
+    async def _pooled_holder(self, conn: Connection, lock_id: int, row: asyncpg.Record | None) -> LockRecord | None:
+        """Under the advisory lock: the ``row``'s holder if it is a live term of the pooled mode
         (``backends.postgres.pooled_mode``, a group moving between modes), which holds no advisory
         lock; the lock is then given back. The pooled mode takes a row only while no session
         holds this lock, so nothing can slip in between this check and the take."""
+        if row is None or not row["pooled"]:
+            return None
         try:
-            row = await conn.fetchrow(self._sql.pooled_holder, self.group)
-            if row is None:
-                return None
             await conn.execute(self._sql.unlock, NAMESPACE, lock_id)
         except BaseException:
             self._discard(conn, "checking for a pooled-mode holder failed; closed the connection")  # frees the lock
@@ -472,10 +477,10 @@ class PostgresBackend:
         """We hold the advisory lock: record the new term with a fresh token."""
         sent = self._clock()
         try:
-            async with conn.transaction():
-                await conn.execute(self._sql.durable_commit)
-                row = await conn.fetchrow(self._sql.take, self.group, identity, self.timings.lease_duration, lock_id,
-                                          self._sql.token_seq, self.stop_bound)
+            # One statement, its own transaction: one round trip where the new leader waits. It
+            # commits with synchronous_commit on, which the session set (session_settings).
+            row = await conn.fetchrow(self._sql.take, self.group, identity, self.timings.lease_duration, lock_id,
+                                      self._sql.token_seq, self.stop_bound)
             taken = self._clock()
             token = None if row is None else row["token"]
             if row is None or token is None:

@@ -210,10 +210,6 @@ class Statements:
         return "SELECT pg_advisory_unlock_all()"
 
     @property
-    def durable_commit(self) -> str:
-        return "SET LOCAL synchronous_commit TO on"
-
-    @property
     def take(self) -> str:
         """$1 group, $2 identity, $3 lease seconds, $4 lock id, $5 token sequence, $6 this holder's
         stop bound (seconds its app may act after its session ends; NULL: until its lease expires).
@@ -246,11 +242,16 @@ class Statements:
         )
 
     @property
-    def previous_term(self) -> str:
-        """$1 group, $2 lock id: the last term as the take would find it (run under the lock)."""
+    def under_lock(self) -> str:
+        """$1 group, $2 lock id: the row as the take will find it, read once under the lock:
+        ``pooled``, a live pooled-mode term holds it (a holder without a session, unexpired:
+        that mode takes no advisory lock); the last term (``holder``, ``token``, ``stop_bound``,
+        ``expiry_left``) when the row is this lock's (``same_lock``)."""
         return (
-            "SELECT holder, token, stop_bound, extract(epoch FROM expires_at - now())::float8 AS expiry_left"
-            f" FROM {self.leases} WHERE group_name = $1 AND lock_id = $2"
+            "SELECT holder, token, stop_bound, extract(epoch FROM expires_at - now())::float8 AS expiry_left,"
+            " coalesce(holder IS NOT NULL AND holder_pid IS NULL AND expires_at > now(), false) AS pooled,"
+            " lock_id = $2 AS same_lock"
+            f" FROM {self.leases} WHERE group_name = $1"
         )
 
     @property
@@ -314,14 +315,6 @@ class Statements:
         return (
             "SELECT holder, holder_pid, extract(epoch FROM expires_at - now())::float8 AS expires_in"
             f" FROM {self.leases} WHERE group_name = $1"
-        )
-
-    @property
-    def pooled_holder(self) -> str:
-        """$1 group. The row if a live pooled-mode term holds it (a holder without a session)."""
-        return (
-            f"SELECT holder, token FROM {self.leases} WHERE group_name = $1 AND holder IS NOT NULL"
-            " AND holder_pid IS NULL AND expires_at > now()"
         )
 
 
