@@ -1,7 +1,7 @@
 """What ``gate.sh`` costs at rest and how fast it follows the sidecar, with its wake pipe and
 without it (the 0.1 s check of the files that it falls back on, and that it did always before).
 
-    .venv/bin/python -m benchmarks.gate_sh [--runs 20] [--rest-seconds 10]
+    .venv/bin/python -m benchmarks.gate_sh [--runs 20] [--rest-seconds 10] [--against OLD_GATE_SH]
 
 ``gate.sh`` runs as PID 1 of a PID namespace of its own (``unshare --pid --mount-proc``), as
 the operator wires it in a container, so it takes the whole namespace for the app, around an
@@ -58,10 +58,13 @@ def status(role: Role, token: int) -> ElectionStatus:
 
 
 @contextlib.contextmanager
-def running_gate(directory: Path, *, wake: bool) -> Iterator[tuple[FileGate, int]]:
-    """A FileGate and the pid of ``gate.sh`` (PID 1 of its namespace), stopped at the end."""
+def running_gate(directory: Path, *, wake: bool, script: Path | None = None) -> Iterator[tuple[FileGate, int]]:
+    """A FileGate and the pid of ``gate.sh`` (PID 1 of its namespace), stopped at the end;
+    ``script``: another ``gate.sh`` than the one the FileGate installs."""
     follower = FileGate(directory, kill_grace=1.0)
     follower.install()
+    if script is not None:
+        shutil.copyfile(script, directory / "gate.sh")
     if not wake:
         (directory / "wake").unlink()  # what gate.sh finds without a sidecar that makes the pipe
     env = {**os.environ, "SINGLETON_GATE_DIR": str(directory)}
@@ -100,7 +103,7 @@ def stop_acknowledged(directory: Path) -> bool:
     """gate.sh copied the stop nonce into ``idle``: no process of the app is left."""
     try:
         return (directory / "idle").read_text().strip() == (directory / "stop").read_text().strip()
-    except OSError:  # between gate.sh's removal of idle (a start) and its next copy
+    except OSError:  # no stop file yet
         return False
 
 
@@ -110,10 +113,11 @@ def cpu_ticks(pid: int) -> int:
     return sum(int(value) for value in fields[11:15])
 
 
-def measure(directory: Path, *, wake: bool, runs: int, rest_seconds: float) -> dict[str, list[float]]:
+def measure(directory: Path, *, wake: bool, runs: int, rest_seconds: float,
+            script: Path | None = None) -> dict[str, list[float]]:
     started = directory / "started"
     figures: dict[str, list[float]] = {"start": [], "stop": [], "rest leading": [], "rest idle": []}
-    with running_gate(directory, wake=wake) as (follower, pid):
+    with running_gate(directory, wake=wake, script=script) as (follower, pid):
         for run in range(1, runs + 1):
             time.sleep(random.uniform(0.15, 0.35))  # not in step with gate.sh's 0.1 s checks
             started.unlink(missing_ok=True)
@@ -156,17 +160,25 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--runs", type=int, default=20, help="starts and stops per mode (default 20)")
     parser.add_argument("--rest-seconds", type=float, default=10.0, help="seconds of each at-rest measurement")
+    parser.add_argument("--against", type=Path, metavar="GATE_SH",
+                        help="compare with this gate.sh (wake pipe too) instead of the 0.1 s checks, e.g. "
+                             "an earlier commit's: git show REV:sidecar/singleton_sidecar/gates/gate.sh > old.sh")
     args = parser.parse_args(argv)
     if args.runs < 1 or args.rest_seconds <= 0:
         parser.error("--runs must be at least 1 and --rest-seconds positive")
+    if args.against is not None and not args.against.is_file():
+        parser.error(f"--against: {args.against} is not a file")
     if os.geteuid() != 0 or shutil.which("unshare") is None:
         parser.error("needs root and util-linux's unshare (gate.sh runs as PID 1 of a PID namespace)")
     print(f"machine: {cpu_model()}, {os.cpu_count()} cores, "
           f"kernel {platform.release()}, /bin/sh -> {os.path.realpath('/bin/sh')}")
     results: dict[str, dict[str, list[float]]] = {}
-    for mode, wake in (("wake pipe", True), ("0.1 s checks", False)):
+    modes: list[tuple[str, bool, Path | None]] = [("wake pipe", True, None)]
+    modes.append(("0.1 s checks", False, None) if args.against is None else (str(args.against), True, args.against))
+    for mode, wake, script in modes:
         with tempfile.TemporaryDirectory(prefix="gate-sh-bench-") as folder:
-            results[mode] = measure(Path(folder) / "gate", wake=wake, runs=args.runs, rest_seconds=args.rest_seconds)
+            results[mode] = measure(Path(folder) / "gate", wake=wake, runs=args.runs, rest_seconds=args.rest_seconds,
+                                    script=script)
     print(f"\n{args.runs} runs per mode; at rest: % of one core over {args.rest_seconds:g} s\n")
     print(f"| figure | {' | '.join(results)} | ratio |")
     print("|---|" + "---|" * (len(results) + 1))

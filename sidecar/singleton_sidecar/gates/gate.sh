@@ -25,9 +25,11 @@ trap 'stopping=1' TERM INT
 woke=0
 trap 'woke=1' USR1  # the wake reader's signal (below): the flags changed since the loop looked
 
+# Sets now to the boot-time clock in centiseconds. A variable, not "$(now_cs)": a command
+# substitution forks, and on a busy node each fork is a wait for the CPU that a handover pays.
 now_cs() {
   read -r up _ < /proc/uptime
-  echo $(( ${up%.*} * 100 + 1${up#*.} - 100 ))
+  now=$(( ${up%.*} * 100 + 1${up#*.} - 100 ))
 }
 
 # True while the flag is there, not draining, and its deadline has not passed.
@@ -35,7 +37,7 @@ leading() {
   [ -f "$dir/leader" ] && [ ! -f "$dir/draining" ] || return 1
   read -r token deadline flag_grace < "$dir/leader" 2>/dev/null || return 1
   [ -n "$flag_grace" ] && grace=$flag_grace
-  [ -n "$deadline" ] && last_deadline=$deadline && [ "$(now_cs)" -lt "$deadline" ] || return 1
+  [ -n "$deadline" ] && last_deadline=$deadline && now_cs && [ "$now" -lt "$deadline" ] || return 1
   SINGLETON_TOKEN=$token
   export SINGLETON_TOKEN
 }
@@ -44,15 +46,17 @@ leading() {
 may_finish() {
   [ -f "$dir/leader" ] && [ -f "$dir/draining" ] || return 1
   read -r _ deadline _ < "$dir/leader" 2>/dev/null || return 1
-  [ -n "$deadline" ] && [ "$(now_cs)" -lt "$deadline" ]
+  [ -n "$deadline" ] && now_cs && [ "$now" -lt "$deadline" ]
 }
 
+# "$dir/idle" is written in place (a builtin, where mv and rm would fork): truncated, then one
+# short write, so a reader sees the old line, nothing, or the new line; empty means "not idle".
 acked=""
 acknowledge() {
   nonce=""
   read -r nonce < "$dir/stop" 2>/dev/null
-  [ "$nonce" = "$acked" ] && [ -f "$dir/idle" ] && return 0
-  printf '%s\n' "$nonce" > "$dir/idle.tmp" && mv -f "$dir/idle.tmp" "$dir/idle" && acked=$nonce
+  [ "$nonce" = "$acked" ] && [ -s "$dir/idle" ] && return 0
+  printf '%s\n' "$nonce" > "$dir/idle" && acked=$nonce
 }
 
 # The app runs in a session of its own where the image has setsid (util-linux, busybox), so
@@ -154,11 +158,12 @@ stop_child() {
     # Draining waits for the app; a term that ended (or whose deadline passed) kills after the
     # grace, counted from the deadline when it has passed already (this script may notice late).
     if ! may_finish; then
+      now_cs
       if [ -z "$kill_at" ]; then
-        kill_at=$(( $(now_cs) + grace ))
+        kill_at=$(( now + grace ))
         [ -n "$last_deadline" ] && [ $(( last_deadline + grace )) -lt "$kill_at" ] && kill_at=$(( last_deadline + grace ))
       fi
-      [ "$(now_cs)" -ge "$kill_at" ] && each_app_process kill_now
+      [ "$now" -ge "$kill_at" ] && each_app_process kill_now
     fi
     sleep 0.01  # only while stopping: the handover waits for the acknowledgement that follows
   done
@@ -190,7 +195,8 @@ pause() {
   [ -n "$child" ] && nap=50
   [ -n "$reader" ] || nap=10
   if [ -n "$child" ] && [ -n "$last_deadline" ]; then
-    left=$(( last_deadline - $(now_cs) + 1 ))
+    now_cs
+    left=$(( last_deadline - now + 1 ))
     [ "$left" -lt "$nap" ] && nap=$left
     [ "$nap" -lt 2 ] && nap=2
   fi
@@ -213,7 +219,7 @@ while :; do
     : > "$dir/draining.requested"
     stop_child
     # Whatever the sidecar asks from now on, no gated process will run: say so for good.
-    printf 'exited\n' > "$dir/idle.tmp" && mv -f "$dir/idle.tmp" "$dir/idle"
+    printf 'exited\n' > "$dir/idle"
     [ -z "$reader" ] || kill "$reader" 2>/dev/null
     exit 0
   fi
@@ -223,7 +229,7 @@ while :; do
   fi
   if leading; then
     if [ -z "$child" ]; then
-      rm -f "$dir/idle"
+      : > "$dir/idle"
       start_app "$@"
     fi
   else
