@@ -262,14 +262,19 @@ def describe(ip: str) -> str:
         return repr(exc)
 
 
-def group_manifest(bed: Bed, backend: str, gating: str = "cooperative") -> dict[str, Any]:
-    spec: dict[str, Any] = {"replicas": 3, "backend": backend, "template": {"spec": {"containers": [{
+def group_manifest(bed: Bed, backend: str, gating: str = "cooperative", app_cpu: str | None = None) -> dict[str, Any]:
+    """The group: 3 replicas of a busybox app; ``app_cpu``: the app container's CPU request (none:
+    its cgroup gets the kernel's least CPU share while the sidecar's 10m request is busy beside it)."""
+    app: dict[str, Any] = {
         "name": "app", "image": bed.busybox, "imagePullPolicy": "Never",
         # "acting" first: its line's time in the container's log is when this app began to act
         # (file gate: gate.sh starts it on the leader only). The sleep in the background: a shell
         # runs its trap only once a foreground command ends, so `sleep 0.1` in the foreground
         # made the app take up to 0.1 s to exit on SIGTERM.
-        "command": ["sh", "-c", "echo acting; trap 'exit 0' TERM; while true; do sleep 0.1 & wait $!; done"]}]}}}
+        "command": ["sh", "-c", "echo acting; trap 'exit 0' TERM; while true; do sleep 0.1 & wait $!; done"]}
+    if app_cpu is not None:
+        app["resources"] = {"requests": {"cpu": app_cpu}}
+    spec: dict[str, Any] = {"replicas": 3, "backend": backend, "template": {"spec": {"containers": [app]}}}
     if gating != "cooperative":
         spec["gating"] = {"mode": gating}
     if backend != "lease":
@@ -589,6 +594,9 @@ def main() -> int:
                              f"(default {POLL * 1000:g}; each round opens a connection per pod, which costs the "
                              "sidecars CPU: with --gating file a deletion's figure is the app's own log line, so a "
                              "slower poll measures it with less of the observer's load)")
+    parser.add_argument("--app-cpu", metavar="QUANTITY",
+                        help="the app container's CPU request, e.g. 100m (default none, as a container without "
+                             "resources; with --gating file gate.sh runs in it, on the handover's path)")
     parser.add_argument("--keep-logs", action="store_true",
                         help="keep the pods', the node's (kubelet, containerd) and the operator's logs in a folder")
     args = parser.parse_args()
@@ -605,7 +613,7 @@ def main() -> int:
         try:
             bed.start()
             for backend in args.backend:
-                manifest = group_manifest(bed, backend, args.gating)
+                manifest = group_manifest(bed, backend, args.gating, args.app_cpu)
                 bed.control_plane.kubectl("apply", "-f", "-", input_text=json.dumps(manifest))
                 if args.rest_seconds:
                     rests += footprints(bed, backend, args.rest_seconds)
