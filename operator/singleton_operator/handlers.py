@@ -1,5 +1,6 @@
-"""kopf handlers: thin, they hand every event to the ``Reconciler`` or mark the group for the
-refresher in its ``RefreshMarks`` (both found in kopf's ``memo``)."""
+"""kopf handlers of the groups: thin, they hand every event to the ``Reconciler`` (found in
+kopf's ``memo``). The groups' pods and Deployments are watched by ``watches.py``, with label
+selectors on the server, which kopf does not make."""
 
 from __future__ import annotations
 
@@ -14,14 +15,10 @@ from singleton_election import contract
 from singleton_election.kube import KubeConfig, KubeError
 from singleton_operator.groups import RETRY_FIRST, Reconciler, retry_delay
 from singleton_operator.kopf_state import MemoryDiffBaseStorage, MemoryProgressStorage
-from singleton_operator.marks import RefreshMarks
-from singleton_operator.model.resources import LABEL_MANAGED_BY, MANAGED_BY
 from singleton_operator.model.spec import SpecError
 from singleton_operator.reconcile import ReconcileProblem
 from singleton_operator.release import answer_pending
 from singleton_operator.release_request import RELEASE_REQUEST, pending_request
-
-OWNED = {LABEL_MANAGED_BY: MANAGED_BY}
 
 
 def registry(kube_config: KubeConfig,
@@ -102,24 +99,5 @@ def registry(kube_config: KubeConfig,
                                 memo: Any, **_: Any) -> None:
         if namespace and event.get("type") != "DELETED" and pending_request(dict(body)) is not None:
             await answer_pending(memo["reconciler"].client, namespace, name)
-
-    # Every pod of a group carries the group label: the operator's own and adopted ones.
-    @kopf.on.event("v1", "pods", labels={contract.LABEL_GROUP: kopf.PRESENT}, registry=reg)
-    async def pod_changed(labels: kopf.Labels, namespace: str | None, memo: Any, **_: Any) -> None:
-        group = labels.get(contract.LABEL_GROUP)
-        if group and namespace:
-            memo["marks"].mark(namespace, group)
-
-    @kopf.on.event("apps", "v1", "deployments", labels=OWNED, registry=reg)
-    async def deployment_changed(event: kopf.RawEvent, name: str, namespace: str | None, memo: Any,
-                                 **_: Any) -> None:
-        if not namespace:
-            return
-        marks: RefreshMarks = memo["marks"]
-        marks.mark(namespace, name)
-        if event.get("type") == "DELETED":
-            # Deleted by someone else while its owner lives: put it back.
-            reconciler: Reconciler = memo["reconciler"]
-            await reconciler.repair(namespace, name)
 
     return reg

@@ -38,6 +38,7 @@ from singleton_operator.marks import RefreshMarks
 from singleton_operator.metrics import OperatorMetrics
 from singleton_operator.model.spec import ConnectionCheck
 from singleton_operator.refresher import Refresher
+from singleton_operator.watches import group_watches
 from singleton_operator.webhook import PATH as WEBHOOK_PATH
 from singleton_operator.webhook import PodAdmission
 
@@ -303,7 +304,7 @@ async def _first(*events: asyncio.Event) -> asyncio.Event:
 async def _run_kopf_while_leading(config: OperatorConfig, client: KubeClient, metrics: OperatorMetrics,
                                   lost: asyncio.Event, stopping: asyncio.Event, *,
                                   expiration: Callable[[], dt.datetime | None]) -> int:
-    # The reconciler marks the groups it reconciled, kopf's handlers those whose pods changed;
+    # The reconciler marks the groups it reconciled, the watches those whose pods changed;
     # the refresher writes their status from what the reconciler kept.
     marks = RefreshMarks()
     reconciler = Reconciler(client=client, sidecar_image=config.sidecar_image, metrics=metrics, marks=marks,
@@ -316,12 +317,13 @@ async def _run_kopf_while_leading(config: OperatorConfig, client: KubeClient, me
     stop_flag: asyncio.Future[None] = loop.create_future()
     ready_flag: asyncio.Future[None] = loop.create_future()
     kopf_task = asyncio.create_task(kopf.operator(
-        registry=registry(client.config, expiration), memo=kopf.Memo(reconciler=reconciler, marks=marks),
+        registry=registry(client.config, expiration), memo=kopf.Memo(reconciler=reconciler),
         stop_flag=stop_flag, ready_flag=ready_flag, clusterwide=not config.namespaces,
         namespaces=list(config.namespaces), standalone=True,
     ), name="kopf")
     helpers = [asyncio.create_task(refresher.run_refresher(), name="status-refresher"),
-               asyncio.create_task(refresher.run_periodic(config.namespaces), name="periodic-refresh")]
+               asyncio.create_task(refresher.run_periodic(config.namespaces), name="periodic-refresh"),
+               *group_watches(client, config.namespaces, marks, reconciler)]
     try:
         await _first(_future_event(ready_flag), _done_event(kopf_task))
         # kopf installs its own SIGTERM handler; ours must decide the order of shutdown.
@@ -330,8 +332,8 @@ async def _run_kopf_while_leading(config: OperatorConfig, client: KubeClient, me
         helpers_ended = [_done_event(task) for task in helpers]
         ended = await _first(lost, stopping, _done_event(kopf_task), *helpers_ended)
         if ended in helpers_ended:
-            # The status refreshers catch every error; one that ended is a bug: the replica
-            # exits (and the standby takes over) rather than lead with stale statuses.
+            # The status refreshers and the watches catch every error; one that ended is a bug:
+            # the replica exits (and the standby takes over) rather than lead with stale statuses.
             task = helpers[helpers_ended.index(ended)]
             log.error("a status task ended", extra={"task": task.get_name(),
                                                     "error": task.exception() if not task.cancelled() else "cancelled"})

@@ -1,0 +1,162 @@
+"""The operator's watches of its groups' pods and of the Deployments it made, filtered by label
+selectors on the server. kopf filters labels on the client: its watch of pods lists and follows
+every pod of the cluster (kopf PR #1311), so the operator's memory, CPU and events grew with the
+cluster's pods instead of its own groups'. These watches keep no objects: each event only marks
+its group for a status refresh (``RefreshMarks``), or has a deleted Deployment put back."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Awaitable, Callable
+from contextlib import aclosing
+from dataclasses import dataclass
+from typing import Any
+
+from singleton_election import contract
+from singleton_election.kube import KubeClient, KubeError, KubeGone
+from singleton_operator.groups import Reconciler
+from singleton_operator.marks import RefreshMarks
+from singleton_operator.model.resources import LABEL_MANAGED_BY, MANAGED_BY
+
+log = logging.getLogger(__name__)
+
+LIST_TIMEOUT = 60.0  # seconds for one page of a listing
+LIST_PAGE = 500  # objects per page of a listing (its memory is one page, not the cluster's)
+WATCH_SECONDS = 300  # the server ends a watch after this; it resumes from the last version
+BACKOFF_FIRST, BACKOFF_MAX = 0.5, 30.0  # seconds between attempts after a failure
+
+Handler = Callable[[str, dict[str, Any]], Awaitable[None]]
+"""Called with each event's type (``ADDED``, ``MODIFIED``, ``DELETED``; ``LISTED`` for an
+object of a listing, after a start or a gap in the watch) and the object."""
+
+
+@dataclass(frozen=True)
+class Watched:
+    """What one watch follows: a collection and the label selector the server applies."""
+
+    name: str
+    api: str  # "/api/v1" or "/apis/<group>/<version>"
+    plural: str
+    selector: str
+
+    def path(self, namespace: str | None) -> str:
+        if namespace is None:
+            return f"{self.api}/{self.plural}"
+        return f"{self.api}/namespaces/{namespace}/{self.plural}"
+
+
+GROUP_PODS = Watched("group pods", "/api/v1", "pods", contract.LABEL_GROUP)
+"""Every pod of a group carries the group label: the operator's own and adopted ones."""
+OWN_DEPLOYMENTS = Watched("own deployments", "/apis/apps/v1", "deployments", f"{LABEL_MANAGED_BY}={MANAGED_BY}")
+
+
+async def follow(client: KubeClient, watched: Watched, namespace: str | None, handler: Handler, *,
+                 watch_seconds: float = WATCH_SECONDS) -> None:
+    """List, then watch from the listing's version, for ever: a watch the server ends resumes
+    from the last version it sent (bookmarks keep it fresh), an expired version (410) lists
+    again, any other failure backs off and lists again. ``namespace`` None: the whole cluster.
+    A handler's failure is logged and does not stop the watch."""
+    path = watched.path(namespace)
+    fields = {"watch": watched.name, "namespace": namespace or "*", "selector": watched.selector}
+    version: str | None = None
+    backoff = BACKOFF_FIRST
+    while True:
+        try:
+            if version is None:
+                version = await _list(client, path, watched.selector, handler, fields)
+            params = {"labelSelector": watched.selector, "resourceVersion": version, "allowWatchBookmarks": "true"}
+            async with aclosing(client.watch(path, params=params, timeout=watch_seconds)) as events:
+                async for kind, obj in events:
+                    version = obj.get("metadata", {}).get("resourceVersion") or version
+                    if kind in ("ADDED", "MODIFIED", "DELETED"):
+                        await _handle(handler, kind, obj, fields)
+            backoff = BACKOFF_FIRST
+        except KubeGone:
+            log.info("watch expired; listing again", extra=fields)
+            version = None
+        except KubeError as exc:
+            log.warning("watch failed; listing again after a pause",
+                        extra={**fields, "error": exc, "retry_seconds": backoff})
+            await asyncio.sleep(backoff)
+            backoff = min(backoff * 2, BACKOFF_MAX)
+            version = None
+
+
+async def _list(client: KubeClient, path: str, selector: str, handler: Handler, fields: dict[str, Any]) -> str:
+    """Hand every object of the listing to ``handler`` (``LISTED``), page by page; returns the
+    listing's resource version, where the watch starts."""
+    params = {"labelSelector": selector, "limit": str(LIST_PAGE)}
+    while True:
+        page = await client.request("GET", path, params=params, timeout=LIST_TIMEOUT)
+        for obj in page.get("items") or []:
+            await _handle(handler, "LISTED", obj, fields)
+        meta = page.get("metadata") or {}
+        if not meta.get("continue"):
+            return str(meta.get("resourceVersion", ""))
+        params = {**params, "continue": str(meta["continue"])}
+
+
+async def _handle(handler: Handler, kind: str, obj: dict[str, Any], fields: dict[str, Any]) -> None:
+    try:
+        await handler(kind, obj)
+    except Exception:
+        meta = obj.get("metadata") or {}
+        log.exception("handling a watch event failed",
+                      extra={**fields, "event": kind, "object": f"{meta.get('namespace')}/{meta.get('name')}"})
+
+
+def group_watches(client: KubeClient, namespaces: tuple[str, ...], marks: RefreshMarks,
+                  reconciler: Reconciler) -> list[asyncio.Task[None]]:
+    """The watches of a leading operator, one per collection and watched namespace (one for the
+    cluster when ``namespaces`` is empty): a group pod's event marks its group; an event of a
+    Deployment the operator made marks its group (the same name), and its deletion by someone
+    else while its group lives has it put back."""
+
+    async def pod_changed(_kind: str, pod: dict[str, Any]) -> None:
+        meta = pod.get("metadata") or {}
+        group, namespace = (meta.get("labels") or {}).get(contract.LABEL_GROUP), meta.get("namespace")
+        if group and namespace:
+            marks.mark(namespace, group)
+
+    scopes: tuple[str | None, ...] = namespaces or (None,)
+    tasks = [asyncio.create_task(follow(client, GROUP_PODS, scope, pod_changed),
+                                 name=f"watch group pods in {scope or 'the cluster'}") for scope in scopes]
+    tasks += [asyncio.create_task(_follow_own_deployments(client, scope, marks, reconciler),
+                                  name=f"watch own deployments in {scope or 'the cluster'}") for scope in scopes]
+    return tasks
+
+
+async def _follow_own_deployments(client: KubeClient, scope: str | None, marks: RefreshMarks,
+                                  reconciler: Reconciler) -> None:
+    """Mark the group of each event; put a deleted Deployment back in a task of its own (a
+    repair retries until the API server answers: the watch goes on meanwhile)."""
+    repairs: dict[tuple[str, str], asyncio.Task[None]] = {}
+
+    async def changed(kind: str, deployment: dict[str, Any]) -> None:
+        meta = deployment.get("metadata") or {}
+        namespace, name = meta.get("namespace"), meta.get("name")
+        if not namespace or not name:
+            return
+        marks.mark(namespace, name)
+        key = (namespace, name)
+        if kind == "DELETED" and key not in repairs:
+            task = asyncio.create_task(reconciler.repair(namespace, name), name=f"repair {namespace}/{name}")
+            repairs[key] = task
+            task.add_done_callback(lambda done: _repaired(repairs, key, done))
+
+    try:
+        await follow(client, OWN_DEPLOYMENTS, scope, changed)
+    finally:
+        pending = list(repairs.values())
+        for task in pending:
+            task.cancel()
+        await asyncio.gather(*pending, return_exceptions=True)
+
+
+def _repaired(repairs: dict[tuple[str, str], asyncio.Task[None]], key: tuple[str, str],
+              task: asyncio.Task[None]) -> None:
+    repairs.pop(key, None)
+    if not task.cancelled() and (exc := task.exception()) is not None:
+        log.error("putting a deleted Deployment back failed", exc_info=exc,
+                  extra={"namespace": key[0], "group": key[1]})
