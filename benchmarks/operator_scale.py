@@ -1,7 +1,7 @@
 """The operator's own work with many SingletonServices (issue 15's "operator at scale").
 
     .venv/bin/python -m benchmarks.operator_scale --groups 500 [--runs 1] [--rest-seconds 60]
-        [--rate 50 | --kubectl client-side|server-side] [--namespaces 50] [--as-admin]
+        [--rate 50 | --kubectl client-side|server-side] [--namespaces 50] [--as-admin] [--foreign 0 5000 20000]
 
 Starts the test bed's etcd + kube-apiserver (no controllers, no node) and one real operator
 process (``singleton-operator run --kubeconfig``) as the ServiceAccount and RBAC the chart makes
@@ -58,6 +58,7 @@ from singleton_testbed.procs import free_port
 
 ROOT = Path(__file__).resolve().parent.parent
 NAMESPACE = "bench"
+FOREIGN_NAMESPACE = "foreign"
 ALL_CRS_PATH = f"/apis/{contract.API_GROUP}/{contract.API_VERSION}/{contract.PLURAL}"
 OPERATOR_AGENTS = ("singleton-operator", "kopf")
 KUBECTL_APPLY = {"client-side": ((), "created"), "server-side": (("--server-side",), "serverside-applied")}
@@ -87,6 +88,10 @@ class RunResult:
     """The burst was one ``kubectl apply -f`` of every group, this way (``KUBECTL_APPLY``)."""
     namespaces: int = 1
     """The groups were spread over this many namespaces."""
+    foreign: int = 0
+    """Pods, and as many Deployments, of no group in the API server before the operator started."""
+    foreign_seconds: float = 0.0
+    """How long making them took."""
     create_to_leader: list[float] = field(default_factory=list)
     """Per group: the create's answer -> ``status.leader`` seen (seconds)."""
     all_settled: float = 0.0
@@ -142,6 +147,40 @@ async def make_pod(client: KubeClient, group: str, suffix: str, role: str, token
     ready = {"status": {"phase": "Running", "conditions": [{"type": "Ready", "status": "True"}]}}
     await client.request("PATCH", f"{pods_path(namespace)}/{name}/status", body=ready,
                          content_type="application/merge-patch+json", timeout=CALL_TIMEOUT)
+
+
+def foreign_pod(index: int) -> dict[str, Any]:
+    """A pod of some other team's app, as big as a small real one (labels, env, resources),
+    never scheduled: no scheduler and no node run here, only its object is in the API server."""
+    name = f"web-{index:05d}"
+    return {"apiVersion": "v1", "kind": "Pod",
+            "metadata": {"name": name, "labels": {"app": "web", "team": f"t{index % 40}", "pod-index": str(index)},
+                         "annotations": {"example.com/owner": f"team-{index % 40}@example.com"}},
+            "spec": {"containers": [{
+                "name": "web", "image": "example.invalid/web:1", "ports": [{"containerPort": 8080}],
+                "env": [{"name": f"SETTING_{i}", "value": f"value-{i}"} for i in range(8)],
+                "resources": {"requests": {"cpu": "10m", "memory": "16Mi"}}}]}}
+
+
+def foreign_deployment(index: int) -> dict[str, Any]:
+    """A Deployment of no group (no controller runs here: it makes no pods)."""
+    name = f"web-{index:05d}"
+    labels = {"app": "web", "deployment-index": str(index)}
+    return {"apiVersion": "apps/v1", "kind": "Deployment", "metadata": {"name": name, "labels": labels},
+            "spec": {"replicas": 1, "selector": {"matchLabels": labels},
+                     "template": {"metadata": {"labels": labels}, "spec": foreign_pod(index)["spec"]}}}
+
+
+async def make_foreign(client: KubeClient, count: int, parallel: int) -> float:
+    """``count`` foreign pods and as many Deployments in their own namespace; returns the seconds."""
+    started = time.monotonic()
+    await make_namespace(client, FOREIGN_NAMESPACE)
+    await bounded(parallel, [client.request("POST", pods_path(FOREIGN_NAMESPACE), body=foreign_pod(i),
+                                            timeout=CALL_TIMEOUT) for i in range(count)])
+    await bounded(parallel, [client.request("POST", f"/apis/apps/v1/namespaces/{FOREIGN_NAMESPACE}/deployments",
+                                            body=foreign_deployment(i), timeout=CALL_TIMEOUT)
+                             for i in range(count)])
+    return time.monotonic() - started
 
 
 async def bounded(parallel: int, jobs: list[Any]) -> list[Any]:
@@ -456,11 +495,14 @@ class Bench:
 
 async def run_once(plane: ControlPlane, *, groups: int, parallel: int, rest_seconds: float, changes: int,
                    one_more: int, workdir: Path, rate: float | None = None, kubectl: str | None = None,
-                   as_admin: bool = False, namespaces: int = 1) -> RunResult:
-    result = RunResult(groups=groups, rate=rate, kubectl=kubectl, namespaces=namespaces)
+                   as_admin: bool = False, namespaces: int = 1, foreign: int = 0) -> RunResult:
+    result = RunResult(groups=groups, rate=rate, kubectl=kubectl, namespaces=namespaces, foreign=foreign)
     names = [group_name(i) for i in range(groups)]
     homes = group_namespaces(names, namespaces)
     async with KubeClient(load_kube_config(str(plane.info.kubeconfig)), user_agent="bench") as client:
+        if foreign:
+            result.foreign_seconds = await make_foreign(client, foreign, parallel)
+            print(f"  {foreign} foreign pods and Deployments made in {result.foreign_seconds:.0f} s", flush=True)
         await bounded(parallel, [make_namespace(client, n) for n in sorted(set(homes.values()) - {NAMESPACE})])
         await bounded(parallel, [make_pod(client, n, s, role, token, namespace=homes[n]) for n in names
                                  for s, role, token in (("a", contract.ROLE_LEADER, 1),
@@ -500,6 +542,7 @@ def report(results: list[RunResult]) -> None:
              else f", created {rate:g} a second" if rate else ", created at once")
     if results[0].namespaces > 1:
         paced += f", in {results[0].namespaces} namespaces"
+    paced += f", {results[0].foreign} foreign pods and as many Deployments"
     print(f"\nOperator with {groups} SingletonServices{paced} ({len(results)} run(s)):")
     print(line("create -> status with a leader", [v for r in results for v in r.create_to_leader]))
     print(line("first create -> last group settled", [r.all_settled for r in results]))
@@ -536,6 +579,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--as-admin", action="store_true",
                         help="run the operator as the test bed's admin, whose requests skip RBAC and its "
                         "escalation checks (default: the chart's ServiceAccount and RBAC)")
+    parser.add_argument("--foreign", type=int, nargs="+", default=[0], metavar="N",
+                        help="pods of no group, and as many Deployments, in the API server before the operator "
+                        "starts: one configuration per N, each on fresh control planes, compared with the first "
+                        "(default 0)")
     parser.add_argument("--json", type=Path, default=None, metavar="FILE", help="also write every figure here")
     args = parser.parse_args(argv)
     if min(args.groups, args.runs, args.parallel, args.changes, args.one_more, args.namespaces) < 1 \
@@ -548,20 +595,42 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(f"--rate must be a number of creates a second above 0, not {args.rate}")
     if args.rate is not None and args.kubectl is not None:
         parser.error("--rate and --kubectl are two ways to create the groups: give one of them")
-    results = []
-    for run in range(args.runs):
-        workdir = Path(tempfile.mkdtemp(prefix="operator-scale-"))
-        print(f"run {run + 1}/{args.runs} (work folder {workdir})", flush=True)
-        with control_plane() as plane:
-            results.append(asyncio.run(run_once(plane, groups=args.groups, parallel=args.parallel,
-                                                rest_seconds=args.rest_seconds, changes=args.changes,
-                                                one_more=args.one_more, workdir=workdir,
-                                                rate=args.rate, kubectl=args.kubectl,
-                                                as_admin=args.as_admin, namespaces=args.namespaces)))
-    report(results)
+    if min(args.foreign) < 0:
+        parser.error("--foreign counts must be 0 or more")
+    by_foreign: dict[int, list[RunResult]] = {}
+    for foreign in args.foreign:
+        for run in range(args.runs):
+            workdir = Path(tempfile.mkdtemp(prefix="operator-scale-"))
+            print(f"{foreign} foreign, run {run + 1}/{args.runs} (work folder {workdir})", flush=True)
+            with control_plane() as plane:
+                by_foreign.setdefault(foreign, []).append(asyncio.run(run_once(
+                    plane, groups=args.groups, parallel=args.parallel, rest_seconds=args.rest_seconds,
+                    changes=args.changes, one_more=args.one_more, workdir=workdir, rate=args.rate,
+                    kubectl=args.kubectl, as_admin=args.as_admin, namespaces=args.namespaces, foreign=foreign)))
+    for results in by_foreign.values():
+        report(results)
+    if len(by_foreign) > 1:
+        compare_foreign(by_foreign)
     if args.json:
-        args.json.write_text(json.dumps([asdict(r) for r in results], indent=1))
+        args.json.write_text(json.dumps([asdict(r) for results in by_foreign.values() for r in results], indent=1))
     return 0
+
+
+def compare_foreign(by_foreign: dict[int, list[RunResult]]) -> None:
+    """Each configuration against the first (issue 34's goal: at rest within 10 %, create -> leader
+    p99 unchanged within noise), medians over its runs."""
+    base_count, base = next(iter(by_foreign.items()))
+
+    def at_rest(results: list[RunResult]) -> tuple[float, float, float]:
+        return (statistics.median(r.rss_mb for r in results), statistics.median(r.cpu_percent for r in results),
+                percentile([v for r in results for v in r.create_to_leader], 0.99))
+
+    rss0, cpu0, p99_0 = at_rest(base)
+    print(f"\nagainst {base_count} foreign: ratio of RSS at rest, CPU at rest, create -> leader p99")
+    for count, results in by_foreign.items():
+        rss, cpu, p99 = at_rest(results)
+        print(f"  {count:>6} foreign: RSS {rss:.1f} MB ({rss / rss0:.2f}), CPU {cpu:.2f} % "
+              f"({cpu / cpu0 if cpu0 else float('nan'):.2f}), p99 {p99:.2f} s ({p99 / p99_0:.2f})")
 
 
 if __name__ == "__main__":
