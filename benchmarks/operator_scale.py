@@ -42,10 +42,10 @@ import sys
 import tempfile
 import time
 import urllib.request
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator, Awaitable, Iterator
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import yaml
 
@@ -59,6 +59,7 @@ from singleton_testbed.procs import free_port
 ROOT = Path(__file__).resolve().parent.parent
 NAMESPACE = "bench"
 FOREIGN_NAMESPACE = "foreign"
+T = TypeVar("T")
 ALL_CRS_PATH = f"/apis/{contract.API_GROUP}/{contract.API_VERSION}/{contract.PLURAL}"
 OPERATOR_AGENTS = ("singleton-operator", "kopf")
 KUBECTL_APPLY = {"client-side": ((), "created"), "server-side": (("--server-side",), "serverside-applied")}
@@ -377,6 +378,23 @@ class Bench:
         await asyncio.sleep(max(moment - time.monotonic(), 0.0))
         await self.create(name)
 
+    async def operator_answers(self, awaited: Awaitable[T], timeout: float) -> T:
+        """``awaited``, or a clear error when the operator process exits first (with thousands of
+        foreign objects, kopf's watches of every pod once starved its Lease renewals) or it
+        takes more than ``timeout`` seconds."""
+        task = asyncio.ensure_future(awaited)
+        deadline = time.monotonic() + timeout
+        try:
+            while not task.done():
+                if self.operator.popen.poll() is not None:
+                    raise SystemExit(f"the operator exited ({self.operator.popen.returncode}); see {self.operator.log}")
+                if time.monotonic() > deadline:
+                    raise SystemExit(f"no answer within {timeout:g} s; see {self.operator.log}")
+                await asyncio.wait({task}, timeout=0.5)
+            return task.result()
+        finally:
+            task.cancel()
+
     async def burst(self, names: list[str], parallel: int, rate: float | None = None) -> None:
         """Every group created at once (``rate``: that many creates a second, as a GitOps
         tool's client-side rate limit sends them); each timed until its status names its leader."""
@@ -385,7 +403,7 @@ class Bench:
         with self.measured() as measured:
             await bounded(parallel, [self.create(n) if rate is None else self.create_at(n, first + i / rate)
                                      for i, n in enumerate(names)])
-            seen = await asyncio.wait_for(asyncio.gather(*futures), timeout=600)
+            seen = await self.operator_answers(asyncio.gather(*futures), 600)
         self.settled(names, seen, first, measured)
 
     @contextlib.contextmanager
@@ -450,7 +468,7 @@ class Bench:
                     await kubectl.wait()
             if problem is not None:
                 raise RuntimeError(f"kubectl apply {problem}; its errors: {(await errors).decode().strip()}")
-            seen = await asyncio.wait_for(asyncio.gather(*futures), timeout=600)
+            seen = await self.operator_answers(asyncio.gather(*futures), 600)
         for name in names:
             self.created[name] = min(self.created[name], self.watch.first_seen[name])
         self.settled(names, seen, min(self.created.values()), measured)
@@ -464,7 +482,7 @@ class Bench:
                               for s, role, token in pods])
             arrived = self.watch.expect(name, f"{name}-a")
             await self.create(name)
-            self.result.create_one_more.append(await asyncio.wait_for(arrived, timeout=120) - self.created[name])
+            self.result.create_one_more.append(await self.operator_answers(arrived, 120) - self.created[name])
             await asyncio.sleep(0.5)
 
     async def rest(self, seconds: float) -> None:
@@ -489,7 +507,7 @@ class Bench:
                                     content_type="application/merge-patch+json", timeout=CALL_TIMEOUT)
                 for pod, role, token in ((f"{name}-a", contract.ROLE_STANDBY, None),
                                          (new, contract.ROLE_LEADER, 2))))
-            self.result.notice_change.append(await asyncio.wait_for(arrived, timeout=120) - patched)
+            self.result.notice_change.append(await self.operator_answers(arrived, 120) - patched)
             await asyncio.sleep(0.5)
 
 
