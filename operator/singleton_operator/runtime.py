@@ -313,6 +313,7 @@ async def _run_kopf_while_leading(config: OperatorConfig, client: KubeClient, me
                             webhook_serving=config.webhook is not None, operator_namespace=config.lease_namespace,
                             postgres_connection_check=config.postgres_connection_check)
     refresher = Refresher(client=client, metrics=metrics, reconciler=reconciler, marks=marks)
+    watch_client = KubeClient(client.config, user_agent="singleton-operator-watches")
     loop = asyncio.get_running_loop()
     stop_flag: asyncio.Future[None] = loop.create_future()
     ready_flag: asyncio.Future[None] = loop.create_future()
@@ -323,7 +324,9 @@ async def _run_kopf_while_leading(config: OperatorConfig, client: KubeClient, me
     ), name="kopf")
     helpers = [asyncio.create_task(refresher.run_refresher(), name="status-refresher"),
                asyncio.create_task(refresher.run_periodic(config.namespaces), name="periodic-refresh"),
-               *group_watches(client, config.namespaces, marks, reconciler)]
+               # A client of their own: each watch holds a connection for minutes, which would
+               # leave the reconciler fewer of the client's (two per watched namespace).
+               *group_watches(watch_client, config.namespaces, marks, reconciler)]
     try:
         await _first(_future_event(ready_flag), _done_event(kopf_task))
         # kopf installs its own SIGTERM handler; ours must decide the order of shutdown.
@@ -356,6 +359,7 @@ async def _run_kopf_while_leading(config: OperatorConfig, client: KubeClient, me
             task.cancel()
         await asyncio.gather(*helpers, kopf_task, return_exceptions=True)
         await reconciler.close()
+        await watch_client.close()
 
 
 def _future_event(future: asyncio.Future[None]) -> asyncio.Event:

@@ -11,11 +11,10 @@ import logging
 from collections.abc import Awaitable, Callable
 from contextlib import aclosing
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
 
 from singleton_election import contract
 from singleton_election.kube import KubeClient, KubeError, KubeGone
-from singleton_operator.groups import Reconciler
 from singleton_operator.marks import RefreshMarks
 from singleton_operator.model.resources import LABEL_MANAGED_BY, MANAGED_BY
 
@@ -29,6 +28,12 @@ BACKOFF_FIRST, BACKOFF_MAX = 0.5, 30.0  # seconds between attempts after a failu
 Handler = Callable[[str, dict[str, Any]], Awaitable[None]]
 """Called with each event's type (``ADDED``, ``MODIFIED``, ``DELETED``; ``LISTED`` for an
 object of a listing, after a start or a gap in the watch) and the object."""
+
+
+class Repairer(Protocol):
+    """What puts a group's deleted Deployment back (``groups.Reconciler``)."""
+
+    async def repair(self, namespace: str, name: str) -> None: ...
 
 
 @dataclass(frozen=True)
@@ -53,48 +58,80 @@ OWN_DEPLOYMENTS = Watched("own deployments", "/apis/apps/v1", "deployments", f"{
 
 async def follow(client: KubeClient, watched: Watched, namespace: str | None, handler: Handler, *,
                  watch_seconds: float = WATCH_SECONDS) -> None:
-    """List, then watch from the listing's version, for ever: a watch the server ends resumes
-    from the last version it sent (bookmarks keep it fresh), an expired version (410) lists
-    again, any other failure backs off and lists again. ``namespace`` None: the whole cluster.
-    A handler's failure is logged and does not stop the watch."""
+    """List, then watch from the listing's version, for ever. A watch the server ends, or that
+    fails (backing off), resumes from the last version it sent (bookmarks keep it fresh); an
+    expired version (410) lists again, and an object the new listing lacks is handed over as
+    ``DELETED``: it went while no watch ran. ``namespace`` None: the whole cluster. A handler's
+    failure is logged and does not stop the watch."""
     path = watched.path(namespace)
     fields = {"watch": watched.name, "namespace": namespace or "*", "selector": watched.selector}
+    known: dict[tuple[str, str], dict[str, Any]] = {}  # (namespace, name) -> metadata, of each live object
     version: str | None = None
-    backoff = BACKOFF_FIRST
+    backoff, expired_in_a_row = BACKOFF_FIRST, 0
     while True:
         try:
             if version is None:
-                version = await _list(client, path, watched.selector, handler, fields)
+                version = await _list(client, path, watched.selector, handler, fields=fields, known=known)
             params = {"labelSelector": watched.selector, "resourceVersion": version, "allowWatchBookmarks": "true"}
             async with aclosing(client.watch(path, params=params, timeout=watch_seconds)) as events:
                 async for kind, obj in events:
                     version = obj.get("metadata", {}).get("resourceVersion") or version
                     if kind in ("ADDED", "MODIFIED", "DELETED"):
+                        _remember(known, kind, obj)
                         await _handle(handler, kind, obj, fields)
+                    expired_in_a_row = 0
             backoff = BACKOFF_FIRST
         except KubeGone:
-            log.info("watch expired; listing again", extra=fields)
+            expired_in_a_row += 1
+            log.info("watch expired; listing again", extra={**fields, "in_a_row": expired_in_a_row})
             version = None
+            if expired_in_a_row > 1:  # a server that keeps answering 410: not in a tight loop
+                await asyncio.sleep(backoff)
+                backoff = min(backoff * 2, BACKOFF_MAX)
         except KubeError as exc:
-            log.warning("watch failed; listing again after a pause",
+            log.warning("watch failed; trying again after a pause",
                         extra={**fields, "error": exc, "retry_seconds": backoff})
             await asyncio.sleep(backoff)
             backoff = min(backoff * 2, BACKOFF_MAX)
-            version = None
 
 
-async def _list(client: KubeClient, path: str, selector: str, handler: Handler, fields: dict[str, Any]) -> str:
-    """Hand every object of the listing to ``handler`` (``LISTED``), page by page; returns the
-    listing's resource version, where the watch starts."""
+def _key(obj: dict[str, Any]) -> tuple[str, str]:
+    meta = obj.get("metadata") or {}
+    return str(meta.get("namespace", "")), str(meta.get("name", ""))
+
+
+def _remember(known: dict[tuple[str, str], dict[str, Any]], kind: str, obj: dict[str, Any]) -> None:
+    """Keep the name and labels of each live object (not the object: a few bytes each)."""
+    if kind == "DELETED":
+        known.pop(_key(obj), None)
+        return
+    meta = obj.get("metadata") or {}
+    known[_key(obj)] = {"namespace": meta.get("namespace"), "name": meta.get("name"),
+                        "labels": dict(meta.get("labels") or {})}
+
+
+async def _list(client: KubeClient, path: str, selector: str, handler: Handler, *, fields: dict[str, Any],
+                known: dict[tuple[str, str], dict[str, Any]]) -> str:
+    """Hand every object of the listing to ``handler`` (``LISTED``), page by page, then each
+    object ``known`` from before that the listing lacks (``DELETED``, with the name and labels
+    known of it); returns the listing's resource version, where the watch starts."""
     params = {"labelSelector": selector, "limit": str(LIST_PAGE)}
+    listed: dict[tuple[str, str], dict[str, Any]] = {}
     while True:
         page = await client.request("GET", path, params=params, timeout=LIST_TIMEOUT)
         for obj in page.get("items") or []:
+            _remember(listed, "LISTED", obj)
             await _handle(handler, "LISTED", obj, fields)
         meta = page.get("metadata") or {}
         if not meta.get("continue"):
-            return str(meta.get("resourceVersion", ""))
+            break
         params = {**params, "continue": str(meta["continue"])}
+    gone = [known[key] for key in known.keys() - listed.keys()]
+    known.clear()
+    known.update(listed)
+    for metadata in gone:
+        await _handle(handler, "DELETED", {"metadata": metadata}, fields)
+    return str(meta.get("resourceVersion", ""))
 
 
 async def _handle(handler: Handler, kind: str, obj: dict[str, Any], fields: dict[str, Any]) -> None:
@@ -107,7 +144,7 @@ async def _handle(handler: Handler, kind: str, obj: dict[str, Any], fields: dict
 
 
 def group_watches(client: KubeClient, namespaces: tuple[str, ...], marks: RefreshMarks,
-                  reconciler: Reconciler) -> list[asyncio.Task[None]]:
+                  reconciler: Repairer) -> list[asyncio.Task[None]]:
     """The watches of a leading operator, one per collection and watched namespace (one for the
     cluster when ``namespaces`` is empty): a group pod's event marks its group; an event of a
     Deployment the operator made marks its group (the same name), and its deletion by someone
@@ -122,16 +159,56 @@ def group_watches(client: KubeClient, namespaces: tuple[str, ...], marks: Refres
     scopes: tuple[str | None, ...] = namespaces or (None,)
     tasks = [asyncio.create_task(follow(client, GROUP_PODS, scope, pod_changed),
                                  name=f"watch group pods in {scope or 'the cluster'}") for scope in scopes]
-    tasks += [asyncio.create_task(_follow_own_deployments(client, scope, marks, reconciler),
+    tasks += [asyncio.create_task(follow_own_deployments(client, scope, marks, reconciler),
                                   name=f"watch own deployments in {scope or 'the cluster'}") for scope in scopes]
     return tasks
 
 
-async def _follow_own_deployments(client: KubeClient, scope: str | None, marks: RefreshMarks,
-                                  reconciler: Reconciler) -> None:
-    """Mark the group of each event; put a deleted Deployment back in a task of its own (a
-    repair retries until the API server answers: the watch goes on meanwhile)."""
-    repairs: dict[tuple[str, str], asyncio.Task[None]] = {}
+class DeploymentRepairs:
+    """Deleted Deployments put back, each group's in one task at a time (a repair retries until
+    the API server answers: the watch goes on meanwhile). A deletion seen while its group's
+    repair runs has the repair run again once it ends: it may have re-applied the Deployment
+    before that deletion."""
+
+    def __init__(self, reconciler: Repairer) -> None:
+        self._reconciler = reconciler
+        self._running: dict[tuple[str, str], asyncio.Task[None]] = {}
+        self._again: set[tuple[str, str]] = set()
+
+    def deleted(self, namespace: str, name: str) -> None:
+        key = (namespace, name)
+        if key in self._running:
+            self._again.add(key)
+            return
+        task = asyncio.create_task(self._repair(key), name=f"repair {namespace}/{name}")
+        self._running[key] = task
+        task.add_done_callback(lambda done: self._ended(key, done))
+
+    async def _repair(self, key: tuple[str, str]) -> None:
+        while True:
+            self._again.discard(key)
+            await self._reconciler.repair(*key)
+            if key not in self._again:
+                return
+
+    def _ended(self, key: tuple[str, str], task: asyncio.Task[None]) -> None:
+        self._running.pop(key, None)
+        self._again.discard(key)
+        if not task.cancelled() and (exc := task.exception()) is not None:
+            log.error("putting a deleted Deployment back failed", exc_info=exc,
+                      extra={"namespace": key[0], "group": key[1]})
+
+    async def close(self) -> None:
+        running = list(self._running.values())
+        for task in running:
+            task.cancel()
+        await asyncio.gather(*running, return_exceptions=True)
+
+
+async def follow_own_deployments(client: KubeClient, scope: str | None, marks: RefreshMarks,
+                                 reconciler: Repairer, *, watch_seconds: float = WATCH_SECONDS) -> None:
+    """Mark the group of each event of a Deployment the operator made; put a deleted one back."""
+    repairs = DeploymentRepairs(reconciler)
 
     async def changed(kind: str, deployment: dict[str, Any]) -> None:
         meta = deployment.get("metadata") or {}
@@ -139,24 +216,10 @@ async def _follow_own_deployments(client: KubeClient, scope: str | None, marks: 
         if not namespace or not name:
             return
         marks.mark(namespace, name)
-        key = (namespace, name)
-        if kind == "DELETED" and key not in repairs:
-            task = asyncio.create_task(reconciler.repair(namespace, name), name=f"repair {namespace}/{name}")
-            repairs[key] = task
-            task.add_done_callback(lambda done: _repaired(repairs, key, done))
+        if kind == "DELETED":
+            repairs.deleted(namespace, name)
 
     try:
-        await follow(client, OWN_DEPLOYMENTS, scope, changed)
+        await follow(client, OWN_DEPLOYMENTS, scope, changed, watch_seconds=watch_seconds)
     finally:
-        pending = list(repairs.values())
-        for task in pending:
-            task.cancel()
-        await asyncio.gather(*pending, return_exceptions=True)
-
-
-def _repaired(repairs: dict[tuple[str, str], asyncio.Task[None]], key: tuple[str, str],
-              task: asyncio.Task[None]) -> None:
-    repairs.pop(key, None)
-    if not task.cancelled() and (exc := task.exception()) is not None:
-        log.error("putting a deleted Deployment back failed", exc_info=exc,
-                  extra={"namespace": key[0], "group": key[1]})
+        await repairs.close()

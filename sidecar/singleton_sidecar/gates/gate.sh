@@ -229,7 +229,9 @@ while :; do
   fi
   if leading; then
     if [ -z "$child" ]; then
-      : > "$dir/idle"
+      # Never start with an old acknowledgement left in place: the sidecar would take it for
+      # this app's stop. A folder this script cannot write to is looked at again later.
+      : > "$dir/idle" 2>/dev/null || { pause; continue; }
       start_app "$@"
     fi
   else

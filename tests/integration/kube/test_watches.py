@@ -17,8 +17,9 @@ import pytest
 import pytest_asyncio
 
 from singleton_election import contract
-from singleton_election.kube import KubeClient, KubeGone, load_kube_config
-from singleton_operator.watches import GROUP_PODS, OWN_DEPLOYMENTS, follow
+from singleton_election.kube import KubeClient, KubeError, KubeGone, KubeUnavailable, load_kube_config
+from singleton_operator.marks import RefreshMarks
+from singleton_operator.watches import GROUP_PODS, OWN_DEPLOYMENTS, follow, follow_own_deployments
 from tests.conftest import Cluster
 
 pytestmark = [pytest.mark.k8s, pytest.mark.timeout(90)]
@@ -27,13 +28,16 @@ Seen = list[tuple[str, str]]  # (event type, pod name)
 
 
 class RecordingClient(KubeClient):
-    """Records the path and parameters of every request and watch; ``gone_once`` makes the first
-    watch answer 410 Gone, as the server does for a version it no longer keeps."""
+    """Records the path and parameters of every request and watch. ``first_watch_fails``: the
+    first watch waits for ``release`` (while no watch runs, as in a gap), then raises it."""
 
-    def __init__(self, cluster: Cluster, *, gone_once: bool = False) -> None:
+    def __init__(self, cluster: Cluster, *, first_watch_fails: KubeError | None = None) -> None:
         super().__init__(load_kube_config(str(cluster.kubeconfig)))
         self.calls: list[tuple[str, str, Mapping[str, str]]] = []
-        self._gone_once = gone_once
+        self._failure = first_watch_fails
+        self.release = asyncio.Event()
+        if first_watch_fails is None:
+            self.release.set()
 
     async def request(self, method: str, path: str, **kwargs: Any) -> dict[str, Any]:
         self.calls.append((method, path, dict(kwargs.get("params") or {})))
@@ -41,15 +45,18 @@ class RecordingClient(KubeClient):
 
     def watch(self, path: str, **kwargs: Any) -> AsyncGenerator[tuple[str, dict[str, Any]], None]:
         self.calls.append(("WATCH", path, dict(kwargs.get("params") or {})))
-        if self._gone_once:
-            self._gone_once = False
-            return _gone(path)
+        failure, self._failure = self._failure, None
+        if failure is not None:
+            return self._fail(failure)
         return super().watch(path, **kwargs)
 
+    async def _fail(self, failure: KubeError) -> AsyncGenerator[tuple[str, dict[str, Any]], None]:
+        await self.release.wait()
+        raise failure
+        yield  # pragma: no cover  (a generator that raises at its first step)
 
-async def _gone(path: str) -> AsyncGenerator[tuple[str, dict[str, Any]], None]:
-    raise KubeGone(410, "Expired", f"watch {path}: too old resource version")
-    yield  # pragma: no cover  (a generator that raises at its first step)
+
+GONE = KubeGone(410, "Expired", "too old resource version")
 
 
 def pod(name: str, group: str | None) -> dict[str, Any]:
@@ -133,10 +140,11 @@ async def test_an_expired_version_lists_again_and_a_failing_handler_does_not_sto
     create(cluster, namespace, pod(f"group-a-{suffix}", "g1"))
     seen: Seen = []
     caplog.set_level(logging.INFO, logger="singleton_operator.watches")
-    recording = RecordingClient(cluster, gone_once=True)
+    recording = RecordingClient(cluster, first_watch_fails=GONE)
     try:
         async with following(recording, namespace, seen, fail_first=True):
             # The first listing's only event fails in the handler; the 410 lists again.
+            recording.release.set()
             await until(lambda: ("LISTED", f"group-a-{suffix}") in seen, 10, "the second listing")
             create(cluster, namespace, pod(f"group-b-{suffix}", "g2"))
             await until(lambda: ("ADDED", f"group-b-{suffix}") in seen, 10, "an event after both")
@@ -161,7 +169,91 @@ async def test_a_listing_comes_in_pages(cluster: Cluster, namespace: str, client
     assert len(pages) == 3 and [bool(page.get("continue")) for page in pages] == [False, True, True], pages
 
 
-def test_the_deployment_watch_selects_the_operators_own() -> None:
+async def test_a_failed_watch_resumes_from_its_version_without_listing_again(
+        cluster: Cluster, namespace: str) -> None:
+    suffix = uuid.uuid4().hex[:4]
+    seen: Seen = []
+    recording = RecordingClient(cluster, first_watch_fails=KubeUnavailable(0, "Unavailable", "connection reset"))
+    try:
+        async with following(recording, namespace, seen):
+            await until(lambda: len(recording.calls) >= 2, 10, "the first watch")
+            create(cluster, namespace, pod(f"group-a-{suffix}", "g1"))  # made while no watch runs
+            recording.release.set()
+            await until(lambda: ("ADDED", f"group-a-{suffix}") in seen, 10, "the pod, from the resumed watch")
+    finally:
+        await recording.close()
+    (_, _, first), (_, _, second) = [call for call in recording.calls if call[0] == "WATCH"][:2]
+    assert [kind for kind, _, _ in recording.calls][:3] == ["GET", "WATCH", "WATCH"], recording.calls
+    assert second["resourceVersion"] == first["resourceVersion"]
+
+
+class Repairs:
+    """Stands in for the reconciler's repair: records each call; the first waits for ``go``."""
+
+    def __init__(self) -> None:
+        self.calls: list[tuple[str, str]] = []
+        self.go = asyncio.Event()
+
+    async def repair(self, namespace: str, name: str) -> None:
+        self.calls.append((namespace, name))
+        if len(self.calls) == 1:
+            await self.go.wait()
+
+
+def deployment(name: str, *, ours: bool = True) -> dict[str, Any]:
+    """A Deployment (no controller runs here: no pods); ``ours``: labelled as the operator's."""
+    labels = {"app.kubernetes.io/managed-by": "singleton-operator" if ours else "helm"}
+    return {"apiVersion": "apps/v1", "kind": "Deployment", "metadata": {"name": name, "labels": labels},
+            "spec": {"replicas": 0, "selector": {"matchLabels": {"app": name}},
+                     "template": {"metadata": {"labels": {"app": name}},
+                                  "spec": {"containers": [{"name": "app", "image": "busybox"}]}}}}
+
+
+async def test_a_deployment_deleted_again_during_its_repair_is_repaired_again(
+        cluster: Cluster, namespace: str, client: RecordingClient) -> None:
+    name = f"group-{uuid.uuid4().hex[:4]}"
+    create(cluster, namespace, deployment(name))
+    create(cluster, namespace, deployment(f"foreign-{name}", ours=False))
+    marks, repairs = RefreshMarks(), Repairs()
+    task = asyncio.create_task(follow_own_deployments(client, namespace, marks, repairs))
+    try:
+        await until(lambda: (namespace, name) in marks.pending, 10, "the listed Deployment's group marked")
+        cluster.kubectl("delete", "deployment", name, "-n", namespace)
+        await until(lambda: len(repairs.calls) == 1, 10, "the repair")
+        create(cluster, namespace, deployment(name))  # as the repair would; then deleted again
+        cluster.kubectl("delete", "deployment", name, "-n", namespace)
+        await asyncio.sleep(1)  # the second DELETED arrives while the first repair runs
+        assert len(repairs.calls) == 1
+        repairs.go.set()
+        await until(lambda: len(repairs.calls) == 2, 10, "the repair again")
+    finally:
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)
+    assert repairs.calls == [(namespace, name)] * 2
+    assert (namespace, f"foreign-{name}") not in marks.pending  # not the operator's: not selected
+
+
+async def test_a_deployment_deleted_while_no_watch_ran_is_repaired_after_the_next_listing(
+        cluster: Cluster, namespace: str) -> None:
+    name = f"group-{uuid.uuid4().hex[:4]}"
+    create(cluster, namespace, deployment(name))
+    marks, repairs = RefreshMarks(), Repairs()
+    repairs.go.set()
+    recording = RecordingClient(cluster, first_watch_fails=GONE)
+    task = asyncio.create_task(follow_own_deployments(recording, namespace, marks, repairs))
+    try:
+        await until(lambda: len(recording.calls) >= 2, 10, "the listing and the first watch")
+        cluster.kubectl("delete", "deployment", name, "-n", namespace)  # no DELETED event will tell
+        recording.release.set()  # 410: the next listing lacks it
+        await until(lambda: repairs.calls == [(namespace, name)], 10, "the repair")
+    finally:
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)
+        await recording.close()
+    assert [kind for kind, _, _ in recording.calls][:3] == ["GET", "WATCH", "GET"], recording.calls
+
+
+def test_the_watches_select_the_group_pods_and_the_operators_own_deployments() -> None:
     assert OWN_DEPLOYMENTS.selector == "app.kubernetes.io/managed-by=singleton-operator"
     assert OWN_DEPLOYMENTS.path("ns") == "/apis/apps/v1/namespaces/ns/deployments"
     assert GROUP_PODS.path(None) == "/api/v1/pods"

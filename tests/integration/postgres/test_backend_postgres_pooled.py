@@ -19,6 +19,7 @@ import asyncpg
 import pytest
 import pytest_asyncio
 
+from singleton_election.backends.postgres.connection import ACQUIRE_GUARD_SLACK
 from singleton_election.backends.postgres.pooled_mode import PooledPostgresBackend
 from singleton_election.backends.postgres.session_mode import PostgresBackend, force_release
 from singleton_election.backends.postgres.sql import Statements
@@ -134,7 +135,8 @@ async def test_a_standby_answer_survives_a_loop_that_wakes_late_at_the_end_of_it
     due together. The standby still answers with the holder, not "unavailable"."""
     holder, standby = make_backend(), make_backend()
     term = await acquired(holder, "a")
-    asyncio.get_running_loop().call_later(0.4, time.sleep, 0.2)  # the loop stalls across the call's end
+    # The loop stalls from just before the call's end until past its guard's (budget + slack).
+    asyncio.get_running_loop().call_later(0.45, time.sleep, ACQUIRE_GUARD_SLACK + 0.2)
     seen = await standby.acquire(Identity("b"), timeout=0.5)
     assert seen == LockRecord(holder=Identity("a"), token=term.token, version=str(term.token))
 
