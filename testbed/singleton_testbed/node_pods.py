@@ -124,7 +124,13 @@ def signal_container(pod: Pod, container: str, signum: int, *, layout: NodeLayou
     After SIGSTOP it returns once every one of them is stopped (delivery is asynchronous)."""
     sent: set[int] = set()
     for _ in range(5):
-        pending = [pid for pid in container_pids(pod, container, layout=layout) if pid not in sent]
+        try:
+            found = container_pids(pod, container, layout=layout)
+        except NotOnThisNode:
+            if sent:
+                break  # the signal ended the container, and its cgroup went with it
+            raise
+        pending = [pid for pid in found if pid not in sent]
         if not pending:
             break
         for pid in pending:
