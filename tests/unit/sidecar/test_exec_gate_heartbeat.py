@@ -17,7 +17,7 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import AsyncIterator, Callable, Iterator
+from collections.abc import AsyncIterator, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Protocol
@@ -54,13 +54,6 @@ def state(pid: int) -> str:
         return "gone"
 
 
-def wait_until(what: Callable[[], object], timeout: float, failure: str) -> None:
-    deadline = time.monotonic() + timeout
-    while not what():
-        assert time.monotonic() < deadline, failure
-        time.sleep(0.01)
-
-
 def app_env(log: Path, **more: str) -> dict[str, str]:
     # The app, a child in its group, and a worker that left the group (setsid) while its parent lives.
     return {**os.environ, "SINGLETON_TOKEN": "1", "ACT_LOG": str(log), "ACT_CHILDREN": "1",
@@ -89,7 +82,13 @@ class Kept:
         return previous - HEARTBEAT_INTERVAL
 
     def pids(self) -> set[int]:
-        wait_until(lambda: len({pid for pid, _ in acts(self.log)}) == 3, 10, "the app, its child and its worker to act")
+        """The pids of the app, its child and its worker once all three acted, beating meanwhile:
+        on a loaded machine they may start after the first beats, and without a heartbeat the
+        keeper would freeze them before they act."""
+        deadline = time.monotonic() + 10
+        while len({pid for pid, _ in acts(self.log)}) < 3:
+            assert time.monotonic() < deadline, "the app, its child and its worker to act"
+            self.beat(HEARTBEAT_INTERVAL)
         return {pid for pid, _ in acts(self.log)}
 
 
