@@ -445,7 +445,7 @@ def gated(pg_dsn: str, tmp_path: Path, acting_log: Path) -> Iterator[acting.Fact
     started: list[SidecarProcess] = []
 
     def make(count: int = 2, *, app_env: dict[str, str] | None = None, env: dict[str, str] | None = None,
-             file_gate: bool = False) -> list[SidecarProcess]:
+             file_gate: bool = False, nice: int = 0) -> list[SidecarProcess]:
         for _ in range(count):
             index = len(started)
             sidecar_env = {"SINGLETON_GROUP": group, "SINGLETON_BACKEND": "postgres",
@@ -456,7 +456,8 @@ def gated(pg_dsn: str, tmp_path: Path, acting_log: Path) -> Iterator[acting.Fact
             if file_gate:
                 sidecar_env["SINGLETON_GATE_DIR"] = str(tmp_path / f"gate{index}")
                 command = []
-            sidecar = SidecarProcess(f"m{index}", sidecar_env, tmp_path / f"m{index}.log", command=command)
+            sidecar = SidecarProcess(f"m{index}", sidecar_env, tmp_path / f"m{index}.log", command=command,
+                                     nice=nice)
             started.append(sidecar.start())
         return started[-count:]
 

@@ -40,6 +40,9 @@ class SidecarProcess:
     popen: subprocess.Popen[bytes] | None = None
     started_at: float = 0.0
     """``time.monotonic()`` when the process was started."""
+    nice: int = 0
+    """The process's niceness (below 0 needs root): a test whose point is a sidecar that runs
+    gives it the CPU first, so the suite's other work beside it does not stall it."""
 
     def start(self) -> SidecarProcess:
         env = {**os.environ, **self.env, "SINGLETON_LISTEN": f"127.0.0.1:{self.port}",
@@ -48,6 +51,8 @@ class SidecarProcess:
             # Outside Kubernetes the PostgreSQL lock key is given, as on a VM.
             env.setdefault("SINGLETON_LOCK_KEY", f"local/{env['SINGLETON_GROUP']}")
         argv = [sys.executable, "-m", "singleton_sidecar.cli", "run"]
+        if self.nice:
+            argv = ["nice", "-n", str(self.nice), *argv]  # nice execs: popen.pid is the sidecar's
         if self.command:
             argv += ["--", *self.command]
         with open(self.log_path, "ab") as out:
