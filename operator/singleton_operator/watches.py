@@ -15,6 +15,7 @@ from typing import Any, Protocol
 
 from singleton_election import contract
 from singleton_election.kube import KubeClient, KubeError, KubeGone
+from singleton_operator.listing import GroupKey
 from singleton_operator.marks import RefreshMarks
 from singleton_operator.model.resources import LABEL_MANAGED_BY, MANAGED_BY
 
@@ -28,6 +29,10 @@ BACKOFF_FIRST, BACKOFF_MAX = 0.5, 30.0  # seconds between attempts after a failu
 Handler = Callable[[str, dict[str, Any]], Awaitable[None]]
 """Called with each event's type (``ADDED``, ``MODIFIED``, ``DELETED``; ``LISTED`` for an
 object of a listing, after a start or a gap in the watch) and the object."""
+
+
+Known = dict[tuple[str, str], dict[str, Any]]
+"""(namespace, name) -> the name and labels of each live object a watch has seen."""
 
 
 class Repairer(Protocol):
@@ -65,7 +70,7 @@ async def follow(client: KubeClient, watched: Watched, namespace: str | None, ha
     failure is logged and does not stop the watch."""
     path = watched.path(namespace)
     fields = {"watch": watched.name, "namespace": namespace or "*", "selector": watched.selector}
-    known: dict[tuple[str, str], dict[str, Any]] = {}  # (namespace, name) -> metadata, of each live object
+    known: Known = {}
     version: str | None = None
     backoff, expired_in_a_row = BACKOFF_FIRST, 0
     while True:
@@ -100,7 +105,7 @@ def _key(obj: dict[str, Any]) -> tuple[str, str]:
     return str(meta.get("namespace", "")), str(meta.get("name", ""))
 
 
-def _remember(known: dict[tuple[str, str], dict[str, Any]], kind: str, obj: dict[str, Any]) -> None:
+def _remember(known: Known, kind: str, obj: dict[str, Any]) -> None:
     """Keep the name and labels of each live object (not the object: a few bytes each)."""
     if kind == "DELETED":
         known.pop(_key(obj), None)
@@ -111,12 +116,12 @@ def _remember(known: dict[tuple[str, str], dict[str, Any]], kind: str, obj: dict
 
 
 async def _list(client: KubeClient, path: str, selector: str, handler: Handler, *, fields: dict[str, Any],
-                known: dict[tuple[str, str], dict[str, Any]]) -> str:
+                known: Known) -> str:
     """Hand every object of the listing to ``handler`` (``LISTED``), page by page, then each
     object ``known`` from before that the listing lacks (``DELETED``, with the name and labels
     known of it); returns the listing's resource version, where the watch starts."""
     params = {"labelSelector": selector, "limit": str(LIST_PAGE)}
-    listed: dict[tuple[str, str], dict[str, Any]] = {}
+    listed: Known = {}
     while True:
         page = await client.request("GET", path, params=params, timeout=LIST_TIMEOUT)
         for obj in page.get("items") or []:
@@ -172,8 +177,8 @@ class DeploymentRepairs:
 
     def __init__(self, reconciler: Repairer) -> None:
         self._reconciler = reconciler
-        self._running: dict[tuple[str, str], asyncio.Task[None]] = {}
-        self._again: set[tuple[str, str]] = set()
+        self._running: dict[GroupKey, asyncio.Task[None]] = {}
+        self._again: set[GroupKey] = set()
 
     def deleted(self, namespace: str, name: str) -> None:
         key = (namespace, name)
@@ -184,14 +189,14 @@ class DeploymentRepairs:
         self._running[key] = task
         task.add_done_callback(lambda done: self._ended(key, done))
 
-    async def _repair(self, key: tuple[str, str]) -> None:
+    async def _repair(self, key: GroupKey) -> None:
         while True:
             self._again.discard(key)
             await self._reconciler.repair(*key)
             if key not in self._again:
                 return
 
-    def _ended(self, key: tuple[str, str], task: asyncio.Task[None]) -> None:
+    def _ended(self, key: GroupKey, task: asyncio.Task[None]) -> None:
         self._running.pop(key, None)
         self._again.discard(key)
         if not task.cancelled() and (exc := task.exception()) is not None:

@@ -97,7 +97,9 @@ class LockBackend(Protocol):
         Returns the new ``Term``, or the ``LockRecord`` of the current holder when the
         lock was not free (or was lost in a race) within the timeout. A standby calls
         this in a loop; backends should wake as soon as the lock frees (blocking lock
-        wait, watch, notification) rather than poll.
+        wait, watch, notification) rather than poll. The wait ends within ``timeout``; the
+        report of what it found may come a little later on a loaded machine, which is better
+        than reporting the store unavailable.
         """
         ...
 
