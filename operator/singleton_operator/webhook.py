@@ -8,7 +8,10 @@ server on each request, never from a cache that could be older than the group.
 
 Decisions, per pod that reaches us (the MutatingWebhookConfiguration sends only pods with
 the group label, and none the operator made):
-- already has the sidecar: allowed unchanged;
+- already has the sidecar (``singletonctl inject``, or this webhook called again because a later
+  one changed the pod, ``reinvocationPolicy: IfNeeded``): allowed, with the sidecar moved back to
+  its place among the init containers (``spec.sidecar.startOrder``) if another webhook's
+  containers took it, else unchanged;
 - its group does not exist, or carries its own template: allowed unchanged, with a warning
   (the label alone does not make a pod part of a group);
 - its group adopts a workload: allowed with the patch, or refused with the group's rule the
@@ -29,7 +32,8 @@ from aiohttp import web
 
 from singleton_election import contract
 from singleton_election.kube import KubeClient, KubeError, KubeNotFound
-from singleton_operator.model.inject import pod_patch
+from singleton_operator.model.inject import is_injected, pod_patch
+from singleton_operator.model.resources import uninjected_template
 from singleton_operator.model.spec import NANOSECONDS, GroupSpec, SpecError, parse_duration, workload_ref
 from singleton_operator.reconcile import CALL_TIMEOUT, ReconcileProblem, cr_path
 
@@ -120,7 +124,12 @@ class PodAdmission:
         if ref is None:
             return [], [f"label {contract.LABEL_GROUP}={group}: SingletonService {namespace}/{group} carries its "
                         "own template, so this pod is not one of its members and gets no sidecar"]
-        as_workload = {"spec": {"template": {"metadata": pod.get("metadata") or {}, "spec": pod.get("spec") or {}}}}
+        template = {"metadata": pod.get("metadata") or {}, "spec": pod.get("spec") or {}}
+        if is_injected(template["spec"]):
+            # Injected by singletonctl, or by this webhook before another webhook changed the pod:
+            # the group's rules are about the pod as its owner wrote it.
+            template = uninjected_template(template)
+        as_workload = {"spec": {"template": template}}
         try:
             spec = self.read_spec(body, as_workload)
         except (SpecError, ReconcileProblem) as exc:

@@ -47,9 +47,10 @@ def injected_template(spec: GroupSpec, template: Mapping[str, Any]) -> dict[str,
 
 
 def pod_patch(spec: GroupSpec, pod: Mapping[str, Any]) -> list[dict[str, Any]]:
-    """The JSON patch (RFC 6902) that injects the sidecar into ``pod``; empty if it has it."""
+    """The JSON patch (RFC 6902) that injects the sidecar into ``pod``; for a pod that has it,
+    the one that puts it back in its place among the init containers (``placement_patch``)."""
     if is_injected(pod.get("spec") or {}):
-        return []
+        return placement_patch(spec, pod.get("spec") or {})
     before = {"metadata": dict(pod.get("metadata") or {}), "spec": dict(pod.get("spec") or {})}
     after = injected_template(spec, before)
     # Whole fields replaced, not a diff of them (jsonpatch.make_patch took most of the
@@ -62,6 +63,19 @@ def pod_patch(spec: GroupSpec, pod: Mapping[str, Any]) -> list[dict[str, Any]]:
                 path = f"/{part}/{_pointer(key)}"
                 operations.append({"op": "replace" if key in old else "add", "path": path, "value": new[key]})
     return operations
+
+
+def placement_patch(spec: GroupSpec, pod_spec: Mapping[str, Any]) -> list[dict[str, Any]]:
+    """Empty when the sidecar of an injected pod stands where ``spec.sidecar.startOrder`` puts
+    it; else the patch that moves it there. The webhook is called again after a later webhook
+    changed the pod (``reinvocationPolicy: IfNeeded``): a mesh's injector that added its proxy
+    behind ours is then put ahead of it, whichever webhook ran first."""
+    init_containers = list(pod_spec.get("initContainers") or [])
+    sidecar = next(c for c in init_containers if c.get("name") == SIDECAR_CONTAINER)
+    placed = resources.place_sidecar(sidecar, init_containers, spec.sidecar_start_order)
+    if placed == init_containers:
+        return []
+    return [{"op": "replace", "path": "/spec/initContainers", "value": placed}]
 
 
 def _pointer(key: str) -> str:

@@ -18,11 +18,12 @@ from __future__ import annotations
 import copy
 import hashlib
 import json
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 from singleton_election import contract
 from singleton_operator.model import spec as specs
-from singleton_operator.model.spec import GroupSpec, WorkloadRef, format_seconds, seconds_to_ns
+from singleton_operator.model.spec import GroupSpec, StartOrder, WorkloadRef, format_seconds, seconds_to_ns
 
 # The names the operator injects live with the rules that reserve them (spec.py).
 SIDECAR_CONTAINER = specs.SIDECAR_CONTAINER
@@ -208,6 +209,29 @@ def sidecar_container(spec: GroupSpec) -> dict[str, Any]:
     return container
 
 
+def is_native_sidecar(container: Mapping[str, Any]) -> bool:
+    """An init container that keeps running beside the app (``restartPolicy: Always``)."""
+    return container.get("restartPolicy") == "Always"
+
+
+def place_sidecar(sidecar: dict[str, Any], init_containers: Sequence[dict[str, Any]],
+                  order: StartOrder) -> list[dict[str, Any]]:
+    """``init_containers`` (without the sidecar) with ``sidecar`` placed by ``order``. The kubelet
+    starts init containers one by one, a native sidecar's successor once its startup probe
+    passes: ``AfterSidecars`` puts the sidecar after the native sidecars ahead of the first
+    ordinary init container (a mesh proxy, which must carry the sidecar's connections) and
+    before that container; ``First`` ahead of everything; ``Last`` after every init container
+    (it campaigns only once the pod's own init work, a migration say, is done)."""
+    others = [c for c in init_containers if c.get("name") != sidecar.get("name")]
+    if order == "First":
+        at = 0
+    elif order == "Last":
+        at = len(others)
+    else:
+        at = next((i for i, c in enumerate(others) if not is_native_sidecar(c)), len(others))
+    return [*others[:at], sidecar, *others[at:]]
+
+
 def _gated_command(command: list[str]) -> list[str]:
     return ["/bin/sh", "-c", _gate_script(), "singleton-gate", *command]
 
@@ -280,7 +304,8 @@ def pod_template(spec: GroupSpec) -> dict[str, Any]:
     pod = template.setdefault("spec", {})
     pod["containers"] = [_main_container(spec, c) if c["name"] == spec.main_container else c
                          for c in pod["containers"]]
-    pod["initContainers"] = [sidecar_container(spec), *(pod.get("initContainers") or [])]
+    pod["initContainers"] = place_sidecar(sidecar_container(spec), pod.get("initContainers") or [],
+                                          spec.sidecar_start_order)
     if spec.workload_ref is None:
         pod.setdefault("serviceAccountName", sidecar_account(spec))
     if spec.image_pull_secrets:
@@ -318,8 +343,13 @@ the group's settings rolls the workload out once, as it does a template group's 
 def sidecar_config_digest(spec: GroupSpec) -> str:
     """Digest of the group's injection settings (not of the workload's template, which would
     change with every apply of it)."""
-    settings = {"sidecar": sidecar_container(spec), "gating": spec.gating, "main": spec.main_container,
-                "grace": spec.termination_grace, "port": spec.sidecar_port}
+    settings: dict[str, Any] = {"sidecar": sidecar_container(spec), "gating": spec.gating,
+                                "main": spec.main_container, "grace": spec.termination_grace,
+                                "port": spec.sidecar_port}
+    if spec.sidecar_start_order != "AfterSidecars":
+        # Only when set: the digest of a group without it stays what it was before the field
+        # existed, so an operator upgrade rolls no adopted workload.
+        settings["startOrder"] = spec.sidecar_start_order
     return hashlib.sha256(json.dumps(settings, sort_keys=True).encode()).hexdigest()[:16]
 
 

@@ -37,6 +37,10 @@ PostgresMode = Literal["session", "pooled"]
 ConnectionCheck = Literal["block", "warn", "skip"]
 CONNECTION_CHECKS = ("block", "warn", "skip")
 GatingMode = Literal["cooperative", "file"]
+StartOrder = Literal["AfterSidecars", "First", "Last"]
+START_ORDERS = ("AfterSidecars", "First", "Last")
+"""``spec.sidecar.startOrder``: where the sidecar goes among the pod's init containers
+(``resources.place_sidecar``)."""
 
 # Names the operator puts into every pod; the CRD reserves them too.
 SIDECAR_CONTAINER = "singleton-sidecar"
@@ -204,6 +208,9 @@ class GroupSpec:
     sidecar_port: int
     sidecar_log_level: str
     sidecar_resources: dict[str, Any] | None = None
+    sidecar_start_order: StartOrder = "AfterSidecars"
+    """``spec.sidecar.startOrder``: after the native sidecars ahead of the first ordinary init
+    container (a mesh proxy), first of all, or after every init container."""
     drain_hook_url: str | None = None
     postgres_secret: str | None = None
     postgres_secret_key: str = "dsn"
@@ -513,6 +520,9 @@ def _read_spec(body: dict[str, Any], template: dict[str, Any], replicas: int, de
     sidecar_port = int(sidecar.get("port", DEFAULT_SIDECAR_PORT))
     _check_sidecar_port(sidecar_port, pod)
     sidecar_image = sidecar.get("image") or default_sidecar_image
+    start_order: StartOrder = sidecar.get("startOrder", "AfterSidecars")
+    if start_order not in START_ORDERS:
+        raise SpecError(f"spec.sidecar.startOrder: must be AfterSidecars, First or Last, got {start_order!r}")
     if has_go_space_around(sidecar_image):
         raise SpecError("spec.sidecar.image: must not have leading or trailing whitespace (the API server refuses "
                         "such pods)")
@@ -545,6 +555,7 @@ def _read_spec(body: dict[str, Any], template: dict[str, Any], replicas: int, de
         sidecar_port=sidecar_port,
         sidecar_log_level=sidecar.get("logLevel", "info"),
         sidecar_resources=_sidecar_resources(sidecar.get("resources")),
+        sidecar_start_order=start_order,
         postgres_secret=secret_ref.get("name"),
         postgres_secret_key=secret_key,
         postgres_mode=postgres_mode,

@@ -5,12 +5,18 @@ status from the adopted pods, the label taken back when the group is deleted).""
 
 from __future__ import annotations
 
+import base64
+import contextlib
 import copy
+import datetime as dt
+import http.server
 import json
 import re
 import socket
+import ssl
 import subprocess
 import sys
+import threading
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
@@ -21,6 +27,7 @@ import pytest
 import yaml
 
 from singleton_election import contract
+from singleton_operator import certs
 from singleton_operator.model.inject import InjectError, Manifest, inject_manifests, is_injected, pod_patch
 from singleton_operator.model.spec import SpecError, read_spec
 from singleton_operator.model.status import workload_suitability
@@ -128,6 +135,29 @@ def test_the_pod_patch_is_the_templates_injection_and_empty_once_injected() -> N
     with pytest.raises(SpecError, match=r"spec.workloadRef.name"):
         read_spec({**body, "spec": {"workloadRef": {"kind": "Deployment", "name": "Bad_Name"}}},
                   default_sidecar_image=IMAGE, workload={"spec": {"template": pod}})
+
+
+def test_a_second_call_puts_the_sidecar_behind_a_proxy_another_webhook_added_after_it() -> None:
+    pod = {"metadata": {"generateName": "poller-", "labels": {"app": "poller", contract.LABEL_GROUP: "poller"}},
+           "spec": copy.deepcopy(vendor_deployment()["spec"]["template"]["spec"])}
+    pod["spec"]["initContainers"] = [{"name": "migrate", "image": "migrate:1"}]
+    body = {**adopting(), "metadata": {"name": "poller", "namespace": "team", "uid": "u"}}
+    spec = read_spec(body, default_sidecar_image=IMAGE, workload={"spec": {"template": pod}})
+    injected = jsonpatch.apply_patch(pod, pod_patch(spec, pod))
+    assert [c["name"] for c in injected["spec"]["initContainers"]] == ["singleton-sidecar", "migrate"]
+    # A mesh's injector, called after ours, adds its proxy as a native sidecar right behind ours
+    # (and another one at the end): the API server calls our webhook again (reinvocationPolicy
+    # IfNeeded), which moves the sidecar behind the proxy, still ahead of the migration.
+    meshed = copy.deepcopy(injected)
+    meshed["spec"]["initContainers"].insert(1, {"name": "mesh-proxy", "image": "proxy:1", "restartPolicy": "Always"})
+    meshed["spec"]["initContainers"].append({"name": "mesh-late", "image": "proxy:1", "restartPolicy": "Always"})
+    again = pod_patch(spec, meshed)
+    inits = meshed["spec"]["initContainers"]
+    assert again == [{"op": "replace", "path": "/spec/initContainers", "value": [inits[1], inits[0], *inits[2:]]}]
+    placed = jsonpatch.apply_patch(meshed, again)
+    assert [c["name"] for c in placed["spec"]["initContainers"]] == [
+        "mesh-proxy", "singleton-sidecar", "migrate", "mesh-late"]
+    assert pod_patch(spec, placed) == []  # in its place: nothing more to do
 
 
 def singletonctl(*args: str, stdin: str = "") -> subprocess.CompletedProcess[str]:
@@ -303,7 +333,7 @@ def webhook_configuration(name: str, namespace: str, port: int) -> dict[str, Any
     return {"apiVersion": "admissionregistration.k8s.io/v1", "kind": "MutatingWebhookConfiguration",
             "metadata": {"name": name},
             "webhooks": [{"name": "pods.singleton.dev", "admissionReviewVersions": ["v1"], "sideEffects": "None",
-                          "failurePolicy": "Fail", "timeoutSeconds": 5,
+                          "failurePolicy": "Fail", "timeoutSeconds": 5, "reinvocationPolicy": "IfNeeded",
                           "rules": [{"apiGroups": [""], "apiVersions": ["v1"], "operations": ["CREATE"],
                                      "resources": ["pods"], "scope": "Namespaced"}],
                           "objectSelector": {"matchExpressions": [
@@ -312,6 +342,60 @@ def webhook_configuration(name: str, namespace: str, port: int) -> dict[str, Any
                                "values": ["singleton-operator"]}]},
                           "namespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name": namespace}},
                           "clientConfig": {"url": f"https://127.0.0.1:{port}/mutate-pods"}}]}
+
+
+MESH_PROXY = {"name": "mesh-proxy", "image": "mesh/proxy:1", "restartPolicy": "Always"}
+
+
+@contextlib.contextmanager
+def mesh_injector(cluster: Cluster, namespace: str, tmp_path: Path) -> Iterator[list[str]]:
+    """A stand-in for a mesh's injector: a webhook of this process that appends ``MESH_PROXY``
+    to every pod of ``namespace``, called after the operator's (its configuration's name sorts
+    after ``singleton-test-*``). Yields the names of the pods it was called for."""
+    bundle = certs.new_bundle(["127.0.0.1"], dt.datetime.now(dt.UTC))
+    (tmp_path / "mesh.crt").write_bytes(bundle.cert)
+    (tmp_path / "mesh.key").write_bytes(bundle.key)
+    context = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+    context.load_cert_chain(tmp_path / "mesh.crt", tmp_path / "mesh.key")
+    calls: list[str] = []
+
+    class Injector(http.server.BaseHTTPRequestHandler):
+        def do_POST(self) -> None:
+            review = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+            request = review["request"]
+            calls.append(request["object"]["metadata"].get("name", ""))
+            has_inits = "initContainers" in request["object"]["spec"]
+            patch = [{"op": "add", "path": "/spec/initContainers/-", "value": MESH_PROXY} if has_inits else
+                     {"op": "add", "path": "/spec/initContainers", "value": [MESH_PROXY]}]
+            body = json.dumps({"apiVersion": "admission.k8s.io/v1", "kind": "AdmissionReview", "response": {
+                "uid": request["uid"], "allowed": True, "patchType": "JSONPatch",
+                "patch": base64.b64encode(json.dumps(patch).encode()).decode()}}).encode()
+            self.send_response(200)
+            self.send_header("Content-Type", "application/json")
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        def log_message(self, format: str, *args: Any) -> None:
+            pass
+
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Injector)
+    server.socket = context.wrap_socket(server.socket, server_side=True)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    name = "zz-mesh-" + uuid.uuid4().hex[:6]
+    configuration = webhook_configuration(name, namespace, server.server_address[1])
+    hook = configuration["webhooks"][0]
+    hook.update(name="inject.mesh.example", reinvocationPolicy="Never", objectSelector={},
+                clientConfig={"url": f"https://127.0.0.1:{server.server_address[1]}/inject",
+                              "caBundle": base64.b64encode(bundle.ca_cert).decode()})
+    cluster.apply(json.dumps(configuration))
+    try:
+        yield calls
+    finally:
+        cluster.kubectl("delete", "mutatingwebhookconfiguration", name, "--ignore-not-found")
+        server.shutdown()
+        server.server_close()
 
 
 def bare_pod(name: str, group: str | None, **container: Any) -> str:
@@ -373,6 +457,24 @@ def test_the_webhook_injects_adopted_pods_and_refuses_them_while_no_operator_ans
         # runs its ServiceAccount admission again after a webhook changed the pod).
         assert any(m["mountPath"] == "/var/run/secrets/kubernetes.io/serviceaccount"
                    for m in sidecar.get("volumeMounts") or []), sidecar
+        # A mesh's injector called after ours appends its proxy behind the sidecar: the API server
+        # calls our webhook once more, and it moves the sidecar behind the proxy.
+        with mesh_injector(cluster, namespace, tmp_path) as mesh_calls:
+            wait_for(lambda: cluster.kubectl("apply", "-n", namespace, "-f", "-", input_text=bare_pod("p6", "poller"),
+                                             check=False).returncode == 0, 20, "the webhooks to admit p6", 0.5)
+            meshed = get_json(cluster, "pod", "p6", "-n", namespace)["spec"]["initContainers"]
+            assert [(c["name"], c.get("restartPolicy")) for c in meshed] == [
+                ("mesh-proxy", "Always"), ("singleton-sidecar", "Always")]
+            assert "p6" in mesh_calls
+        # A pod injected before it is created (singletonctl inject) is admitted as it is.
+        group = get_json(cluster, "sgl", "poller", "-n", namespace)
+        plain = json.loads(bare_pod("p7", "poller"))
+        spec = read_spec(group, default_sidecar_image=IMAGE, workload={"spec": {"template": plain}})
+        injected = jsonpatch.apply_patch(plain, pod_patch(spec, plain))
+        cluster.apply(json.dumps(injected), namespace=namespace)
+        admitted = get_json(cluster, "pod", "p7", "-n", namespace)["spec"]
+        assert [c["name"] for c in admitted["initContainers"]] == ["singleton-sidecar"]
+        assert admitted["containers"][0]["command"] == injected["spec"]["containers"][0]["command"]
         # A pod that breaks the group's rules is refused, saying which rule.
         clash = cluster.kubectl("apply", "-n", namespace, "-f", "-",
                                 input_text=bare_pod("p2", "poller", ports=[{"containerPort": 7450}]), check=False)

@@ -88,6 +88,7 @@ def full(name: str = "feed-poller") -> Obj:
                 "port": 7460,
                 "resources": {"requests": {"cpu": "10m", "memory": "32Mi"}},
                 "logLevel": "debug",
+                "startOrder": "Last",
             },
             "podDisruptionBudget": {"enabled": False},
         },
@@ -188,7 +189,7 @@ def test_minimal_object_gets_defaults(cluster: Cluster, ns: str) -> None:
     assert spec["drain"] == {"timeout": "20s"}
     assert spec["terminationGracePeriodSeconds"] == 30
     assert spec["gating"] == {"mode": "cooperative"}
-    assert spec["sidecar"] == {"port": 7450, "logLevel": "info"}
+    assert spec["sidecar"] == {"port": 7450, "logLevel": "info", "startOrder": "AfterSidecars"}
     assert spec["podDisruptionBudget"] == {"enabled": True}
     assert "postgres" not in spec
     assert "service" not in spec
@@ -210,7 +211,7 @@ def test_partial_objects_get_field_defaults(cluster: Cluster, ns: str) -> None:
     assert code == 0, err
     spec = get(cluster, ns, name)["spec"]
     assert spec["postgres"] == {"secretRef": {"name": "db", "key": "dsn"}}
-    assert spec["sidecar"] == {"image": "", "port": 7450, "logLevel": "info"}
+    assert spec["sidecar"] == {"image": "", "port": 7450, "logLevel": "info", "startOrder": "AfterSidecars"}
     assert spec["service"] == {"type": "ClusterIP", "ports": [{"port": 80, "protocol": "TCP"}]}
 
 
@@ -746,6 +747,8 @@ INVALID: list[Any] = [
     pytest.param({"spec.sidecar": {"resources": {"claims": [{"name": "gpu"}]}}},
                  ['unknown field "spec.sidecar.resources.claims"'], id="sidecar-resource-claims"),
     pytest.param({"spec.sidecar": {"logLevel": "trace"}}, ["spec.sidecar.logLevel", "Unsupported"], id="log-level-bad"),
+    pytest.param({"spec.sidecar": {"startOrder": "last"}}, ["spec.sidecar.startOrder", "Unsupported"],
+                 id="start-order-bad"),
     pytest.param({"spec.podDisruptionBudget": {"enabled": "yes"}}, ["spec.podDisruptionBudget.enabled"], id="pdb-str"),
     # metadata.name and unknown fields
     pytest.param({"metadata.name": "a" * 53}, ["metadata.name", "at most 52"], id="name-53-chars"),

@@ -308,7 +308,8 @@ def admitted(obj: dict[str, Any]) -> dict[str, Any]:
 def sidecar_config(spec: Any) -> SidecarConfig:
     """The configuration the sidecar of the operator's pods loads from the environment the
     operator gives it (downward-API and Secret values filled in as the kubelet would)."""
-    sidecar = resources.deployment(spec)["spec"]["template"]["spec"]["initContainers"][0]
+    sidecar = next(c for c in resources.deployment(spec)["spec"]["template"]["spec"]["initContainers"]
+                   if c["name"] == "singleton-sidecar")
     from_pod = {"metadata.namespace": "ns", "metadata.name": "feed-7d9f-abcde", "metadata.uid": "0b1c"}
     environ = {}
     for entry in sidecar["env"]:
@@ -805,3 +806,53 @@ def test_the_operators_connection_check_is_the_default_of_groups_that_set_none()
     assert [read_spec(body(backend="postgres", postgres=postgres), default_sidecar_image=IMAGE,
                       default_connection_check="warn").postgres_connection_check
             for postgres in (unset, block)] == ["warn", "block"]
+
+
+def _init(name: str, *, native: bool = False) -> dict[str, Any]:
+    return {"name": name, "image": "x:1", **({"restartPolicy": "Always"} if native else {})}
+
+
+MESH_INITS = [_init("mesh-proxy", native=True), _init("log-agent", native=True), _init("migrate"),
+              _init("late-agent", native=True)]
+
+
+@pytest.mark.parametrize(("order", "names"), [
+    (None, ["mesh-proxy", "log-agent", "singleton-sidecar", "migrate", "late-agent"]),
+    ("AfterSidecars", ["mesh-proxy", "log-agent", "singleton-sidecar", "migrate", "late-agent"]),
+    ("First", ["singleton-sidecar", "mesh-proxy", "log-agent", "migrate", "late-agent"]),
+    ("Last", ["mesh-proxy", "log-agent", "migrate", "late-agent", "singleton-sidecar"]),
+])
+def test_the_sidecar_starts_after_the_leading_native_sidecars_unless_told_otherwise(order: str | None,
+                                                                                   names: list[str]) -> None:
+    sidecar_settings = {} if order is None else {"sidecar": {"startOrder": order}}
+    template = {"spec": {"initContainers": MESH_INITS,
+                         "containers": [{"name": "app", "image": "app:1", "command": ["poll"]}]}}
+    spec = read_spec(body(template=template, **sidecar_settings), default_sidecar_image=IMAGE)
+    pod = resources.deployment(spec)["spec"]["template"]["spec"]
+    assert [c["name"] for c in pod["initContainers"]] == names
+    assert spec.sidecar_start_order == (order or "AfterSidecars")
+
+
+@pytest.mark.parametrize(("inits", "names"), [
+    ([], ["singleton-sidecar"]),
+    ([_init("migrate")], ["singleton-sidecar", "migrate"]),
+    ([_init("proxy", native=True)], ["proxy", "singleton-sidecar"]),
+    ([_init("setup"), _init("proxy", native=True)], ["singleton-sidecar", "setup", "proxy"]),
+])
+def test_after_sidecars_with_no_native_sidecar_ahead_is_first(inits: list[dict[str, Any]], names: list[str]) -> None:
+    placed = resources.place_sidecar({"name": "singleton-sidecar"}, inits, "AfterSidecars")
+    assert [c["name"] for c in placed] == names
+
+
+def test_a_bad_start_order_is_refused_by_name() -> None:
+    with pytest.raises(SpecError, match=r"spec.sidecar.startOrder: must be AfterSidecars, First or Last, got 'last'"):
+        read_spec(body(sidecar={"startOrder": "last"}), default_sidecar_image=IMAGE)
+
+
+def test_only_a_start_order_that_is_set_enters_the_sidecar_settings_digest() -> None:
+    plain = read_spec(body(), default_sidecar_image=IMAGE)
+    default = read_spec(body(sidecar={"startOrder": "AfterSidecars"}), default_sidecar_image=IMAGE)
+    last = read_spec(body(sidecar={"startOrder": "Last"}), default_sidecar_image=IMAGE)
+    # An operator upgrade changes no adopted workload's digest (no rollout); a change of the order does.
+    assert resources.sidecar_config_digest(plain) == resources.sidecar_config_digest(default)
+    assert resources.sidecar_config_digest(last) != resources.sidecar_config_digest(plain)
