@@ -30,6 +30,12 @@ _EVENT_REASONS = {
     Role.RELEASED: ("LeadershipReleased", "released group {group}"),
 }
 _LEADING = (Role.LEADER, Role.DRAINING)
+HANDOVER_FIRST = 0.3
+"""Seconds from its pod's deletion during which the sidecar writes nothing to the pod (its
+labels, readiness condition and Events): the lock's release, and the next leader's take, are the
+handover's writes, and the API server, busy with the deletion and the replacement pod, answered
+a Lease release 20-40 ms later with these beside it (benchmarks/README.md). Nothing needs them
+in time: no endpoints send to a terminating pod (``labelled_leader_unduly``)."""
 
 
 def transition_event(previous: Role | None, new: Role) -> str | None:
@@ -90,6 +96,7 @@ class PodReporter:
         self._changed = asyncio.Event()
         self._pod_uid: str | None = None
         self._deleting = False
+        self._deleted_at: float | None = None  # the loop's time when the deletion was seen
         self._pod_gone = False
         self._stopped_containers: set[str] = set()
         self._containers_changed = asyncio.Event()
@@ -146,6 +153,10 @@ class PodReporter:
             status = self._latest
             if status is None:
                 continue
+            if (wait := self._handover_first()) > 0:
+                await asyncio.sleep(wait)
+                self._changed.set()
+                continue
             shown = self._shown(status)
             if shown != self._written:
                 try:
@@ -165,6 +176,12 @@ class PodReporter:
             while self._events:
                 await self._event(self._events[0])
                 self._events.pop(0)
+
+    def _handover_first(self) -> float:
+        """Seconds to hold the writes back (``HANDOVER_FIRST``), 0 to write now."""
+        if self._deleted_at is None:
+            return 0.0
+        return self._deleted_at + HANDOVER_FIRST - asyncio.get_running_loop().time()
 
     async def _write(self, status: ElectionStatus) -> None:
         await self.client.request("PATCH", self._pod_path, body=pod_metadata_patch(status),
@@ -225,6 +242,7 @@ class PodReporter:
         self._note_requests(metadata.get("annotations") or {})
         if (deleted or metadata.get("deletionTimestamp")) and not self._deleting:
             self._deleting = True
+            self._deleted_at = asyncio.get_running_loop().time()
             self._wrote.set()  # wait_unlabelled: a terminating pod's endpoints are not ready (labelled_leader_unduly)
             self._on_deleting()
 

@@ -428,6 +428,46 @@ async def test_a_deleted_pod_releases_once_its_app_stopped_without_waiting_for_i
     assert pod_view(cluster, leader)[1][contract.LABEL_ROLE] == "leader", "the label was written after all"
 
 
+async def test_a_deleted_pods_sidecar_leaves_the_api_server_to_the_handover_first(
+        cluster: Cluster, pod_sidecars: Factory, tmp_path: Path) -> None:
+    """From its pod's deletion on, the sidecar writes nothing to its pod for
+    ``podstatus.HANDOVER_FIRST`` (0.3 s): the release and the next leader's take go first. Then
+    the pod shows the final status, nothing lost."""
+    from singleton_sidecar.podstatus import HANDOVER_FIRST
+
+    leader, other, token = await wired_as_the_operator_wires_it_and_acting(pod_sidecars)
+    # Every change of the pod, with the time this process read it: the deletion, then the role label.
+    role_path = "{.metadata.labels." + contract.LABEL_ROLE.replace(".", "\\.") + "}"
+    watch = await asyncio.create_subprocess_exec(
+        "kubectl", "get", "pod", leader.pod, "-n", leader.namespace, "-w", "-o",
+        "jsonpath={.metadata.deletionTimestamp} " + role_path + "{\"\\n\"}", env=cluster.env,
+        stdout=asyncio.subprocess.PIPE)
+    seen: list[tuple[float, str]] = []
+
+    async def follow() -> None:
+        assert watch.stdout is not None
+        async for line in watch.stdout:
+            seen.append((time.monotonic(), line.decode().rstrip("\n")))
+
+    reader = asyncio.create_task(follow())
+    try:
+        await asyncio.to_thread(wait_for, lambda: seen, 10, "the watch's first line", 0.05)
+        cluster.kubectl("delete", "pod", leader.pod, "-n", leader.namespace, "--wait=false")
+        await asyncio.to_thread(wait_for, lambda: (leader.leader_doc() or {}).get("role") == "draining", 5,
+                                "the leader to drain")
+        assert (await asyncio.to_thread(leader.control, "POST", f"/stopped?token={token}"))[0] == 200
+        await asyncio.to_thread(one_leader, [other], 5)
+        await asyncio.to_thread(wait_for, lambda: any(line.endswith(" released") for _, line in seen), 10,
+                                "the pod to show the released role", 0.05)
+    finally:
+        watch.terminate()
+        await watch.wait()
+        await reader
+    deleted = next(at for at, line in seen if line.split(" ")[0])
+    relabelled = next(at for at, line in seen if not line.endswith(" leader"))
+    assert relabelled - deleted >= HANDOVER_FIRST - 0.1, seen  # the watch's own delivery jitter
+
+
 async def test_a_handover_through_the_pod_cancels_the_sdk_body_before_the_lease_passes(
         cluster: Cluster, pod_sidecars: Factory) -> None:
     """``kubectl singleton handover``'s request on the leader's pod (the step-down annotation,
