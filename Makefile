@@ -6,7 +6,7 @@ VENV ?= .venv
 BIN := $(VENV)/bin
 PACKAGES := election sidecar testbed operator sdk
 
-.PHONY: prerequisites test lint unit venv testbed testbed-up testbed-down testbed-node-test e2e-existing clean
+.PHONY: prerequisites test test-newest lint unit venv testbed testbed-up testbed-down testbed-node-test e2e-existing clean
 
 # The test bed (testbed/pyproject.toml) is a distribution of its own, for development only.
 # After the prerequisites (python3-venv), also under make -j; order-only: they are no reason to rebuild.
@@ -40,6 +40,19 @@ lint: venv
 TEST_WORKERS ?= 3
 test: prerequisites venv testbed lint
 	$(BIN)/pytest -ra --durations=12 -n $(TEST_WORKERS) --dist loadgroup $(PYTEST_ARGS)
+
+# The newest Kubernetes the project pins (KUBERNETES_NEWEST_VERSION of testbed/go/versions.env;
+# `make test` runs on the oldest it supports): the operator, admission (the CRD's CEL rules, the
+# admission policy, the webhook), the chart and the end-to-end modules, on the same real node.
+NEWEST_KUBERNETES := $(shell sed -n 's/^KUBERNETES_NEWEST_VERSION=//p' testbed/go/versions.env)
+NEWEST_MODULES := tests/integration/kube/test_testbed.py tests/integration/kube/test_operator.py \
+	tests/integration/kube/test_crd.py tests/integration/kube/test_rbac.py tests/integration/kube/test_adoption.py \
+	tests/integration/kube/test_chart.py tests/node/test_e2e.py tests/node/test_chart_node.py \
+	tests/node/test_mesh_order.py tests/node/test_drain_node.py
+test-newest: prerequisites venv ## root: the operator, admission, chart and e2e modules on the newest pinned Kubernetes
+	SINGLETON_KUBERNETES_VERSION=$(NEWEST_KUBERNETES) bash testbed/build.sh
+	SINGLETON_KUBERNETES_VERSION=$(NEWEST_KUBERNETES) $(BIN)/pytest -ra --durations=8 -n $(TEST_WORKERS) \
+		--dist loadgroup $(NEWEST_MODULES) $(PYTEST_ARGS)
 
 # The inner loop: every test that starts no server and builds nothing (markers: pyproject.toml).
 UNIT_MARKERS := not k8s and not postgres and not controlplane and not node and not image and not build and not slow

@@ -6,6 +6,8 @@
 # (singleton_testbed/gotoolchain.py), into a cache folder outside the repository
 # keyed by versions. Only missing binaries are built. Prints the folder on its last line.
 #
+#   SINGLETON_KUBERNETES_VERSION  which pinned Kubernetes: KUBERNETES_VERSION of go/versions.env
+#                            (the default, the oldest supported) or KUBERNETES_NEWEST_VERSION
 #   SINGLETON_TESTBED_CACHE  cache root (default ~/.cache/singleton/testbed)
 #   SINGLETON_GO_CACHE       where a fetched Go goes (default ~/.cache/singleton/go)
 #   GOPROXY                  where it is fetched from (default https://proxy.golang.org)
@@ -13,6 +15,14 @@ set -euo pipefail
 here=$(cd "$(dirname "$0")" && pwd)
 . "$here/go/versions.env"
 export GOTOOLCHAIN=local CGO_ENABLED=0 GOFLAGS="-mod=mod -trimpath"
+
+# Each pinned Kubernetes has its wrapper module (go/gen-modules.sh); etcd, helm and pause are shared.
+case ${SINGLETON_KUBERNETES_VERSION:-$KUBERNETES_VERSION} in
+  "$KUBERNETES_VERSION") k8s_module=kubernetes ;;
+  "$KUBERNETES_NEWEST_VERSION") k8s_module=kubernetes-newest KUBERNETES_VERSION=$KUBERNETES_NEWEST_VERSION ;;
+  *) echo "SINGLETON_KUBERNETES_VERSION=$SINGLETON_KUBERNETES_VERSION is not pinned: use $KUBERNETES_VERSION" \
+       "or $KUBERNETES_NEWEST_VERSION (testbed/go/versions.env)" >&2; exit 2 ;;
+esac
 
 root=${SINGLETON_TESTBED_CACHE:-$HOME/.cache/singleton/testbed}
 dest="$root/k8s-${KUBERNETES_VERSION}_etcd-${ETCD_VERSION}_helm-${HELM_VERSION}"
@@ -49,12 +59,12 @@ for pkg in k8s.io/component-base/version k8s.io/client-go/pkg/version; do
 done
 
 build etcd etcd go.etcd.io/etcd/server/v3 "-s -w"
-build kube-apiserver kubernetes k8s.io/kubernetes/cmd/kube-apiserver "$k8s_ld"
-build kubectl kubernetes k8s.io/kubernetes/cmd/kubectl "$k8s_ld"
-build kube-controller-manager kubernetes k8s.io/kubernetes/cmd/kube-controller-manager "$k8s_ld"
-build kube-scheduler kubernetes k8s.io/kubernetes/cmd/kube-scheduler "$k8s_ld"
-build kubelet kubernetes k8s.io/kubernetes/cmd/kubelet "$k8s_ld"
-build kube-proxy kubernetes k8s.io/kubernetes/cmd/kube-proxy "$k8s_ld"
+build kube-apiserver "$k8s_module" k8s.io/kubernetes/cmd/kube-apiserver "$k8s_ld"
+build kubectl "$k8s_module" k8s.io/kubernetes/cmd/kubectl "$k8s_ld"
+build kube-controller-manager "$k8s_module" k8s.io/kubernetes/cmd/kube-controller-manager "$k8s_ld"
+build kube-scheduler "$k8s_module" k8s.io/kubernetes/cmd/kube-scheduler "$k8s_ld"
+build kubelet "$k8s_module" k8s.io/kubernetes/cmd/kubelet "$k8s_ld"
+build kube-proxy "$k8s_module" k8s.io/kubernetes/cmd/kube-proxy "$k8s_ld"
 # Static (CGO_ENABLED=0 above), so it runs alone in the sandbox image's rootfs.
 build pause pause singleton.dev/testbed/pause "-s -w"
 build helm helm helm.sh/helm/v3/cmd/helm "-s -w -X helm.sh/helm/v3/internal/version.version=${HELM_VERSION}"

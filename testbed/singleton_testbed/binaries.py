@@ -19,6 +19,23 @@ NAMES = ("etcd", "kube-apiserver", "kube-controller-manager", "kube-scheduler", 
 BUILD_SCRIPT = Path(__file__).resolve().parent.parent / "build.sh"
 
 
+VERSIONS_ENV = BUILD_SCRIPT.parent / "go" / "versions.env"
+KUBERNETES_VERSION_ENV = "SINGLETON_KUBERNETES_VERSION"
+"""Picks the pinned Kubernetes the test bed builds and runs (``testbed/build.sh``)."""
+
+
+def pinned_versions() -> dict[str, str]:
+    """The variables of ``testbed/go/versions.env``."""
+    lines = VERSIONS_ENV.read_text().splitlines()
+    return dict(line.split("=", 1) for line in lines if "=" in line and not line.lstrip().startswith("#"))
+
+
+def kubernetes_version() -> str:
+    """The Kubernetes version of this run's test bed: ``SINGLETON_KUBERNETES_VERSION``, else the
+    default (``KUBERNETES_VERSION``, the oldest the project supports)."""
+    return os.environ.get(KUBERNETES_VERSION_ENV) or pinned_versions()["KUBERNETES_VERSION"]
+
+
 def _env_name(name: str) -> str:
     return "SINGLETON_TESTBED_" + name.upper().replace("-", "_")
 
@@ -27,7 +44,8 @@ def cache_dir() -> Path:
     """Run the build script (it builds only what is missing) and return its folder."""
     if not BUILD_SCRIPT.exists():
         raise FileNotFoundError(f"test bed build script not found at {BUILD_SCRIPT}")
-    print("[testbed] checking the control plane binaries (a cold build takes about 15 min on 2 cores)", file=sys.stderr)
+    print(f"[testbed] checking the binaries of Kubernetes {kubernetes_version()} (a cold build takes about 15 min "
+          "on 2 cores)", file=sys.stderr)
     result = subprocess.run(["bash", str(BUILD_SCRIPT)], check=True, stdout=subprocess.PIPE, text=True)
     return Path(result.stdout.strip().splitlines()[-1])
 

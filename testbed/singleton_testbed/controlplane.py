@@ -259,8 +259,11 @@ class ControlPlane:
                     "--leader-elect=false", "--bind-address=127.0.0.1", f"--secure-port={free_port()}",
                     f"--service-account-private-key-file={self.pki / 'sa.key'}",
                     f"--root-ca-file={self.pki / 'ca.crt'}",
-                    "--controllers=*,-nodeipam,-nodelifecycle,-cloud-node-lifecycle,-service-lb-controller,"
-                    "-route,-persistentvolume-binder,-attachdetach,-persistentvolume-expander,-ephemeral-volume",
+                    # Names both pinned versions know (1.37 knows no cloud controllers and no
+                    # short aliases); without --cloud-provider those do not run anyway.
+                    "--controllers=*,-node-ipam-controller,-node-lifecycle-controller,"
+                    "-persistentvolume-binder-controller,-persistentvolume-attach-detach-controller,"
+                    "-persistentvolume-expander-controller,-ephemeral-volume-controller",
                     "--concurrent-deployment-syncs=5", "--concurrent-replicaset-syncs=5",
                 ],
                 log_path=self.workdir / "kube-controller-manager.log",

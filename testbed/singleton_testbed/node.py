@@ -239,7 +239,9 @@ class Node:
                 f"--kubeconfig={self.paths.work / 'kubelet.kubeconfig'}",
                 f"--root-dir={self.paths.kubelet_root}", f"--cert-dir={self.paths.pki}",
                 f"--hostname-override={self.layout.name}", f"--node-ip={self.layout.node_ip}",
-                f"--pod-infra-container-image={PAUSE_IMAGE}", "--v=1",
+                # No --pod-infra-container-image (gone in 1.35): it only kept the sandbox image from
+                # the image GC, which the config turns off (imageGCHighThresholdPercent 100).
+                "--v=1",
             ],
             log_path=self.paths.work / "kubelet.log",
         )

@@ -315,7 +315,10 @@ def leader_name(bed: Bed) -> str:
     token = int(status["token"])
 
     def written() -> bool:
-        report = asyncio.run(check_ledger(bed.ledger_dsn, GROUP))
+        try:
+            report = asyncio.run(check_ledger(bed.ledger_dsn, GROUP))
+        except asyncpg.UndefinedTableError:
+            return False  # the first leader's poller has not created the ledger yet
         return any(term[0] == token for term in report.terms)
 
     wait_for(written, 30, f"the leader (token {token}) to write the ledger", 0.3)

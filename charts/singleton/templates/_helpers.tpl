@@ -83,15 +83,12 @@ app.kubernetes.io/managed-by: {{ $ctx.Release.Service }}
 {{- end }}
 
 {{/*
-The admission policy's API version: v1 from Kubernetes 1.30, else v1beta1 when the
-cluster serves it (1.29 with the ValidatingAdmissionPolicy feature gate); empty when
-neither is available (the policy is then not rendered and NOTES says so).
+The admission policy's API version: v1 (GA in 1.30; the chart's kubeVersion is >= 1.34);
+empty when the cluster serves no such API (the policy is then not rendered and NOTES say so).
 */}}
 {{- define "singleton.admissionPolicyAPIVersion" -}}
 {{- if or (.Capabilities.APIVersions.Has "admissionregistration.k8s.io/v1/ValidatingAdmissionPolicy") (semverCompare ">=1.30.0-0" .Capabilities.KubeVersion.Version) }}
 {{- print "admissionregistration.k8s.io/v1" }}
-{{- else if .Capabilities.APIVersions.Has "admissionregistration.k8s.io/v1beta1/ValidatingAdmissionPolicy" }}
-{{- print "admissionregistration.k8s.io/v1beta1" }}
 {{- end }}
 {{- end }}
 

@@ -24,6 +24,7 @@ from typing import Any, TypeVar
 import pytest
 import yaml
 
+from singleton_testbed.binaries import pinned_versions
 from singleton_testbed.controlplane import wait_established
 from singleton_testbed.harness.kubehelpers import get_json
 from tests.conftest import CRD_PATH, Cluster, use_existing_cluster
@@ -517,17 +518,18 @@ def test_dashboard_config_map_only_when_enabled(tmp_path: Path) -> None:
 
 
 @needs_helm
-def test_admission_policy_api_version_follows_the_cluster(tmp_path: Path) -> None:
-    old = template(tmp_path, None, "--kube-version", "1.29.0").stdout
-    assert "ValidatingAdmissionPolicy" not in old, "1.29 without the v1beta1 API: no policy"
-    beta = [d for d in yaml.safe_load_all(template(
-        tmp_path, None, "--kube-version", "1.29.0", "--api-versions",
-        "admissionregistration.k8s.io/v1beta1/ValidatingAdmissionPolicy").stdout)
-        if d and d["kind"].startswith("ValidatingAdmissionPolicy")]
-    assert [d["apiVersion"] for d in beta] == ["admissionregistration.k8s.io/v1beta1"] * 2
+def test_the_chart_installs_on_the_supported_kubernetes_versions_only(tmp_path: Path) -> None:
+    """kubeVersion >= 1.34 (the oldest version the test bed runs, docs/upgrades.md): the admission
+    policy is always admissionregistration.k8s.io/v1 there."""
+    oldest = [d for d in yaml.safe_load_all(template(tmp_path, None, "--kube-version", "1.34.0").stdout)
+              if d and d["kind"].startswith("ValidatingAdmissionPolicy")]
+    assert [d["apiVersion"] for d in oldest] == ["admissionregistration.k8s.io/v1"] * 2
     assert "ValidatingAdmissionPolicy" not in template(tmp_path, {"admissionPolicy": {"enabled": False}}).stdout
-    too_old = template(tmp_path, None, "--kube-version", "1.28.9", check=False)
+    too_old = template(tmp_path, None, "--kube-version", "1.33.9", check=False)
     assert too_old.returncode != 0 and "kubeVersion" in too_old.stderr
+    chart = yaml.safe_load((CHART / "Chart.yaml").read_text())
+    assert chart["kubeVersion"] == ">=" + pinned_versions()["KUBERNETES_VERSION"].removeprefix("v").rsplit(".", 1)[0] \
+        + ".0-0", "the chart claims the version the whole suite runs on"
 
 
 BAD_VALUES = [
