@@ -42,8 +42,9 @@ test: prerequisites venv testbed lint
 	$(BIN)/pytest -ra --durations=12 -n $(TEST_WORKERS) --dist loadgroup $(PYTEST_ARGS)
 
 # The newest Kubernetes the project pins (KUBERNETES_NEWEST_VERSION of testbed/go/versions.env;
-# `make test` runs on the oldest it supports): the operator, admission (the CRD's CEL rules, the
-# admission policy, the webhook), the chart and the end-to-end modules, on the same real node.
+# `make test` runs on the oldest it supports): the test bed's own check, the operator, admission
+# (the CRD's CEL rules, RBAC and the admission policy, the webhook), the chart, and on the real
+# node the end-to-end, chart, mesh order and drain modules.
 NEWEST_KUBERNETES := $(shell sed -n 's/^KUBERNETES_NEWEST_VERSION=//p' testbed/go/versions.env)
 NEWEST_MODULES := tests/integration/kube/test_testbed.py tests/integration/kube/test_operator.py \
 	tests/integration/kube/test_crd.py tests/integration/kube/test_rbac.py tests/integration/kube/test_adoption.py \
@@ -132,7 +133,7 @@ $(CHECKOV_VENV)/.installed:
 
 # checkov renders the chart with `helm template CHART`. The shim passes --kube-version,
 # because a helm built from Go modules (the test bed's) assumes Kubernetes v1.20 and the
-# chart requires >= 1.29; checkov would otherwise skip the chart with only a warning.
+# chart requires >= 1.34; checkov would otherwise skip the chart with only a warning.
 # CKV_K8S_21 ("default namespace") is skipped: checkov renders without --namespace; the
 # chart puts everything in the release namespace. Deliberate findings of the chart are
 # skipped with checkov.io/skipN annotations (with reasons) on the objects concerned.

@@ -34,8 +34,10 @@ HANDOVER_FIRST = 0.3
 """Seconds from its pod's deletion during which the sidecar writes nothing to the pod (its
 labels, readiness condition and Events): the lock's release, and the next leader's take, are the
 handover's writes, and the API server, busy with the deletion and the replacement pod, answered
-a Lease release 20-40 ms later with these beside it (benchmarks/README.md). Nothing needs them
-in time: no endpoints send to a terminating pod (``labelled_leader_unduly``)."""
+a Lease release later with these beside it (64 against 50 ms median in one pair of runs:
+benchmarks/README.md). Nothing needs them in time: no endpoints send to a terminating pod
+(``labelled_leader_unduly``). The sidecar's exit, which waits for its last status to be
+written, comes that much later too, within the pod's grace period."""
 
 
 def transition_event(previous: Role | None, new: Role) -> str | None:

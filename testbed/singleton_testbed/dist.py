@@ -44,7 +44,7 @@ from singleton_testbed.binaries import find
 
 ROOT = Path(__file__).resolve().parent.parent.parent
 CHART = ROOT / "charts" / "singleton"
-KUBE_VERSION = "1.34.0"  # the test bed's helm assumes v1.20 without it; the chart needs >= 1.29
+KUBE_VERSION = "1.34.0"  # the test bed's helm assumes v1.20 without it; the chart needs >= 1.34
 PROJECTS = {"kube-singleton": ROOT, "kube-singleton-sdk": ROOT / "sdk"}
 # Files a wheel must hold besides its modules: what setuptools leaves out when package-data
 # is wrong, and nothing notices until a pod starts (the file gate runs gate.sh).

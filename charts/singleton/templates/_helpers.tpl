@@ -83,13 +83,11 @@ app.kubernetes.io/managed-by: {{ $ctx.Release.Service }}
 {{- end }}
 
 {{/*
-The admission policy's API version: v1 (GA in 1.30; the chart's kubeVersion is >= 1.34);
-empty when the cluster serves no such API (the policy is then not rendered and NOTES say so).
+The admission policy's API version: v1, GA since Kubernetes 1.30; the chart's kubeVersion
+is >= 1.34.
 */}}
 {{- define "singleton.admissionPolicyAPIVersion" -}}
-{{- if or (.Capabilities.APIVersions.Has "admissionregistration.k8s.io/v1/ValidatingAdmissionPolicy") (semverCompare ">=1.30.0-0" .Capabilities.KubeVersion.Version) }}
 {{- print "admissionregistration.k8s.io/v1" }}
-{{- end }}
 {{- end }}
 
 {{/* Whether the ServiceMonitor is rendered; fails with a clear message when it cannot be. */}}

@@ -218,17 +218,22 @@ def place_sidecar(sidecar: dict[str, Any], init_containers: Sequence[dict[str, A
                   order: StartOrder) -> list[dict[str, Any]]:
     """``init_containers`` (without the sidecar) with ``sidecar`` placed by ``order``. The kubelet
     starts init containers one by one, a native sidecar's successor once its startup probe
-    passes: ``AfterSidecars`` puts the sidecar after the native sidecars ahead of the first
-    ordinary init container (a mesh proxy, which must carry the sidecar's connections) and
-    before that container; ``First`` ahead of everything; ``Last`` after every init container
-    (it campaigns only once the pod's own init work, a migration say, is done)."""
+    passes. ``AfterSidecars`` puts the sidecar right after the first native sidecars in a row (a
+    mesh proxy, which must carry the sidecar's connections; the mesh's own setup containers,
+    such as ``istio-init`` or ``linkerd-init``, stand ahead of it), so before the init containers
+    that follow them (the user's migrations); first of all when there is no native sidecar, as
+    before this setting existed. ``First`` puts it ahead of everything; ``Last`` after every
+    init container (it campaigns only once the pod's own init work, a migration say, is done)."""
     others = [c for c in init_containers if c.get("name") != sidecar.get("name")]
     if order == "First":
         at = 0
     elif order == "Last":
         at = len(others)
     else:
-        at = next((i for i, c in enumerate(others) if not is_native_sidecar(c)), len(others))
+        first = next((i for i, c in enumerate(others) if is_native_sidecar(c)), None)
+        at = 0
+        if first is not None:
+            at = next((i for i in range(first, len(others)) if not is_native_sidecar(others[i])), len(others))
     return [*others[:at], sidecar, *others[at:]]
 
 

@@ -837,9 +837,19 @@ def test_the_sidecar_starts_after_the_leading_native_sidecars_unless_told_otherw
     ([], ["singleton-sidecar"]),
     ([_init("migrate")], ["singleton-sidecar", "migrate"]),
     ([_init("proxy", native=True)], ["proxy", "singleton-sidecar"]),
-    ([_init("setup"), _init("proxy", native=True)], ["singleton-sidecar", "setup", "proxy"]),
+    # Istio without its CNI (istio-validation with it), and Linkerd without its CNI: the mesh's
+    # setup container, then its proxy, then the user's.
+    ([_init("istio-init"), _init("istio-proxy", native=True), _init("migrate")],
+     ["istio-init", "istio-proxy", "singleton-sidecar", "migrate"]),
+    ([_init("linkerd-init"), _init("linkerd-proxy", native=True)],
+     ["linkerd-init", "linkerd-proxy", "singleton-sidecar"]),
+    # An injector that appended its proxy behind the user's migration: the proxy starts after
+    # it, so the sidecar does too.
+    ([_init("migrate"), _init("proxy", native=True), _init("late", native=True), _init("seed")],
+     ["migrate", "proxy", "late", "singleton-sidecar", "seed"]),
 ])
-def test_after_sidecars_with_no_native_sidecar_ahead_is_first(inits: list[dict[str, Any]], names: list[str]) -> None:
+def test_after_sidecars_goes_behind_the_first_native_sidecars_or_first_without_them(
+        inits: list[dict[str, Any]], names: list[str]) -> None:
     placed = resources.place_sidecar({"name": "singleton-sidecar"}, inits, "AfterSidecars")
     assert [c["name"] for c in placed] == names
 
