@@ -125,12 +125,13 @@ def eviction_time(drain_stderr: str) -> float:
 @pytest.fixture
 def operator(controllers: Cluster, singleton_crd: Path, project_image: str, namespace: str,
              tmp_path: Path) -> Iterator[OperatorProcess]:
+    """An operator for the test's namespace, its pods' sidecars from the project's image."""
     process = OperatorProcess(controllers.kubeconfig, namespace, tmp_path / "operator.log",
                               extra_args=["--namespace", namespace, "--sidecar-image", project_image]).start()
     try:
         yield process
     finally:
-        controllers.kubectl("delete", "sgl", GROUP, "-n", namespace, "--wait=false", check=False)
+        controllers.kubectl("delete", "sgl", "--all", "-n", namespace, "--wait=false", check=False)
         process.stop()
 
 

@@ -17,8 +17,6 @@ from __future__ import annotations
 
 import datetime as dt
 import json
-from collections.abc import Iterator
-from pathlib import Path
 from typing import Any
 
 import pytest
@@ -28,6 +26,7 @@ from singleton_testbed.harness.kubehelpers import get_json, pod_role
 from singleton_testbed.harness.operators import OperatorProcess
 from singleton_testbed.harness.sidecars import wait_for
 from tests.conftest import Cluster, RealNode
+from tests.node.test_drain_node import operator  # noqa: F401 - the fixture
 
 pytestmark = [pytest.mark.k8s, pytest.mark.controlplane, pytest.mark.image]
 
@@ -91,20 +90,9 @@ def seconds_between(pod: dict[str, Any], first: str, then: str) -> float:
     return (later - began).total_seconds()
 
 
-@pytest.fixture
-def operator(controllers: Cluster, singleton_crd: Path, project_image: str, namespace: str,
-             tmp_path: Path) -> Iterator[OperatorProcess]:
-    process = OperatorProcess(controllers.kubeconfig, namespace, tmp_path / "operator.log",
-                              extra_args=["--namespace", namespace, "--sidecar-image", project_image]).start()
-    try:
-        yield process
-    finally:
-        controllers.kubectl("delete", "sgl", "--all", "-n", namespace, "--wait=false", check=False)
-        process.stop()
-
-
 def test_the_sidecar_starts_behind_a_mesh_proxy_that_closes_the_network_until_it_is_ready(
-        controllers: Cluster, real_node: RealNode, operator: OperatorProcess, namespace: str) -> None:
+        controllers: Cluster, real_node: RealNode, operator: OperatorProcess,  # noqa: F811 - the fixture
+        namespace: str) -> None:
     cluster = controllers
     cluster.apply(group_manifest("meshed", real_node, None), namespace=namespace)
     cluster.apply(group_manifest("first", real_node, "First"), namespace=namespace)
