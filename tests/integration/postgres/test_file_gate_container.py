@@ -266,10 +266,16 @@ def wake_pipe_holders(gate_dir: Path) -> set[int]:
     folder never counts)."""
     inode = (gate_dir / "wake").stat().st_ino
     found = set()
-    for fd in Path("/proc").glob("[0-9]*/fd/*"):
+    for process in Path("/proc").iterdir():
+        if not process.name.isdigit():
+            continue
+        # A process may end between the listing of /proc and the reading of its fd folder
+        # (pathlib's glob raised then, CI saw it once): each read may fail.
         with contextlib.suppress(OSError):
-            if os.readlink(fd).endswith("/wake") and fd.stat().st_ino == inode:
-                found.add(int(fd.parts[2]))
+            for fd in (process / "fd").iterdir():
+                with contextlib.suppress(OSError):
+                    if os.readlink(fd).endswith("/wake") and fd.stat().st_ino == inode:
+                        found.add(int(process.name))
     return found
 
 
