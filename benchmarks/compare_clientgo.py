@@ -23,7 +23,8 @@ fenced with its term's start). The leader's process group is stopped past the le
 leader takes over, the old one is continued, and singleton_testbed.ledger judges the act log
 (two workers acting at once, acts begun by the deposed one) and the ledger (overlaps, stale
 writes accepted; the act log counts the writes the fence refused).
-Prints tables and ratios (client-go / ours) and writes PNG plots to benchmarks/plots/.
+Prints tables and ratios (client-go / ours) and writes PNG plots to benchmarks/plots/ (``--no-plots``:
+none; ``--json`` is written first).
 """
 
 from __future__ import annotations
@@ -545,10 +546,11 @@ def measure(args: argparse.Namespace, binary: Path, dsn: str, workdir: Path, pla
         stops.append(result)
     progress(f"done; machine: {os.cpu_count()} CPUs, Linux {os.uname().release}; logs in {workdir}")
     print_tables(results, stops, args.rest_seconds)
-    for path in plot(results, args.plots):
-        print(f"plot: {path} ({path.stat().st_size // 1024} KB)")
-    if args.json is not None:
+    if args.json is not None:  # before the plots: a plot that fails (no matplotlib) loses no figure
         args.json.write_text(json.dumps([asdict(r) for r in [*results, *stops]], indent=1))
+    if not args.no_plots:
+        for path in plot(results, args.plots):
+            print(f"plot: {path} ({path.stat().st_size // 1024} KB)")
 
 
 def main() -> int:
@@ -570,6 +572,7 @@ def main() -> int:
                         help="peers of the failover figures (none: only the SIGSTOP scenario)")
     parser.add_argument("--seed", type=int, default=1, help="seed of the random signal phases (default 1)")
     parser.add_argument("--plots", type=Path, default=PLOTS, help=f"folder for the PNGs (default {PLOTS})")
+    parser.add_argument("--no-plots", action="store_true", help="draw no plots (they need matplotlib)")
     parser.add_argument("--json", type=Path, help="also write the raw figures here")
     parser.add_argument("--replot", type=Path, metavar="JSON", help="only redraw the plots from a --json file")
     args = parser.parse_args()

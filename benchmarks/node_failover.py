@@ -1,7 +1,8 @@
 """Handover and failover on the real node: pods of the project's image, made by the operator.
 
     sudo .venv/bin/python -m benchmarks.node_failover --runs 10 [--backend postgres lease both]
-        [--fault delete-pod evict-pod sidecar-kill partition] [--gating cooperative|file] [--json F]
+        [--fault delete-pod evict-pod sidecar-kill sidecar-kill-again partition] [--gating cooperative|file]
+        [--runs-per-fault [BACKEND/]FAULT=N ...] [--json F]
 
 Root only (the real node: containerd, kubelet, kube-proxy; ``singleton_testbed.node``). It
 starts its own PostgreSQL (admitting the pod network), control plane and controllers, the
@@ -22,6 +23,9 @@ IPs route through the node's bridge) by polling every pod's ``/readyz`` every fe
   crashed within 10 minutes of its previous crash (its crash-loop back-off: 10 s doubling up to
   5 min by default, capped at 1 s on the test bed), which is policy, not failover. With
   ``--crash-loop`` the same leader container is killed run after run instead, back-off included;
+- sidecar SIGKILL again (``sidecar-kill-again``, not in the default faults): the same, the
+  leader's sidecar container killed whether or not it restarted before (``--crash-loop`` for
+  this fault alone); each run records how often that container had restarted;
 - partition: the leader pod cut off from its store inside its network namespace (postgres:
   PostgreSQL's port; lease: the API server's ClusterIP; both: both) -> another pod's
   ``/readyz`` 200; then healed, and the group settles before the next run.
@@ -31,7 +35,8 @@ sidecar scraped by this machine once a second, as Prometheus does), and the
 footprint of every pod's sidecar as a user gets it (the image, in-cluster configuration) is
 read on the node: the RSS of the container's main process, and the time from that process's
 start (``/proc/<pid>/stat``) to the sidecar's first log line (imports and configuration: it
-campaigns next).
+campaigns next). The group's API requests during that rest are counted too: distinct auditIDs
+of the user agent ``singleton-sidecar`` in the API server's audit log (Lease, own pod, events).
 
 Deletions and evictions are also split into the steps the sidecars log (``PHASES``) and end
 at the new leader's app acting: with ``--gating file`` the app (started by gate.sh on the
@@ -64,6 +69,7 @@ from datetime import datetime
 from pathlib import Path
 from typing import Any
 
+from benchmarks.compare_clientgo import SIDECAR_AGENT, audit_size, count_requests
 from benchmarks.failover import rss_mb, summary
 from singleton_election import contract
 from singleton_testbed import images, node_pods
@@ -79,7 +85,9 @@ from singleton_testbed.postgres import PostgresInfo, PostgresServer
 
 ROOT = Path(__file__).resolve().parent.parent
 CRD = ROOT / "crds" / "singleton.dev_singletonservices.yaml"
-FAULTS = ("delete-pod", "evict-pod", "sidecar-kill", "partition")
+FAULTS = ("delete-pod", "evict-pod", "sidecar-kill", "sidecar-kill-again", "partition")
+DEFAULT_FAULTS = ("delete-pod", "evict-pod", "sidecar-kill", "partition")
+KILLS = ("sidecar-kill", "sidecar-kill-again")
 NAMESPACE = "bench"
 SIDECAR_PORT = 7450
 POLL = 0.003  # the default of --poll-ms
@@ -113,6 +121,21 @@ class Footprint:
     """VmRSS of the sidecar container's main process after the rest."""
     start_seconds: float | None
     """That process's start -> its first log line."""
+
+
+@dataclass
+class AtRest:
+    """A backend's group of 3 at rest, its sidecars scraped once a second: their API requests."""
+
+    backend: str
+    seconds: float
+    requests: int
+    """Distinct auditIDs of the user agent ``singleton-sidecar`` (every pod's sidecar)."""
+    by_kind: dict[str, int]
+
+    @property
+    def per_second(self) -> float:
+        return self.requests / self.seconds
 
 
 class Bed:
@@ -395,7 +418,7 @@ def handover_phases(held: HeldLogs, old: str, new: str, fault_at: float) -> dict
 
 def one_run(bed: Bed, backend: str, fault: str, *, crash_loop: bool = False, poll: float = POLL) -> Run:
     group = f"bench-{backend}"
-    fresh = fault == "sidecar-kill" and not crash_loop
+    fresh = fault == "sidecar-kill" and not crash_loop  # sidecar-kill-again: a crash loop's kill
     leader, token = settle_on_fresh_sidecar(bed, group) if fresh else settle(bed, group)
     name = leader["metadata"]["name"]
     if fault in ("delete-pod", "evict-pod"):
@@ -413,7 +436,7 @@ def one_run(bed: Bed, backend: str, fault: str, *, crash_loop: bool = False, pol
             held.close()
         phases["new ready seen"] = at - started
         return Run(backend, fault, at - started, name, new, phases=phases)
-    elif fault == "sidecar-kill":
+    elif fault in KILLS:
         node_pods.signal_container(leader, "singleton-sidecar", signal.SIGKILL, layout=bed.layout)
         started, killed = time.monotonic(), time.time()
         new, at = wait_new_leader(bed, group, token, exclude=None, poll=poll)
@@ -498,10 +521,16 @@ def process_start(pid: int) -> float:
     return now - (uptime - ticks / os.sysconf("SC_CLK_TCK"))
 
 
-def footprints(bed: Bed, backend: str, rest: float) -> list[Footprint]:
-    """Every pod's sidecar after ``rest`` seconds of the settled group (see the module docstring)."""
+def footprints(bed: Bed, backend: str, rest: float) -> tuple[list[Footprint], AtRest]:
+    """Every pod's sidecar after ``rest`` seconds of the settled group, and the group's API
+    requests during them (see the module docstring)."""
     leader, _ = settle(bed, f"bench-{backend}")
+    audit_from = audit_size(bed.control_plane)
     scrape_during(bed, f"bench-{backend}", rest)
+    requests, kinds = count_requests(bed.control_plane, audit_from, audit_size(bed.control_plane), SIDECAR_AGENT)
+    at_rest = AtRest(backend, rest, requests, kinds)
+    print(f"[{backend:8} at rest] {at_rest.per_second:.3f} API requests/s over {rest:g} s: "
+          + ", ".join(f"{kind}: {count}" for kind, count in kinds.items()), flush=True)
     found = []
     for pod in live_pods(bed.pods(f"bench-{backend}")):
         name = pod["metadata"]["name"]
@@ -512,13 +541,15 @@ def footprints(bed: Bed, backend: str, rest: float) -> list[Footprint]:
         shown = "?" if start is None else f"{start * 1000:.0f} ms"
         print(f"[{backend:8} footprint] {name} ({'leader' if footprint.leader else 'standby'}): "
               f"{footprint.rss_mb:.1f} MB at rest, process start -> first log line {shown}", flush=True)
-    return found
+    return found, at_rest
 
 
-def print_footprints(backends: list[str], rest: float, found: list[Footprint]) -> None:
+def print_footprints(backends: list[str], rest: float, found: list[Footprint], at_rest: list[AtRest]) -> None:
     if not found:
         return
     print(f"\nthe sidecars in the image after {rest:g} s at rest (median / p99 / max over the pods)")
+    for group in at_rest:
+        print(f"  {group.backend} group of 3: {group.per_second:.3f} API requests/s ({group.requests} in {rest:g} s)")
     for backend in backends:
         print("  " + summary(f"{backend} RSS", [f.rss_mb for f in found if f.backend == backend], "MB", 1.0))
         starts = [f.start_seconds for f in found if f.backend == backend and f.start_seconds is not None]
@@ -561,6 +592,8 @@ def print_runs(backends: list[str], faults: list[str], runs: list[Run]) -> None:
         for fault in faults:
             values = [r.seconds for r in runs if r.backend == backend and r.fault == fault]
             print("  " + summary(f"{backend} {fault}", values))
+            if not values:
+                continue
             restarts = [r for r in runs if r.backend == backend and r.fault == fault and r.restart is not None]
             if restarts:
                 print("    " + summary("kill -> restarted sidecar's log", [r.restart or 0.0 for r in restarts]))
@@ -574,13 +607,18 @@ def print_runs(backends: list[str], faults: list[str], runs: list[Run]) -> None:
                     print("    " + summary(f"-> {phase}", values))
 
 
-def main() -> int:
+def parse_args() -> tuple[argparse.Namespace, Callable[[str, str], int]]:
+    """The command line, and the runs of each (backend, fault)."""
     parser = argparse.ArgumentParser(prog="python -m benchmarks.node_failover", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--runs", type=int, default=10, help="runs per backend and fault (default 10)")
     parser.add_argument("--backend", nargs="+", choices=("postgres", "lease", "both"),
                         default=["postgres", "lease", "both"])
-    parser.add_argument("--fault", nargs="+", choices=FAULTS, default=list(FAULTS))
+    parser.add_argument("--fault", nargs="+", choices=FAULTS, default=list(DEFAULT_FAULTS),
+                        help=f"faults, in this order (default: {' '.join(DEFAULT_FAULTS)})")
+    parser.add_argument("--runs-per-fault", nargs="+", default=[], metavar="[BACKEND/]FAULT=N",
+                        help="runs of one fault instead of --runs, on every backend or on one (BACKEND/FAULT=N "
+                             "wins over FAULT=N), e.g. sidecar-kill=3 partition=0 postgres/partition=4")
     parser.add_argument("--rest-seconds", type=float, default=30.0,
                         help="rest of each settled group before its sidecars' footprint is read (default 30; 0: skip)")
     parser.add_argument("--gating", choices=("cooperative", "file"), default="cooperative",
@@ -606,19 +644,32 @@ def main() -> int:
         parser.error("--poll-ms must be more than 0")
     if args.rest_seconds < 0:
         parser.error("--rest-seconds must be 0 or more")
+    try:
+        runs_of = run_counts(args.runs_per_fault, args.runs)
+    except ValueError as exc:
+        parser.error(str(exc))
+    return args, runs_of
+
+
+def main() -> int:
+    args, runs_of = parse_args()
     with tempfile.TemporaryDirectory(prefix="node-bench-") as folder:
         bed = Bed(Path(folder))
         runs: list[Run] = []
         rests: list[Footprint] = []
+        at_rest: list[AtRest] = []
         try:
             bed.start()
             for backend in args.backend:
                 manifest = group_manifest(bed, backend, args.gating, args.app_cpu)
                 bed.control_plane.kubectl("apply", "-f", "-", input_text=json.dumps(manifest))
                 if args.rest_seconds:
-                    rests += footprints(bed, backend, args.rest_seconds)
+                    found, group_at_rest = footprints(bed, backend, args.rest_seconds)
+                    rests += found
+                    at_rest.append(group_at_rest)
                 for fault in args.fault:
-                    for index in range(args.runs):
+                    count = runs_of(backend, fault)
+                    for index in range(count):
                         try:
                             run = one_run(bed, backend, fault, crash_loop=args.crash_loop, poll=args.poll_ms / 1000)
                         except TimeoutError:
@@ -628,7 +679,7 @@ def main() -> int:
                         before = f" (sidecar restarted {run.restarts_before}x before)" if run.restarts_before else ""
                         steps = "" if not run.phases else " (" + ", ".join(
                             f"{phase} {seconds * 1000:.0f}" for phase, seconds in run.phases.items()) + ")"
-                        print(f"[{backend:8} {fault:12} {index + 1:2}/{args.runs}] {run.old} -> {run.new}: "
+                        print(f"[{backend:8} {fault:12} {index + 1:2}/{count}] {run.old} -> {run.new}: "
                               f"{run.seconds * 1000:.0f} ms{before}{steps}", flush=True)
                 if args.keep_logs:
                     keep_evidence(bed)
@@ -636,12 +687,30 @@ def main() -> int:
         finally:
             with contextlib.suppress(Exception):
                 bed.stop()
-    print_footprints(args.backend, args.rest_seconds, rests)
+    print_footprints(args.backend, args.rest_seconds, rests, at_rest)
     print_runs(args.backend, args.fault, runs)
     if args.json:
-        args.json.write_text(json.dumps({"runs": [asdict(r) for r in runs], "footprints": [asdict(r) for r in rests]},
-                                        indent=1))
+        args.json.write_text(json.dumps({"runs": [asdict(r) for r in runs], "footprints": [asdict(r) for r in rests],
+                                         "at_rest": [asdict(r) for r in at_rest]}, indent=1))
     return 0
+
+
+def run_counts(overrides: list[str], default: int) -> Callable[[str, str], int]:
+    """``--runs-per-fault``: the runs of (backend, fault), from ``FAULT=N`` and ``BACKEND/FAULT=N``
+    (the backend's wins), else ``default``. ValueError names a malformed or unknown entry."""
+    counts: dict[tuple[str | None, str], int] = {}
+    for entry in overrides:
+        key, _, number = entry.partition("=")
+        backend, _, fault = key.rpartition("/")
+        if fault not in FAULTS or backend not in ("", "postgres", "lease", "both") or not number.isdigit():
+            raise ValueError(f"--runs-per-fault takes [BACKEND/]FAULT=N with a fault of {', '.join(FAULTS)}: "
+                             f"got {entry!r}")
+        counts[backend or None, fault] = int(number)
+
+    def runs(backend: str, fault: str) -> int:
+        return counts.get((backend, fault), counts.get((None, fault), default))
+
+    return runs
 
 
 if __name__ == "__main__":
