@@ -7,16 +7,25 @@ containerd 1.6, runc and CNI plugins, and the test bed's own kubelet, kube-proxy
 binaries (``testbed/build.sh``). Nothing is pulled from a registry: the sandbox image and
 test images are built locally (``oci``) and imported with ``import_image``.
 
-Layout (``NodeLayout``): node ``singleton-node``, InternalIP 10.216.0.1 and pod gateway
-10.216.1.1/24 both on bridge ``sgl-cni0``, pods in 10.216.1.0/24, cgroups under
-``/singleton-node``; every file, socket, mount and network namespace under one work folder.
-The control plane must advertise the node IP (``ControlPlane(advertise_address=...)``),
-since the ``kubernetes`` Service's endpoint is what pods reach through kube-proxy.
+Layouts (``NodeLayout``):
 
-Only one real node may run per machine: kube-proxy's iptables chains are machine-global.
-``start`` takes ``/run/singleton-node/lock`` (held for the node's life, released by the
-kernel if the process dies) and records what it creates in ``/run/singleton-node/state.json``
-first, so a later ``start`` or ``cleanup_stale`` removes what a killed run left behind.
+- ``FIRST_NODE``: node ``singleton-node`` on the host's network, InternalIP 10.216.0.1 and pod
+  gateway 10.216.1.1/24 both on bridge ``sgl-cni0``, pods in 10.216.1.0/24, cgroups under
+  ``/singleton-node``. The control plane must advertise its node IP
+  (``ControlPlane(advertise_address=...)``), since the ``kubernetes`` Service's endpoint is
+  what pods reach through kube-proxy.
+- ``SECOND_NODE``: node ``singleton-node-2`` in network namespace ``sgl-node-2`` (its own
+  links, routes and iptables, kube-proxy's chains included), InternalIP 10.216.2.1 on a veth
+  pair to the host, pods in 10.216.3.0/24 on its own bridge, cgroups under
+  ``/singleton-node-2``. Its kubelet reaches the API server at the first node's IP; the host
+  routes between the two nodes' pods (``net.ipv4.ip_forward`` on while it runs).
+
+Every file, socket, mount and pod network namespace of a node lives under its work folder.
+A node on the host's network may run once per machine (kube-proxy's iptables chains are the
+host's); each layout has its own lock, ``/run/singleton-node/lock`` for the first node and
+``lock-<name>`` for others (held for the node's life, released by the kernel if the process
+dies). ``start`` records what it creates in ``state.json`` (``state-<name>.json``) first, so
+a later ``start`` or ``cleanup_stale`` removes what a killed run left behind.
 """
 
 from __future__ import annotations
@@ -29,6 +38,7 @@ import json
 import logging
 import os
 import shutil
+import signal
 import subprocess
 import tempfile
 import time
@@ -39,9 +49,11 @@ from typing import IO, Any
 from singleton_testbed import node_host as host
 from singleton_testbed.controlplane import ControlPlane, issue_cert
 from singleton_testbed.node_config import (
+    FIRST_NODE,
     PAUSE_IMAGE,
     NodeLayout,
     NodePaths,
+    api_server_url,
     write_cert_kubeconfig,
     write_cni_config,
     write_containerd_config,
@@ -101,7 +113,7 @@ class Node:
         self.control_plane = control_plane
         self.taints = [dict(taint) for taint in taints]
         self.binaries = binaries
-        self.layout = layout or NodeLayout()
+        self.layout = layout or FIRST_NODE
         self.paths = NodePaths(workdir or Path(tempfile.mkdtemp(prefix="singleton-node-")))
         self.containerd: Process | None = None
         self.kubelet: Process | None = None
@@ -115,19 +127,24 @@ class Node:
         try:
             if reason := unavailable_reason(self.binaries):
                 raise NodeError(reason)
-            if self.control_plane.advertise_address != self.layout.node_ip:
+            if self.layout.netns is None and self.control_plane.advertise_address != self.layout.node_ip:
                 raise NodeError(f"the control plane must advertise the node IP {self.layout.node_ip} "
                                 f"(ControlPlane(advertise_address=...)), not {self.control_plane.advertise_address}")
+            if self.layout.netns is not None and self.control_plane.advertise_address is None:
+                raise NodeError(f"node {self.layout.name} has a network namespace of its own and reaches the API "
+                                "server at its advertised address: start the first node's control plane with "
+                                "ControlPlane(advertise_address=...)")
             self._take_lock()
         except NodeError:
             with contextlib.suppress(OSError):
                 self.paths.work.rmdir()  # the empty folder __init__ made; nothing else is ours yet
             raise
         try:
-            cleanup_stale(locked=True)
+            _cleanup_recorded(self.layout.name)
             self.paths.work.mkdir(parents=True, exist_ok=True)  # again after a stop()
             self._write_state()
-            host.make_bridge(self.layout.bridge, self.layout.bridge_addresses)
+            self._make_network()
+            host.make_bridge(self.layout.bridge, self.layout.bridge_addresses, self.layout.netns)
             host.make_cgroup_root(self.layout.cgroup_root)
             self._start_containerd()
             self.import_image(self._pause_archive())
@@ -146,29 +163,58 @@ class Node:
 
     def _take_lock(self) -> None:
         RUN_DIR.mkdir(parents=True, exist_ok=True)
-        lock = open(RUN_DIR / "lock", "a+")  # noqa: SIM115 - held open for the node's life
+        lock = open(lock_path(self.layout.name), "a+")  # noqa: SIM115 - held open for the node's life
         try:
             fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
             lock.close()
-            raise NodeBusyError(_busy_message()) from None
+            raise NodeBusyError(_busy_message(self.layout.name)) from None
         self._lock = lock
 
     def _write_state(self) -> None:
+        others = [name for name in recorded_nodes() if name != self.layout.name]
+        # The kubelet's sysctls are the machine's: the first node to start keeps their values,
+        # the last to stop puts them back. A node in a namespace of its own turns forwarding on.
+        sysctls = {} if others else host.read_sysctls()
+        if self.layout.netns is not None:
+            sysctls |= host.read_sysctls((IP_FORWARD,))
         state = {
             "pid": os.getpid(), "work": str(self.paths.work), "name": self.layout.name,
             "bridge": self.layout.bridge, "cgroup_root": self.layout.cgroup_root,
             "cni_network": self.layout.cni_network,
-            "sysctls": host.read_sysctls(),
+            "netns": self.layout.netns, "host_link": self.layout.host_link,
+            "sysctls": sysctls,
             "kube_proxy": str(self.binaries["kube-proxy"]),
             "socket": str(self.paths.socket),
             # Host folders kubelet, containerd and libcni make at fixed places: removed on clean-up
             # only if they did not exist before this node started.
-            "created": [str(p) for p in HOST_FOLDERS if not p.exists()],
+            "created": [] if others else [str(p) for p in HOST_FOLDERS if not p.exists()],
         }
-        tmp = RUN_DIR / "state.tmp"
+        path = state_path(self.layout.name)
+        tmp = path.with_suffix(".tmp")
         tmp.write_text(json.dumps(state, indent=2))
-        tmp.replace(RUN_DIR / "state.json")
+        tmp.replace(path)
+
+    def _make_network(self) -> None:
+        """A node in a namespace of its own: the namespace, its veth pair, the routes both ways,
+        and the host's forwarding between the nodes' pods."""
+        layout = self.layout
+        if layout.netns is None:
+            return
+        assert layout.host_link is not None and layout.host_ip is not None
+        host.make_netns(layout.netns, host_link=layout.host_link, host_ip=layout.host_ip,
+                        node_link=layout.node_link, node_ip=layout.node_ip)
+        self._route()
+        Path("/proc/sys", IP_FORWARD).write_text("1\n")
+
+    def _route(self) -> None:
+        layout = self.layout
+        assert layout.netns is not None and layout.host_link is not None and layout.host_ip is not None
+        host.route_netns(layout.netns, host_link=layout.host_link, host_ip=layout.host_ip,
+                         node_ip=layout.node_ip, pod_cidr=layout.pod_cidr)
+
+    def _in_netns(self, argv: list[str]) -> list[str]:
+        return [*host.in_netns(self.layout.netns), *argv]
 
     def _pause_archive(self) -> Path:
         spec = ImageSpec(name=PAUSE_IMAGE, files={"pause": ImageFile(source=self.binaries["pause"])},
@@ -177,7 +223,7 @@ class Node:
 
     def _start_containerd(self) -> None:
         config = write_containerd_config(self.paths, self.layout)
-        self.containerd = Process("containerd", [str(CONTAINERD), "--config", str(config)],
+        self.containerd = Process("containerd", self._in_netns([str(CONTAINERD), "--config", str(config)]),
                                   log_path=self.paths.work / "containerd.log")
         self.containerd.start()
         wait_until(lambda: self._ctr("version", check=False).returncode == 0, timeout=30,
@@ -215,7 +261,9 @@ class Node:
         node_cert = issue_cert(pki, ca_dir, "kubelet-client", f"/O=system:nodes/CN=system:node:{name}")
         self.serving = issue_cert(pki, ca_dir, "kubelet-serving", f"/CN={name}", f"IP:{ip},DNS:{name}")
         proxy_cert = issue_cert(pki, ca_dir, "kube-proxy", "/CN=system:kube-proxy")
-        server, ca_file = self.control_plane.info.server, self.control_plane.info.ca_file
+        server = api_server_url(self.layout, loopback_url=self.control_plane.info.server,
+                                advertised=self.control_plane.advertise_address)
+        ca_file = self.control_plane.info.ca_file
         write_cert_kubeconfig(self.paths.work / "kubelet.kubeconfig", server=server, ca_file=ca_file,
                               cert=node_cert[0], key=node_cert[1], user=f"system:node:{name}")
         write_cert_kubeconfig(self.paths.work / "kube-proxy.kubeconfig", server=server, ca_file=ca_file,
@@ -234,7 +282,7 @@ class Node:
                                       port=self.kubelet_port, serving=self.serving, taints=self.taints)
         self.kubelet = Process(
             "kubelet",
-            [
+            self._in_netns([
                 str(self.binaries["kubelet"]), f"--config={config}",
                 f"--kubeconfig={self.paths.work / 'kubelet.kubeconfig'}",
                 f"--root-dir={self.paths.kubelet_root}", f"--cert-dir={self.paths.pki}",
@@ -242,7 +290,7 @@ class Node:
                 # No --pod-infra-container-image (gone in 1.35): it only kept the sandbox image from
                 # the image GC, which the config turns off (imageGCHighThresholdPercent 100).
                 "--v=1",
-            ],
+            ]),
             log_path=self.paths.work / "kubelet.log",
         )
         self.kubelet.start()
@@ -250,7 +298,8 @@ class Node:
     def _start_kube_proxy(self) -> None:
         config = write_kube_proxy_config(self.paths, self.layout, kubeconfig=self.paths.work / "kube-proxy.kubeconfig",
                                          healthz_port=free_port(), metrics_port=free_port())
-        self.kube_proxy = Process("kube-proxy", [str(self.binaries["kube-proxy"]), f"--config={config}", "--v=1"],
+        self.kube_proxy = Process("kube-proxy",
+                                  self._in_netns([str(self.binaries["kube-proxy"]), f"--config={config}", "--v=1"]),
                                   log_path=self.paths.work / "kube-proxy.log")
         self.kube_proxy.start()
 
@@ -291,6 +340,56 @@ class Node:
             line.split()[:2] == ["io.containerd.grpc.v1", "cri"] and line.split()[-1] == "ok"
             for line in listed.stdout.splitlines())
 
+    # Whole-node faults need a node in a namespace of its own: the host's network is also the
+    # control plane's and PostgreSQL's.
+
+    def _own_link(self) -> str:
+        if self.layout.host_link is None:
+            raise NodeError(f"node {self.layout.name} is on the host's network: it cannot be cut off alone")
+        return self.layout.host_link
+
+    def cut_off(self) -> None:
+        """The node loses the network (its link to the host goes down): kubelet, kube-proxy and
+        every pod run on, and reach neither the API server nor PostgreSQL, nor anyone them."""
+        host.set_link(self._own_link(), up=False)
+
+    def reconnect(self) -> None:
+        """The link comes back up, with its routes (the kernel dropped them with the link)."""
+        host.set_link(self._own_link(), up=True)
+        self._route()
+
+    def power_off(self) -> None:
+        """Everything of the node stops at one instant, as at a power loss or a hypervisor
+        pause: the link goes down, every pod's processes are frozen (one freezer cgroup above
+        them all), and kubelet, kube-proxy, containerd and the shims are stopped (SIGSTOP).
+        ``power_on`` resumes them where they were: what a node that comes back finds."""
+        link = self._own_link()
+        host.set_link(link, up=False)
+        host.set_freezer(self.layout.cgroup_root, "FROZEN")
+        for pid in host.pids_mentioning(str(self.paths.work)):
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGSTOP)
+
+    def power_on(self) -> None:
+        for pid in host.pids_mentioning(str(self.paths.work)):
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGCONT)
+        host.set_freezer(self.layout.cgroup_root, "THAWED")
+        self.reconnect()
+
+    def stop_kubelet(self) -> None:
+        """Stop the kubelet alone (SIGTERM): containers run on, the Node's heartbeats stop."""
+        assert self.kubelet is not None, "the node is not running"
+        self.kubelet.stop()
+
+    def start_kubelet(self) -> None:
+        """Start the stopped kubelet again; returns once it has reported the Node Ready."""
+        assert self.kubelet is not None, "the node is not running"
+        began = int(time.time())
+        self.kubelet.start()
+        wait_until(lambda: self._ready_since(began), timeout=60, what="the kubelet's Ready heartbeat",
+                   proc=self.kubelet)
+
     def node_object(self) -> dict[str, Any] | None:
         result = self.control_plane.kubectl("get", "node", self.layout.name, "-o", "json", check=False)
         if result.returncode != 0:
@@ -307,10 +406,11 @@ class Node:
         deadline = time.monotonic() + timeout
         for proc in (self.kubelet, self.kube_proxy):
             assert proc is not None
+        netns = self.layout.netns
         checks: list[tuple[str, Callable[[], bool], Process | None]] = [
             ("the Node to be Ready", self.ready, self.kubelet),
-            ("kube-proxy's iptables rules", lambda: "iptables/nat" in host.kube_chains()
-             and "KUBE-SERVICES" in host.kube_chains()["iptables/nat"], self.kube_proxy),
+            ("kube-proxy's iptables rules", lambda: "KUBE-SERVICES" in host.kube_chains(netns).get("iptables/nat", []),
+             self.kube_proxy),
         ]
         for what, check, proc in checks:
             wait_until(check, timeout=max(1.0, deadline - time.monotonic()), what=what, proc=proc)
@@ -342,79 +442,108 @@ class Node:
         if self.containerd is not None:
             self.containerd.stop()
             self.containerd = None
-        cleanup_stale(locked=True)
+        _cleanup_recorded(self.layout.name)
         self._lock.close()
         self._lock = None
 
 
-def _busy_message() -> str:
-    owner = _read_state().get("pid", "?")
-    return (f"another real node runs on this machine (pid {owner}, lock {RUN_DIR / 'lock'}): kube-proxy's "
-            "iptables rules are machine-global, so only one may run; stop it first")
+IP_FORWARD = "net/ipv4/ip_forward"
 
 
-def busy_reason() -> str | None:
-    """Why a real node cannot start now because another holds this machine's lock (a test
+def lock_path(name: str) -> Path:
+    return RUN_DIR / ("lock" if name == FIRST_NODE.name else f"lock-{name}")
+
+
+def state_path(name: str) -> Path:
+    return RUN_DIR / ("state.json" if name == FIRST_NODE.name else f"state-{name}.json")
+
+
+def recorded_nodes() -> list[str]:
+    """The nodes whose state file exists (running, or left by a killed run)."""
+    names = []
+    for path in sorted(RUN_DIR.glob("state*.json")):
+        if name := _read_state(path).get("name"):
+            names.append(str(name))
+    return names
+
+
+def _busy_message(name: str) -> str:
+    owner = _read_state(state_path(name)).get("pid", "?")
+    return (f"another real node {name} runs on this machine (pid {owner}, lock {lock_path(name)}): a node's "
+            "names, addresses and (on the host's network) kube-proxy's iptables rules are the machine's, so only "
+            "one may run; stop it first")
+
+
+def busy_reason(name: str = FIRST_NODE.name) -> str | None:
+    """Why the node ``name`` cannot start now because another process holds its lock (a test
     session's, the demo's), or None. A hint only: ``Node.start`` takes the lock for real."""
-    path = RUN_DIR / "lock"
+    path = lock_path(name)
     if not path.exists():
         return None
     with open(path, "a+") as lock:
         try:
             fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
-            return _busy_message()
+            return _busy_message(name)
         fcntl.flock(lock, fcntl.LOCK_UN)
     return None
 
 
-def _read_state() -> dict[str, Any]:
+def _read_state(path: Path) -> dict[str, Any]:
     try:
-        state: dict[str, Any] = json.loads((RUN_DIR / "state.json").read_text())
+        state: dict[str, Any] = json.loads(path.read_text())
     except (OSError, json.JSONDecodeError):
         return {}
     return state
 
 
-def cleanup_stale(*, locked: bool = False) -> bool:
-    """Remove what the node recorded in the state file (a killed run's leftovers, or the
-    current node's on ``stop``). Without ``locked`` it takes the lock first and does nothing
-    (returns False) if a live node holds it. Returns True when there was something to do."""
-    lock: IO[str] | None = None
-    if not locked:
-        if not RUN_DIR.exists():
-            return False
-        lock = open(RUN_DIR / "lock", "a+")  # noqa: SIM115 - closed below
+def cleanup_stale() -> bool:
+    """Remove what every node whose lock is free recorded in its state file (a killed run's
+    leftovers); a live node's lock makes it leave that node alone. The second node goes
+    first, as it stops first. Returns True when there was something to do."""
+    if not RUN_DIR.exists():
+        return False
+    cleaned = False
+    for name in sorted(recorded_nodes(), key=lambda name: name == FIRST_NODE.name):
+        lock = open(lock_path(name), "a+")  # noqa: SIM115 - closed below
         try:
             fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            cleaned = _cleanup_recorded(name) or cleaned
         except BlockingIOError:
+            continue  # a live node's
+        finally:
             lock.close()
-            return False
-    try:
-        state = _read_state()
-        if not state:
-            return False
-        work = Path(state["work"])
-        log.info("cleaning up the real node recorded in %s (work folder %s)", RUN_DIR / "state.json", work)
-        # kubelet, kube-proxy, containerd (they die with their parent, but a parent may linger),
-        # then every shim and container: shims name our socket, containers live in our cgroups.
-        host.kill_and_wait(host.pids_mentioning(str(work)))
-        host.remove_cgroups(state["cgroup_root"])
-        host.kill_and_wait(host.pids_mentioning(str(work)))
-        host.unmount_under([work])
+    return cleaned
+
+
+def _cleanup_recorded(name: str) -> bool:
+    """Remove what node ``name`` recorded (its lock held by the caller)."""
+    path = state_path(name)
+    state = _read_state(path)
+    if not state:
+        return False
+    work = Path(state["work"])
+    log.info("cleaning up the real node recorded in %s (work folder %s)", path, work)
+    # kubelet, kube-proxy, containerd (they die with their parent, but a parent may linger),
+    # then every shim and container: shims name our socket, containers live in our cgroups.
+    host.kill_and_wait(host.pids_mentioning(str(work)))
+    host.remove_cgroups(state["cgroup_root"])
+    host.kill_and_wait(host.pids_mentioning(str(work)))
+    host.unmount_under([work])
+    if netns := state.get("netns"):
+        # Its links, bridge, routes and iptables (kube-proxy's chains) go with the namespace.
+        host.delete_netns(netns, state.get("host_link"))
+    else:
         host.delete_bridge(state["bridge"])
         kube_proxy = Path(state.get("kube_proxy", ""))
         if kube_proxy.is_file():
             host.run(str(kube_proxy), "--cleanup", check=False)
         host.remove_kube_chains()
-        host.restore_sysctls(state.get("sysctls", {}))
-        _remove_host_files(work, state)
-        shutil.rmtree(work, ignore_errors=True)
-        (RUN_DIR / "state.json").unlink(missing_ok=True)
-        return True
-    finally:
-        if lock is not None:
-            lock.close()
+    host.restore_sysctls(state.get("sysctls", {}))
+    _remove_host_files(work, state)
+    shutil.rmtree(work, ignore_errors=True)
+    path.unlink(missing_ok=True)
+    return True
 
 
 def _remove_host_files(work: Path, state: dict[str, Any]) -> None:

@@ -31,6 +31,15 @@ class NodeLayout:
     pod_cidr: str = "10.216.1.0/24"
     cgroup_root: str = "/singleton-node"
     cni_network: str = "singleton-node"
+    netns: str | None = None
+    """The node's own network namespace (``/run/netns/<netns>``), or None for the host's.
+
+    In its own namespace the node has its own links, routes and iptables (kube-proxy's chains
+    included), joined to the host by a veth pair: ``node_ip`` on the namespace's end,
+    ``host_ip`` on the host's (link ``host_link``), a /30 between them. The host routes the
+    node's pods through ``node_ip``; the namespace's default route is ``host_ip``."""
+    host_ip: str | None = None
+    host_link: str | None = None
 
     @property
     def pod_gateway(self) -> str:
@@ -38,8 +47,26 @@ class NodeLayout:
 
     @property
     def bridge_addresses(self) -> tuple[str, ...]:
+        """On the host the bridge also carries the node IP (a /32); in a namespace of its own
+        the node IP is on the namespace's end of the veth pair instead."""
         prefix = ipaddress.IPv4Network(self.pod_cidr).prefixlen
-        return (f"{self.node_ip}/32", f"{self.pod_gateway}/{prefix}")
+        gateway = f"{self.pod_gateway}/{prefix}"
+        return (gateway,) if self.netns else (f"{self.node_ip}/32", gateway)
+
+    @property
+    def node_link(self) -> str:
+        """The namespace's end of the veth pair (a namespace has its own names)."""
+        return "eth0"
+
+
+FIRST_NODE = NodeLayout()
+"""The first node: on the host's network, beside the control plane and PostgreSQL, whose
+addresses pods reach through it (the ``kubernetes`` Service's endpoint is its node IP)."""
+SECOND_NODE = NodeLayout(name="singleton-node-2", bridge="sgl-cni1", node_ip="10.216.2.1",
+                         pod_cidr="10.216.3.0/24", cgroup_root="/singleton-node-2",
+                         cni_network="singleton-node-2", netns="sgl-node-2", host_ip="10.216.2.2",
+                         host_link="sgl-node-2")
+"""The second node: a network namespace of its own, its pods routed through the host."""
 
 
 @dataclass(frozen=True)
@@ -83,6 +110,16 @@ class NodePaths:
     @property
     def images(self) -> Path:
         return self.work / "images"
+
+
+def api_server_url(layout: NodeLayout, *, loopback_url: str, advertised: str | None) -> str:
+    """The API server's address as the node's agents reach it: loopback from the host's
+    network, the advertised address (on the first node's bridge) from a namespace of its own."""
+    if layout.netns is None:
+        return loopback_url
+    assert advertised is not None, "a node in a namespace of its own needs an advertised API server address"
+    port = loopback_url.rsplit(":", 1)[1]
+    return f"https://{advertised}:{port}"
 
 
 def write_cert_kubeconfig(path: Path, *, server: str, ca_file: Path, cert: Path, key: Path, user: str) -> None:

@@ -49,7 +49,7 @@ def bridge_mac(name: str) -> str:
     return ":".join(f"{b:02x}" for b in (0x02, *digest[:5]))
 
 
-def make_bridge(name: str, addresses: Sequence[str]) -> None:
+def make_bridge(name: str, addresses: Sequence[str], netns: str | None = None) -> None:
     """The pods' bridge, made before the CNI plugin sees it so it holds the node IP and the
     pods' gateway: the plugin then runs with ``isGateway: false`` and leaves the global
     ``net.ipv4.ip_forward`` alone (pods only talk to this host, never through it).
@@ -59,12 +59,13 @@ def make_bridge(name: str, addresses: Sequence[str]) -> None:
     went, and every other pod's ARP entry for the node IP (PostgreSQL, the API server, the
     gateway) went stale: all pods lost this host for up to ~45 s (a campaign group "did not
     settle" right after a pod was replaced)."""
-    if not link_exists(name):
-        run("ip", "link", "add", name, "type", "bridge")
-    run("ip", "link", "set", name, "address", bridge_mac(name))
+    ip = ip_command(netns)
+    if netns is not None or not link_exists(name):  # a new namespace has no bridge yet
+        run(*ip, "link", "add", name, "type", "bridge")
+    run(*ip, "link", "set", name, "address", bridge_mac(name))
     for address in addresses:
-        run("ip", "addr", "replace", address, "dev", name)
-    run("ip", "link", "set", name, "up")
+        run(*ip, "addr", "replace", address, "dev", name)
+    run(*ip, "link", "set", name, "up")
 
 
 def bridge_ports(bridge: str) -> list[str]:
@@ -78,6 +79,61 @@ def delete_bridge(name: str) -> None:
         run("ip", "link", "del", port, check=False)
     if link_exists(name):
         run("ip", "link", "del", name, check=False)
+
+
+# --- network namespaces ------------------------------------------------------------------------
+
+NETNS_DIR = Path("/run/netns")
+
+
+def ip_command(netns: str | None) -> tuple[str, ...]:
+    return ("ip",) if netns is None else ("ip", "-n", netns)
+
+
+def in_netns(netns: str | None) -> list[str]:
+    """The argv prefix that runs a program in ``netns`` (nothing for the host's). ``nsenter``
+    enters the network namespace only: ``ip netns exec`` would also mount a fresh /sys, hiding
+    the cgroup file systems kubelet and containerd need."""
+    return [] if netns is None else ["nsenter", f"--net={NETNS_DIR / netns}", "--"]
+
+
+def netns_exists(netns: str) -> bool:
+    return (NETNS_DIR / netns).exists()
+
+
+def make_netns(netns: str, *, host_link: str, host_ip: str, node_link: str, node_ip: str) -> None:
+    """A network namespace joined to the host by a veth pair, a /30 between ``host_ip`` (the
+    host's end, ``host_link``) and ``node_ip`` (the namespace's, ``node_link``); the
+    namespace forwards (its pods reach the host through it) and routes everything to the host."""
+    delete_netns(netns, host_link)
+    run("ip", "netns", "add", netns)
+    run("ip", "link", "add", host_link, "type", "veth", "peer", "name", node_link, "netns", netns)
+    run("ip", "addr", "add", f"{host_ip}/30", "dev", host_link)
+    run("ip", "-n", netns, "addr", "add", f"{node_ip}/30", "dev", node_link)
+    for args in (("ip", "link", "set", host_link, "up"), ("ip", "-n", netns, "link", "set", node_link, "up"),
+                 ("ip", "-n", netns, "link", "set", "lo", "up")):
+        run(*args)
+    run(*in_netns(netns), "sysctl", "-qw", "net.ipv4.ip_forward=1")
+
+
+def route_netns(netns: str, *, host_link: str, host_ip: str, node_ip: str, pod_cidr: str) -> None:
+    """The routes between the host and the namespace's pods (again after a link came back up:
+    the kernel drops the routes of a link that goes down)."""
+    run("ip", "route", "replace", pod_cidr, "via", node_ip, "dev", host_link)
+    run("ip", "-n", netns, "route", "replace", "default", "via", host_ip)
+
+
+def set_link(name: str, up: bool) -> None:
+    run("ip", "link", "set", name, "up" if up else "down")
+
+
+def delete_netns(netns: str, host_link: str | None) -> None:
+    """The namespace (its links, bridge, routes and iptables go with it) and the host's end of
+    its veth pair (the host's route to its pods goes with that)."""
+    if host_link and link_exists(host_link):
+        run("ip", "link", "del", host_link, check=False)
+    if netns_exists(netns):
+        run("ip", "netns", "del", netns, check=False)
 
 
 # --- mounts ----------------------------------------------------------------------------------
@@ -214,6 +270,18 @@ def thaw_cgroups(root: str) -> None:
                 state.write_text("THAWED")
 
 
+def set_freezer(root: str, state: str, timeout: float = 10) -> None:
+    """Freeze (``FROZEN``) or thaw (``THAWED``) every process below ``root`` at once: a v1
+    freezer cgroup's state applies to all cgroups below it."""
+    path = CGROUP_FS / "freezer" / root.strip("/") / "freezer.state"
+    path.write_text(state)
+    deadline = time.monotonic() + timeout
+    while path.read_text().strip() != state:
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"{path} did not reach {state}")
+        time.sleep(0.01)
+
+
 def remove_cgroups(root: str, timeout: float = 10) -> None:
     """Kill what still runs below ``root`` (containers of a killed run), then remove the tree."""
     deadline = time.monotonic() + timeout
@@ -232,11 +300,12 @@ def remove_cgroups(root: str, timeout: float = 10) -> None:
 IPTABLES = ("iptables", "ip6tables")
 
 
-def kube_chains() -> dict[str, list[str]]:
-    """``"<command>/<table>"`` → the ``KUBE-*`` chains in it, for IPv4 and IPv6."""
+def kube_chains(netns: str | None = None) -> dict[str, list[str]]:
+    """``"<command>/<table>"`` → the ``KUBE-*`` chains in it, for IPv4 and IPv6 (of ``netns``,
+    or of the host)."""
     found: dict[str, list[str]] = {}
     for command in IPTABLES:
-        result = run(f"{command}-save", check=False)
+        result = run(*in_netns(netns), f"{command}-save", check=False)
         table = ""
         for line in result.stdout.splitlines():
             if line.startswith("*"):
