@@ -2,7 +2,7 @@
 SingletonServices their status, on this machine, if it made the same objects.
 
     .venv/bin/python -m benchmarks.burst_floor [--groups 500 ...] [--runs 2] [--status-only] [--as-admin]
-        [--operator] [--plot [PNG]]
+        [--operator] [--plot [PNG]] [--json PATH]
 
 ``benchmarks/operator_scale.py`` times the real operator. This times a stand-in that does only
 what no operator making a group's objects can leave out, with none of an operator's own work:
@@ -19,7 +19,8 @@ The SingletonServices are created as operator_scale's default burst creates them
 ``status.leader`` with the generation applied. Prints medians and p99 over the runs, and the CPU
 seconds the API server, etcd and this process (creates, watches and the stand-in) used. With
 ``--operator``, the real operator's burst (operator_scale's) is timed at each size too, and
-``--plot`` draws both against the size.
+``--plot`` draws both against the size. ``--json`` writes every group's latency, per contender
+and size (``to_json``).
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ import argparse
 import asyncio
 import contextlib
 import importlib.util
+import json
 import os
 import statistics
 import sys
@@ -223,6 +225,16 @@ def plot(path: Path, sizes: list[int], figures: dict[str, dict[int, list[float]]
     plt.close(fig)
 
 
+def to_json(args: argparse.Namespace, figures: dict[str, dict[int, list[float]]]) -> dict[str, Any]:
+    """Every group's create -> status with a leader (seconds), per contender and size, with the
+    settings they were measured with. ``contender`` is ``stand-in`` or ``operator``."""
+    return {"runs": args.runs, "parallel": args.parallel, "in_flight": args.in_flight,
+            "status_only": args.status_only, "as_admin": args.as_admin,
+            "figures": [{"contender": "operator" if who == "operator" else "stand-in", "label": who, "groups": groups,
+                         "create_to_leader": latencies}
+                        for who, by_size in figures.items() for groups, latencies in sorted(by_size.items())]}
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--groups", type=int, nargs="+", default=[500], metavar="N",
@@ -246,6 +258,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--plot", type=Path, nargs="?", const=PLOT, default=None, metavar="PNG",
                         help=f"draw p99 and median against the size into PNG (without a value: {PLOT}; "
                         "needs matplotlib: .venv/bin/pip install -e '.[bench]')")
+    parser.add_argument("--json", type=Path, default=None, metavar="PATH",
+                        help="also write every group's latency, per contender and size, here")
     args = parser.parse_args(argv)
     if min(*args.groups, args.runs, args.parallel, args.in_flight) < 1:
         parser.error("--groups, --runs, --parallel and --in-flight must be at least 1")
@@ -268,6 +282,8 @@ def main(argv: list[str] | None = None) -> int:
     for who, by_size in figures.items():
         for groups in sizes:
             print(line(f"{who}, {groups} groups", by_size[groups]))
+    if args.json is not None:
+        args.json.write_text(json.dumps(to_json(args, figures), indent=1))
     if args.plot is not None:
         plot(args.plot, sizes, figures, f"SingletonServices created at once, {os.cpu_count()} cores, as {whom}, "
              f"{args.runs} run(s) each")

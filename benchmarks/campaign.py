@@ -298,6 +298,12 @@ async def read_segment_acts(dsn: str, group: str, tokens: list[int]) -> tuple[li
 def to_json(result: CampaignResult) -> dict[str, object]:
     return {
         "seed": result.seed, "quick": result.quick, "seconds": result.seconds, "verdict": result.verdict(),
+        "totals": {"faults": result.total_faults, "verdict_ok": result.verdict_ok,
+                   "acting_overlaps": result.total_acting_failures, "inflight_through_freeze": result.total_inflight,
+                   "fenced_overlaps": result.total_overlaps, "regressions": result.total_regressions,
+                   "stale_accepted": result.total_stale, "unrecovered": len(result.unrecovered),
+                   "caught_refused": sum(s.caught_refused for b in result.backends for s in b.stats.values()),
+                   "caught_written": sum(s.caught_written for b in result.backends for s in b.stats.values())},
         "caught_mid_act": {"acts": result.total_caught, "latest_after_successor": result.caught_longest,
                            "freezes": result.freezes, "rule": result.caught_line()},
         "backends": [{

@@ -25,13 +25,16 @@ Per run:
   ledger checker (``singleton_testbed.ledger.check_ledger``) then judges overlaps of acts and
   of fenced writes. Besides, the survivors' acting intervals of every group are checked for
   overlaps;
-- the server connections in use (``pg_stat_activity``) are sampled every second.
+- the server connections in use (``pg_stat_activity``) are sampled every second;
+- the CPU the worker processes (the candidates themselves) used during the rest, as a share of
+  the machine (every core).
 
 ``--session-capacity`` adds groups of 3 session-mode candidates (``PostgresBackend``, direct
 connections) one at a time until one cannot connect, and reports the connections per group
 and the largest number of groups the server carried.
 
 Prints each run's figures, then medians over the runs and p99 (nearest rank) over every sample;
+``--json`` writes every run's figures (``RunFigures``, every sample included) and the settings;
 ``--plot`` draws each run's distributions (renewals, crash failovers) with the goals into
 ``benchmarks/plots/pooled-postgres.png``.
 """
@@ -49,12 +52,13 @@ import statistics
 import sys
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, BinaryIO
 
 import asyncpg
 
+from benchmarks.failover import cpu_seconds
 from singleton_election.backends.postgres.connection import ensure_schema
 from singleton_election.backends.postgres.pooled_mode import PooledPostgresBackend
 from singleton_election.backends.postgres.session_mode import PostgresBackend
@@ -194,6 +198,9 @@ class RunFigures:
     ledger_safe: bool
     killed_leaders: int
     pooler_connections: int
+    candidates_cpu_share: float
+    """CPU seconds the worker processes used during the rest, over the rest's seconds times the
+    machine's cores: the share of the whole machine the candidates themselves took."""
 
 
 async def sample_connections(admin_dsn: str, peaks: list[int], stop: asyncio.Event) -> None:
@@ -243,7 +250,10 @@ async def pooled_run(args: argparse.Namespace, number: int, bouncer: PgBouncer, 
     peaks: list[int] = []
     sampling = asyncio.Event()
     sampler = asyncio.create_task(sample_connections(admin_dsn, peaks, sampling))
+    await asyncio.sleep(warm_until - time.monotonic())
+    cpu_from = sum(cpu_seconds(proc.pid) for proc in processes)
     await asyncio.sleep(kill_at - time.monotonic())
+    cpu_share = (sum(cpu_seconds(proc.pid) for proc in processes) - cpu_from) / (args.rest * (os.cpu_count() or 1))
     victim = processes[number % len(processes)]
     killed_at = time.monotonic()
     victim.send_signal(signal.SIGKILL)
@@ -273,7 +283,8 @@ async def pooled_run(args: argparse.Namespace, number: int, bouncer: PgBouncer, 
                       failover_s=terms.failover, orphaned_groups=terms.orphaned,
                       peak_server_connections=max(peaks, default=0), overlaps=terms.overlaps, ledger_acts=acts,
                       ledger_safe=ledger_safe, killed_leaders=terms.killed_leaders,
-                      pooler_connections=sum(r["pooler_connections"] for r in results))
+                      pooler_connections=sum(r["pooler_connections"] for r in results),
+                      candidates_cpu_share=cpu_share)
 
 
 def open_log(path: str) -> BinaryIO:
@@ -340,7 +351,8 @@ async def pooled(args: argparse.Namespace) -> None:
                       f"{run.orphaned_groups} without a new leader; peak server connections "
                       f"{run.peak_server_connections}; acting overlaps {run.overlaps}; ledger groups safe "
                       f"{run.ledger_safe} ({run.ledger_acts} terms acted); surviving candidates behind the pooler "
-                      f"{run.pooler_connections}", flush=True)
+                      f"{run.pooler_connections}; the candidates' CPU at rest "
+                      f"{100 * run.candidates_cpu_share:.1f} % of {os.cpu_count()} cores", flush=True)
             print(f"\n{args.groups} groups x {args.replicas}, {args.workers} worker processes, pool {args.pool_size}, "
                   f"{args.runs} runs:")
             p50s = [statistics.median(f.renew_ms) for f in figures if f.renew_ms]
@@ -357,8 +369,18 @@ async def pooled(args: argparse.Namespace) -> None:
                   "; peak server connections:", max(f.peak_server_connections for f in figures))
             if args.plot is not None:
                 print("  plot:", plot(figures, args))
+            if args.json is not None:
+                args.json.write_text(json.dumps(to_json(figures, args), indent=1))
     finally:
         server.cleanup()
+
+
+def to_json(figures: Sequence[RunFigures], args: argparse.Namespace) -> dict[str, Any]:
+    """Every run's figures and what they were measured with."""
+    settings = {name: getattr(args, name) for name in ("groups", "replicas", "workers", "pool_size", "runs", "spread",
+                                                        "rest", "ledger_groups")}
+    return {**settings, "cores": os.cpu_count(), "timings": asdict(TIMINGS), "renew_goal_ms": RENEW_GOAL_MS,
+            "figures": [asdict(f) for f in figures]}
 
 
 def plot(figures: Sequence[RunFigures], args: argparse.Namespace) -> Path:
@@ -454,6 +476,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     parser.add_argument("--logs", default="/tmp", help="folder for the worker processes' logs (stderr)")
     parser.add_argument("--plot", type=Path, nargs="?", const=PLOT, default=None, metavar="PNG",
                         help=f"draw the runs' distributions into PNG (without a value: {PLOT})")
+    parser.add_argument("--json", type=Path, default=None, metavar="PATH", help="also write every run's figures here")
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.plot is not None and importlib.util.find_spec("matplotlib") is None:
