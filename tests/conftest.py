@@ -308,6 +308,9 @@ REAL_NODE_TAINT = {"key": "singleton.dev/real-node", "value": "session", "effect
 which expect no kubelet at all) never land on it."""
 REAL_NODE_TOLERATION = {"key": REAL_NODE_TAINT["key"], "operator": "Exists", "effect": "NoSchedule"}
 """What a pod meant for the real node carries (with a nodeSelector on its hostname)."""
+SECOND_NODE_TAINT = {"key": "singleton.dev/second-node", "value": "session", "effect": "NoSchedule"}
+"""The second real node's own taint: only pods that ask for it (tests of two nodes) land there."""
+SECOND_NODE_TOLERATION = {"key": SECOND_NODE_TAINT["key"], "operator": "Exists", "effect": "NoSchedule"}
 NODE_BUSY_WAIT = float(os.environ.get("SINGLETON_NODE_WAIT", "300"))
 """How long the session waits for another process's real node to go (``NodeBusyError``)."""
 
@@ -324,6 +327,8 @@ class RealNode:
     """That image's archive."""
     archives: list[Path] = field(default_factory=list)
     """Every archive imported so far, imported again by ``restart``."""
+    toleration: dict[str, str] = field(default_factory=lambda: dict(REAL_NODE_TOLERATION))
+    """What lets a pod onto this node past its taint."""
 
     @property
     def name(self) -> str:
@@ -343,7 +348,7 @@ class RealNode:
 
     def pod_placement(self) -> dict[str, object]:
         """What a pod spec needs to run on this node: its hostname and the taint's toleration."""
-        return {"nodeSelector": {"kubernetes.io/hostname": self.name}, "tolerations": [REAL_NODE_TOLERATION]}
+        return {"nodeSelector": {"kubernetes.io/hostname": self.name}, "tolerations": [self.toleration]}
 
 
 def _start_node(node: Node) -> None:
@@ -391,6 +396,32 @@ def real_node(controllers: Cluster, testbed_binaries: dict[str, Path], real_node
     finally:
         node.stop()
         cleanup_stale()  # what a failed test's killed node left, if any (no-op when none)
+
+
+@pytest.fixture(scope="session")
+def second_node(real_node: RealNode, controllers: Cluster, testbed_binaries: dict[str, Path], project_image: str,
+                test_apps_image: str) -> Iterator[RealNode]:
+    """A second real node (``SECOND_NODE``: a network namespace of its own, pods routed to and
+    from the first node's), joined to the session's control plane, tainted with
+    ``SECOND_NODE_TAINT``, with every image the first node has; and the node lifecycle
+    controller, which marks a silent node NotReady. Started on first use, stopped before the
+    first node at the end of the session."""
+    from singleton_testbed.node import Node
+    from singleton_testbed.node_config import SECOND_NODE
+
+    assert controllers.control_plane is not None
+    node = Node(controllers.control_plane, testbed_binaries, layout=SECOND_NODE, taints=[SECOND_NODE_TAINT])
+    _start_node(node)
+    controllers.control_plane.start_node_lifecycle()
+    try:
+        second = RealNode(controllers, node, real_node.image, real_node.archive,
+                          toleration=dict(SECOND_NODE_TOLERATION))
+        for archive in real_node.archives:
+            second.import_image(archive)
+        yield second
+    finally:
+        controllers.control_plane.stop_node_lifecycle()
+        node.stop()
 
 
 @pytest.fixture(scope="session")

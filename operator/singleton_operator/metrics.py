@@ -41,6 +41,10 @@ class OperatorMetrics:
         self._error_reasons: dict[tuple[str, str], set[str]] = {}
         self.status_updates = Counter("singleton_operator_status_updates", "status writes to SingletonServices",
                                       registry=self.registry)
+        self.deposed_relabelled = Counter(
+            "singleton_operator_deposed_leaders_relabelled",
+            "pods whose leader label the operator took off because another pod leads with a greater token "
+            "(their sidecar cut off from the API server)", registry=self.registry)
         self.admission_seconds = Histogram(
             "singleton_operator_pod_admission_seconds", "time to answer one pod AdmissionReview (webhook)",
             buckets=(0.001, 0.0025, 0.005, 0.01, 0.02, 0.05, 0.1, 0.25, 1.0), registry=self.registry)

@@ -19,13 +19,14 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-from singleton_election.kube import KubeClient, KubeError, KubeNotFound
+from singleton_election import contract
+from singleton_election.kube import KubeClient, KubeConflict, KubeError, KubeNotFound
 from singleton_operator.groups import CALL_TIMEOUT, Reconciler
 from singleton_operator.listing import GroupKey, GroupReads, Listing, LiveReads, scopes
 from singleton_operator.marks import RefreshMarks
 from singleton_operator.metrics import OperatorMetrics
 from singleton_operator.model.spec import SpecError, WorkloadSpecError
-from singleton_operator.model.status import find_leader, labelled_leaders
+from singleton_operator.model.status import deposed_leaders, find_leader, labelled_leaders
 from singleton_operator.reconcile import ReconcileProblem, cr_path, write_spec_error, write_status
 
 log = logging.getLogger(__name__)
@@ -163,6 +164,28 @@ class Refresher:
             return  # a new group before the end of its first reconcile, which marks it again
         await self._refresh(body, LiveReads(self.client), live=True)
 
+    async def _relabel_deposed(self, namespace: str, pods: list[dict[str, Any]]) -> None:
+        """Take the leader label off pods whose term is over (``deposed_leaders``), so that the
+        leader Service follows the leader at once. Conditional on the pod's resourceVersion: a
+        sidecar that wrote its own status meanwhile is not overwritten. Its role annotation
+        stays as its sidecar wrote it (the sidecar's own record); the sidecar corrects both
+        when it reaches the API server again."""
+        for deposed in deposed_leaders(pods):
+            patch = {"metadata": {"resourceVersion": deposed.resource_version,
+                                  "labels": {contract.LABEL_ROLE: contract.ROLE_STANDBY}}}
+            try:
+                await self.client.request("PATCH", f"/api/v1/namespaces/{namespace}/pods/{deposed.pod}", body=patch,
+                                          content_type="application/merge-patch+json", timeout=CALL_TIMEOUT)
+            except (KubeConflict, KubeNotFound):
+                continue  # changed or gone since it was read: the next refresh sees it anew
+            except KubeError as exc:
+                log.warning("could not take the leader label off deposed pod %s/%s: %s", namespace, deposed.pod, exc,
+                            extra={"namespace": namespace, "pod": deposed.pod, "token": deposed.token})
+                continue
+            self.metrics.deposed_relabelled.inc()
+            log.info("took the leader label off %s/%s, whose term (token %s) is over", namespace, deposed.pod,
+                     deposed.token, extra={"namespace": namespace, "pod": deposed.pod, "token": deposed.token})
+
     async def _refresh(self, body: dict[str, Any], reads: GroupReads, *, live: bool) -> None:
         """Write the group's status from ``reads``. ``live``: the body was read just now; a
         listing's may be seconds old (the group since edited or deleted), so that path never
@@ -195,6 +218,8 @@ class Refresher:
         observed = await reads.observed(spec, reconciler.problems.get(key) if kept else None,
                                         reconciler.applied.get(key) if kept else None)
         observed = dataclasses.replace(observed, database=reconciler.database.get(key) if kept else None)
+        if live:
+            await self._relabel_deposed(namespace, observed.pods)
         leader_changes = self.metrics.leader_changes.labels(namespace, name)  # exported from 0 on
         if spec.replicas > 0:
             self.metrics.group_leaders.labels(namespace, name).set(labelled_leaders(observed.pods))

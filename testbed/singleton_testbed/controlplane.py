@@ -103,6 +103,11 @@ def write_kubeconfig(path: Path, *, server: str, ca_file: Path, token: str, user
     path.chmod(0o600)
 
 
+NODE_GRACE_PERIOD = 20
+"""Seconds without a kubelet's heartbeat before the node lifecycle controller marks its Node
+NotReady (Kubernetes' default is 40 s, 50 s from 1.35): shorter, so that tests of whole-node
+faults see it sooner; still four of the test bed kubelets' 5 s status updates."""
+
 class ControlPlane:
     def __init__(self, binaries: dict[str, Path], workdir: Path | None = None, *,
                  advertise_address: str | None = None) -> None:
@@ -125,6 +130,7 @@ class ControlPlane:
         self.apiserver: Process | None = None
         self.controller_manager: Process | None = None
         self.scheduler: Process | None = None
+        self.node_lifecycle: Process | None = None
 
     @property
     def info(self) -> ClusterInfo:
@@ -281,6 +287,36 @@ class ControlPlane:
             )
             self.scheduler.start()
 
+    def start_node_lifecycle(self, grace_period: int = NODE_GRACE_PERIOD) -> None:
+        """The node lifecycle controller, in a kube-controller-manager of its own: it marks a
+        Node whose kubelet stopped reporting NotReady (Unknown) after ``grace_period`` seconds,
+        its pods not Ready, and taints it (``node.kubernetes.io/unreachable``: pods evicted
+        after their 300 s toleration). Not among ``start_controllers``' because tests make Node
+        objects with no kubelet behind them (``kubehelpers.ensure_node``), which it would mark
+        and whose pods it would evict; tests of whole-node faults start it."""
+        if self.node_lifecycle is not None and self.node_lifecycle.running():
+            return
+        kubeconfig = str(self.info.kubeconfig)
+        self.node_lifecycle = Process(
+            "node-lifecycle-controller",
+            [
+                str(self.binaries["kube-controller-manager"]),
+                f"--kubeconfig={kubeconfig}", f"--authentication-kubeconfig={kubeconfig}",
+                f"--authorization-kubeconfig={kubeconfig}",
+                "--leader-elect=false", "--bind-address=127.0.0.1", f"--secure-port={free_port()}",
+                "--controllers=node-lifecycle-controller",
+                f"--node-monitor-grace-period={grace_period}s", f"--node-startup-grace-period={grace_period}s",
+                "--node-monitor-period=1s",
+            ],
+            log_path=self.workdir / "node-lifecycle-controller.log",
+        )
+        self.node_lifecycle.start()
+
+    def stop_node_lifecycle(self) -> None:
+        if self.node_lifecycle is not None:
+            self.node_lifecycle.stop()
+            self.node_lifecycle = None
+
     def kubectl(
         self, *args: str, input_text: str | None = None, check: bool = True
     ) -> subprocess.CompletedProcess[str]:
@@ -301,10 +337,10 @@ class ControlPlane:
         self.start_etcd()
 
     def stop(self) -> None:
-        for proc in (self.scheduler, self.controller_manager, self.apiserver, self.etcd):
+        for proc in (self.node_lifecycle, self.scheduler, self.controller_manager, self.apiserver, self.etcd):
             if proc is not None:
                 proc.stop()
-        self.scheduler = self.controller_manager = self.apiserver = self.etcd = None
+        self.node_lifecycle = self.scheduler = self.controller_manager = self.apiserver = self.etcd = None
         if self._own_workdir:
             shutil.rmtree(self.workdir, ignore_errors=True)
 

@@ -359,23 +359,37 @@ class Node:
         self._route()
 
     def power_off(self) -> None:
-        """Everything of the node stops at one instant, as at a power loss or a hypervisor
-        pause: the link goes down, every pod's processes are frozen (one freezer cgroup above
-        them all), and kubelet, kube-proxy, containerd and the shims are stopped (SIGSTOP).
-        ``power_on`` resumes them where they were: what a node that comes back finds."""
-        link = self._own_link()
-        host.set_link(link, up=False)
-        host.set_freezer(self.layout.cgroup_root, "FROZEN")
-        for pid in host.pids_mentioning(str(self.paths.work)):
+        """The node loses power: its link goes down and every process of it, kubelet, kube-proxy,
+        containerd, the shims and every pod's, stops at one instant (frozen: pods by one
+        freezer cgroup above them all, the node's own by SIGSTOP) and is then killed. Nothing
+        of it runs on, as after a real power loss; ``power_on`` boots it again."""
+        host.set_link(self._own_link(), up=False)
+        agents = host.pids_mentioning(str(self.paths.work))
+        for pid in agents:
             with contextlib.suppress(ProcessLookupError):
                 os.kill(pid, signal.SIGSTOP)
-
-    def power_on(self) -> None:
-        for pid in host.pids_mentioning(str(self.paths.work)):
-            with contextlib.suppress(ProcessLookupError):
-                os.kill(pid, signal.SIGCONT)
+        host.set_freezer(self.layout.cgroup_root, "FROZEN")
+        # A frozen process dies of SIGKILL only once thawed: kill, then thaw.
+        host.kill_and_wait([*agents, *host.cgroup_pids(self.layout.cgroup_root)], timeout=0)
         host.set_freezer(self.layout.cgroup_root, "THAWED")
+        host.kill_and_wait(host.cgroup_pids(self.layout.cgroup_root))
+        for proc in (self.kubelet, self.kube_proxy, self.containerd):
+            if proc is not None and proc.popen is not None:
+                proc.popen.wait(10)
+
+    def power_on(self, timeout: float = 120) -> None:
+        """The node boots: its link comes back, then containerd (which finds its containers
+        dead), kubelet (which starts the pods' containers again) and kube-proxy. Returns once
+        the Node reports Ready again."""
+        assert self.containerd is not None and self.kubelet is not None and self.kube_proxy is not None
         self.reconnect()
+        began = int(time.time())
+        self.containerd.start()
+        wait_until(self._cri_ready, timeout=30, what="containerd's CRI plugin", proc=self.containerd)
+        self.kubelet.start()
+        self.kube_proxy.start()
+        wait_until(lambda: self._ready_since(began), timeout=timeout, what="the booted node's Ready heartbeat",
+                   proc=self.kubelet)
 
     def stop_kubelet(self) -> None:
         """Stop the kubelet alone (SIGTERM): containers run on, the Node's heartbeats stop."""

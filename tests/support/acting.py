@@ -5,36 +5,15 @@ fixture (conftest.py) starts real sidecars around it."""
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
 from pathlib import Path
 
+from singleton_testbed.harness.acts import spans
 from singleton_testbed.harness.sidecars import SidecarProcess
 from tests.support.paths import DATA
 
 APP = str(DATA / "acting_app.py")
 TIMINGS = {"SINGLETON_LEASE_DURATION": "3", "SINGLETON_RENEW_DEADLINE": "2", "SINGLETON_RETRY_PERIOD": "0.5"}
 FINISH = 0.8  # seconds a slow app works on after SIGTERM
-
-
-
-@dataclass(frozen=True)
-class Span:
-    token: int
-    first: float
-    last: float
-    pids: frozenset[int]
-
-
-def spans(log: Path) -> list[Span]:
-    """Each token's acting span (first to last recorded act), in order of first act."""
-    seen: dict[int, tuple[float, float, set[int]]] = {}
-    for line in log.read_text().splitlines():
-        token_text, pid_text, at_text = line.split()
-        token, pid, at = int(token_text), int(pid_text), float(at_text)
-        first, last, pids = seen.get(token, (at, at, set()))
-        pids.add(pid)
-        seen[token] = (min(first, at), max(last, at), pids)
-    return sorted((Span(t, f, la, frozenset(p)) for t, (f, la, p) in seen.items()), key=lambda s: s.first)
 
 
 def has_acted(log: Path) -> bool:

@@ -97,6 +97,38 @@ def find_leader(pods: list[dict[str, Any]]) -> LeaderView | None:
     return best
 
 
+@dataclass(frozen=True)
+class DeposedLeader:
+    pod: str
+    resource_version: str
+    token: int | None
+
+
+def deposed_leaders(pods: list[dict[str, Any]]) -> list[DeposedLeader]:
+    """Pods whose role label still says they lead while another pod leads with a greater token:
+    their term is over (tokens only grow, and a new one is issued once the old term ended), but
+    their sidecar could not say so, cut off from the API server with its node. The label is
+    what the leader Service selects, so such a pod would get the leader's traffic beside the
+    leader until its node is marked NotReady."""
+    leader = find_leader(pods)
+    if leader is None:
+        return []
+    deposed = []
+    for pod in pods:
+        metadata = pod.get("metadata") or {}
+        if metadata.get("name") == leader.pod or (metadata.get("labels") or {}).get(contract.LABEL_ROLE) \
+                not in (contract.ROLE_LEADER, contract.ROLE_DRAINING):
+            continue
+        try:
+            token: int | None = int(_annotations(pod).get(contract.ANNOTATION_TOKEN, ""))
+        except ValueError:
+            token = None  # never said which term: not the leader's, whose token is known
+        if token is None or token < leader.token:
+            version = str(metadata.get("resourceVersion", ""))
+            deposed.append(DeposedLeader(pod=metadata["name"], resource_version=version, token=token))
+    return deposed
+
+
 def labelled_leaders(pods: list[dict[str, Any]]) -> int:
     """The pods whose role label says they lead (leader or draining, as the sidecar's
     ``singleton_is_leader``), terminating ones included: a draining pod is often being deleted

@@ -27,6 +27,7 @@ from singleton_operator.model.status import (
     DatabaseCheck,
     Observed,
     compute_status,
+    deposed_leaders,
     find_leader,
     labelled_leaders,
     spec_error_status,
@@ -175,6 +176,25 @@ NOW = dt.datetime(2026, 11, 25, 12, 0, tzinfo=dt.UTC)
 def test_a_stale_leader_annotation_loses_to_the_greater_token() -> None:
     leader = find_leader([pod("a", "leader", 5), pod("b", "leader", 9), pod("c", "standby")])
     assert leader is not None and (leader.pod, leader.token) == ("b", 9)
+
+
+def labelled(pod_body: dict[str, Any], role: str, version: str = "1") -> dict[str, Any]:
+    pod_body["metadata"] |= {"labels": {contract.LABEL_ROLE: role}, "resourceVersion": version}
+    return pod_body
+
+
+def test_a_pod_labelled_leader_under_an_older_token_is_deposed() -> None:
+    pods = [labelled(pod("old", "leader", 5), "leader", "41"), labelled(pod("new", "leader", 9), "leader"),
+            labelled(pod("idle", "standby"), "standby"), labelled(pod("drained", "draining", 4), "draining", "7"),
+            labelled(pod("unsaid", None), "leader", "8")]
+    deposed = {(d.pod, d.resource_version, d.token) for d in deposed_leaders(pods)}
+    assert deposed == {("old", "41", 5), ("drained", "7", 4), ("unsaid", "8", None)}
+
+
+def test_no_pod_is_deposed_without_a_leader_to_compare_with() -> None:
+    # Only pods that say they lead with a token make a leader: a lone label proves nothing.
+    assert deposed_leaders([labelled(pod("a", None), "leader"), labelled(pod("b", "standby"), "standby")]) == []
+    assert deposed_leaders([labelled(pod("a", "leader", 3), "leader")]) == []
 
 
 def test_status_running_with_leader_and_standbys() -> None:

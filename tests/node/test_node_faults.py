@@ -1,0 +1,77 @@
+"""Whole-node faults on two real nodes (issue 34): a node cut off, powered off, its kubelet
+alone stopped, drained whole. The scenario is ``singleton_testbed.harness.node_faults``: one
+group with a pod on each node, the leader moved to the second node before each fault.
+
+For each fault: the group leads again from the first node, its status and its leader Service
+follow, the second node comes back and its old leader's app never acts again, and no two apps
+ever act at once (their own act file, which no fence hides: one token's acts all end before the
+next token's begin). The faults run one after another on one group (one settle, one act file).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import secrets
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from singleton_testbed.harness.node_faults import EVICT_AFTER, FAULTS, TwoNodeGroup, group_manifest
+from singleton_testbed.harness.operators import OperatorProcess
+from singleton_testbed.harness.sidecars import wait_for
+from tests.conftest import Cluster, RealNode
+from tests.support.acting import assert_never_two_actors
+
+pytestmark = [pytest.mark.k8s, pytest.mark.controlplane, pytest.mark.image]
+
+GROUP = "spread"
+NEW_LEADER_BOUND = {"cut-off": 15.0, "power-off": 15.0, "drain": 5.0, "kubelet-stop": 20 + EVICT_AFTER + 15.0}
+"""Seconds from the fault to the new leader's app acting. Cut off or powered off: the lease's
+term (4 s) and a retry. Drained: a handover on the gate's word. Kubelet stopped: the node
+lifecycle controller's grace period (20 s), the pods' toleration of a NotReady node, the
+eviction, then a handover."""
+
+
+@pytest.fixture
+def operator(controllers: Cluster, singleton_crd: Path, project_image: str, namespace: str,
+             tmp_path: Path) -> Iterator[OperatorProcess]:
+    process = OperatorProcess(controllers.kubeconfig, namespace, tmp_path / "operator.log",
+                              extra_args=["--namespace", namespace, "--sidecar-image", project_image]).start()
+    try:
+        yield process
+    finally:
+        controllers.kubectl("delete", "sgl", "--all", "-n", namespace, "--wait=false", check=False)
+        process.stop()
+
+
+def test_the_group_leads_from_the_other_node_through_whole_node_faults(  # noqa: PLR0917
+        controllers: Cluster, real_node: RealNode, second_node: RealNode, test_apps_image: str,
+        operator: OperatorProcess, namespace: str, tmp_path: Path) -> None:
+    acts = tmp_path / ("acts-" + secrets.token_hex(3))
+    acts.mkdir()
+    os.chmod(acts, 0o777)  # the app runs as the image's non-root user
+    manifest = group_manifest(GROUP, test_apps_image, acts, [real_node.name, second_node.name],
+                              [real_node.toleration, second_node.toleration])
+    controllers.apply(json.dumps(manifest), namespace=namespace)
+    group = TwoNodeGroup(controllers, namespace, GROUP, acts, first=real_node.node, second=second_node.node)
+
+    runs = []
+    for fault in FAULTS:
+        run = group.run(fault)
+        print(f"\n[{fault}] {run.old_pod} (token {run.old_token}) -> {run.new_pod} (token {run.new_token}): "
+              f"new leader acting after {run.new_acting:.2f} s, status {run.status_followed:.2f} s, "
+              f"Service {run.service_followed:.2f} s; old leader's last act {-run.overlap:.2f} s before")
+        assert run.new_token > run.old_token
+        assert run.overlap < 0, f"{fault}: the old leader acted {run.overlap:.3f} s after the new one began"
+        assert run.new_acting < NEW_LEADER_BOUND[fault], f"{fault}: {run.new_acting:.1f} s to a new leader acting"
+        runs.append(run)
+
+    assert_never_two_actors(group.act_log, terms=len(FAULTS) + 1)
+    # The second node is whole again: Ready, schedulable, no taint left by the faults.
+    node = wait_for(lambda: (found := second_node.node.node_object()) and second_node.node.ready() and found, 60,
+                    "the second node Ready", 0.5)
+    assert not node["spec"].get("unschedulable")
+    left = {t["key"] for t in node["spec"].get("taints") or []} - {second_node.toleration["key"]}
+    assert not left, f"taints left on {second_node.name}: {left}"
