@@ -44,7 +44,8 @@ FAULTS = ("cut-off", "power-off", "kubelet-stop", "drain")
 SIDECAR_PORT = 7450
 EVICT_AFTER = 10
 """Seconds the group's pods tolerate a NotReady or unreachable node before they are evicted."""
-TIMINGS = {"leaseDuration": "4s", "renewDeadline": "3s", "retryPeriod": "1s"}
+LEASE_SECONDS = 4
+TIMINGS = {"leaseDuration": f"{LEASE_SECONDS}s", "renewDeadline": "3s", "retryPeriod": "1s"}
 NODE_TOLERATIONS = [{"key": key, "operator": "Exists", "effect": "NoExecute", "tolerationSeconds": EVICT_AFTER}
                     for key in ("node.kubernetes.io/unreachable", "node.kubernetes.io/not-ready")]
 PLUGIN = Path(sys.executable).parent / "kubectl-singleton"
@@ -171,6 +172,9 @@ class TwoNodeGroup:
                 raise AssertionError(f"kubectl singleton handover failed: {handover.stdout}{handover.stderr}")
             leader = wait_for(lambda: (found := self.settled()) and found["metadata"]["name"] == target and found,
                               60, f"{target} to lead after the handover", 0.3)
+            # The leader that stepped down stands aside for a lease duration (so that the target
+            # takes the lock); a fault within it would measure that pause, not the failover.
+            time.sleep(LEASE_SECONDS + 0.5)
         token = token_of(leader)
         assert token is not None
         return leader["metadata"]["name"], token
@@ -207,12 +211,14 @@ class TwoNodeGroup:
             return start_drain, end_drain
         raise ValueError(f"unknown fault {fault!r}; one of {', '.join(FAULTS)}")
 
-    def run(self, fault: str, timeout: float = 120) -> FaultRun:
+    def run(self, fault: str, timeout: float = 120, *, old_log: Path | None = None) -> FaultRun:
         """One fault of the second node, under its leader; returns once the group has settled
-        again with the node back."""
+        again with the node back. ``old_log``: where to keep the old leader's sidecar log
+        (followed from before the fault: the pod and its logs may be gone after it)."""
         apply, recover = self._fault(fault)
         old_pod, old_token = self.lead_from_second_node()
         successor = next(p["metadata"]["name"] for p in self.pods() if p["metadata"]["name"] != old_pod)
+        follower = None if old_log is None else self._follow(old_pod, old_log)
         began = time.monotonic()
         apply()
         try:
@@ -227,6 +233,9 @@ class TwoNodeGroup:
                                         60, f"the leader Service's endpoints to be {successor_ip} alone", 0.05)
         finally:
             recover()
+            if follower is not None:
+                follower.terminate()
+                follower.wait(10)
         new_leader = wait_for(self.settled, 180, f"the group to settle after {fault} with the node back", 0.3)
         assert new_leader["metadata"]["name"] == successor, \
             f"{successor} led after {fault}, then {new_leader['metadata']['name']}"
@@ -236,6 +245,12 @@ class TwoNodeGroup:
                         new_token=new_span.token, new_acting=new_acting, status_followed=status_followed,
                         service_followed=service_followed, old_last_act=by_token[old_token].last,
                         new_first_act=new_first_act)
+
+    def _follow(self, pod: str, log: Path) -> subprocess.Popen[bytes]:
+        with log.open("ab") as out:
+            return subprocess.Popen([str(self.first.binaries["kubectl"]), "--kubeconfig", self._kubeconfig(), "logs",
+                                     "-f", "-n", self.namespace, pod, "-c", "singleton-sidecar", "--since=5s"],
+                                    stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
 
     def _status_leader(self) -> str | None:
         status = self._get("sgl", self.name).get("status") or {}
