@@ -31,6 +31,7 @@ lint: venv
 	$(BIN)/mypy
 	$(BIN)/mypy --strict demo
 	$(BIN)/mypy --config-file tests/mypy.ini tests benchmarks  # not strict: types where tests and benchmarks give them
+	$(BIN)/mypy --strict --follow-imports=silent --config-file tests/mypy.ini benchmarks/figures*.py  # make figures: strict
 	$(BIN)/lint-imports --no-logo --no-cache  # the layer contracts: [tool.importlinter] in pyproject.toml
 
 # Workers of `make test` (pytest-xdist): the tests mostly wait on servers and programs, so more
@@ -74,6 +75,15 @@ testbed-node-test: venv testbed ## root: the real node's tests (containerd + kub
 # suite, `singleton-testbed down` (testbed/e2e-existing.sh; docs/testbed.md).
 e2e-existing: venv testbed ## root: the e2e suite with USE_EXISTING_CLUSTER=true against `singleton-testbed up`
 	BIN=$(BIN) bash testbed/e2e-existing.sh $(PYTEST_ARGS)
+
+# Every figure of README's Figures section in one run, on this machine (benchmarks/figures.py,
+# benchmarks/README.md "Every figure in one run"): about 40 min on 2 cores, root for the real
+# node's rows (without it they are skipped, saying why), into benchmarks/figures.json; then
+# `python -m benchmarks.figures --check` (the goals) and `--render` (README's block).
+# FIGURES_ARGS=--quick: every step with small n (about 14 min), into build/figures-quick.json.
+.PHONY: figures
+figures: prerequisites venv testbed ## root: every figure of README in one run (about 40 min) into benchmarks/figures.json
+	$(BIN)/python -m benchmarks.figures $(FIGURES_ARGS)
 
 .PHONY: demo demo-down
 demo: prerequisites venv ## root: test bed + real node + the image (built, cached) + operator + 3 pollers; a live view of scripted handovers
