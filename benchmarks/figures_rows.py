@@ -399,7 +399,7 @@ STEPS: tuple[Step, ...] = (
          quick=("--backend", "postgres", "lease", "both",
                 "--fault", "delete-pod", "evict-pod", "sidecar-kill", "sidecar-kill-again", "partition",
                 "--gating", "file", "--poll-ms", "25", "--rest-seconds", "10", "--runs", "1",
-                "--runs-per-fault", "partition=0", "postgres/partition=1"),
+                "--runs-per-fault", "sidecar-kill-again=2", "partition=0", "postgres/partition=1"),
          estimate_seconds=690, quick_estimate_seconds=300, parse=parse_node, needs_node=True),
     # Its own servers and node (~60 s), 6 segments of 4 faults (a group's setup ~20 s, a fault ~2.4 s:
     # the lab log's medium run, 100 faults in 477 s).
