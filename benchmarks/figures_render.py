@@ -21,6 +21,7 @@ HEADING = "## Figures"
 NOTICE = ("<!-- Written by `python -m benchmarks.figures --render` from benchmarks/figures.json: "
           "change that file (by a run of `make figures`), not this block. -->")
 NOT_MEASURED = "not measured"
+NO_FIGURES = "its steps ran but gave no figures for it (their output in the run's log says why)"
 FAILED = "**FAIL** (its verdict, and what failed, are in benchmarks/figures.json)"
 
 
@@ -80,8 +81,8 @@ def table_row(document: Document, entry: Row, goals: Sequence[GoalResult]) -> st
     absent = why_absent(document, entry)
     cells = [cell(entry, column, figures, absent) for column in (*BACKENDS, "vs-clientgo")]
     label = f"{entry.label} ({entry.limits}; {sizes(entry, figures)})" + missed_text(entry.id, goals)
-    if absent and not figures:
-        label = f"{entry.label} ({entry.limits}): {NOT_MEASURED}, {absent}"
+    if not figures:
+        label = f"{entry.label} ({entry.limits}): {NOT_MEASURED}, {absent or NO_FIGURES}"
     return "| " + " | ".join([label, *cells]) + " |"
 
 
@@ -171,7 +172,7 @@ def step_failure(record: StepRun) -> str:
 
 def unmeasured(document: Document, row_id: str) -> str:
     entry = row(row_id)
-    return f"{entry.label[0].upper()}{entry.label[1:]}: {NOT_MEASURED}, {why_absent(document, entry) or 'no figures'}."
+    return f"{entry.label[0].upper()}{entry.label[1:]}: {NOT_MEASURED}, {why_absent(document, entry) or NO_FIGURES}."
 
 
 def pooled(document: Document, goals: Sequence[GoalResult]) -> str:

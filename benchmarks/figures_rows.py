@@ -253,20 +253,24 @@ def _node_rest(backend: str, setup: Setup, data: Mapping[str, Any]) -> list[Figu
                 {"window_seconds": window, "requests": group["requests"]}))
     pods = [f for f in data.get("footprints", []) if f["backend"] == backend]
     if pods:
+        starts = [f["start_seconds"] for f in pods if f["start_seconds"] is not None]
         figures.append(Figure(
             f"rss.{backend}", "rss",
             "VmRSS of each pod's sidecar process after the rest, in the image, read on the node",
             setup, Stats.of([f["rss_mb"] for f in pods], "MB"),
-            {"start_to_first_log_max_seconds": max((f["start_seconds"] or 0.0) for f in pods)}))
+            {"start_to_first_log_max_seconds": max(starts)} if starts else {}))
     return figures
 
 
 # --- benchmarks/campaign.py --------------------------------------------------------------------------
 
 def parse_campaign(data: Any, arguments: Sequence[str]) -> list[Figure]:
-    """``benchmarks.campaign --json``: the verdict's totals and every fault's failover."""
+    """``benchmarks.campaign --json``: the verdict's totals and every fault's failover (none when
+    no fault was followed by a new leader: a campaign without faults has no figure)."""
     totals, caught = data["totals"], data["caught_mid_act"]
     failovers = [v for b in data["backends"] for stats in b["stats"].values() for v in stats["failovers"]]
+    if not failovers:
+        return []
     kinds = sorted({kind for b in data["backends"] for kind in b["stats"] if kind != "warm-up"})
     facts: dict[str, Fact] = {
         "faults": totals["faults"], "verdict_ok": int(totals["verdict_ok"]),
@@ -283,7 +287,7 @@ def parse_campaign(data: Any, arguments: Sequence[str]) -> list[Figure]:
                   "(exec or file gate, fenced or unfenced worker), every app detaching a worker; seeded faults")
     return [Figure("campaign.all", "campaign", "seeded faults, each followed by a ready leader; every act any app "
                    "began judged from the act log, the fenced ledger judged in the fenced segments",
-                   setup, Stats.of(failovers or [0.0], "s"), facts)]
+                   setup, Stats.of(failovers, "s"), facts)]
 
 
 # --- benchmarks/burst_floor.py: the operator's burst against its floor ------------------------------

@@ -361,6 +361,12 @@ def test_rows_of_a_skipped_step_say_why() -> None:
     assert "The fault campaign: not measured, campaign skipped: the real node needs root." in block
 
 
+def test_a_row_whose_step_ran_without_its_figures_says_so() -> None:
+    block = render(document(figures_=[f for f in all_figures() if f.row != "partition-api"]))
+    row = next(line for line in block.splitlines() if "cut off from the API server" in line)
+    assert "not measured, its steps ran but gave no figures for it" in row and row.endswith("|  | - |  | - |")
+
+
 def test_a_quick_run_says_so() -> None:
     assert "**Quick mode" in render(replace(document(), mode=QUICK))
 
