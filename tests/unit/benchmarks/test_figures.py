@@ -392,3 +392,45 @@ def test_render_readme_writes_only_a_change(tmp_path: Path) -> None:
     assert figures.render_readme(document(), readme) is True
     assert readme_block(readme.read_text()) == render(document())
     assert figures.render_readme(document(), readme) is False
+
+
+# --- a hand-written document, as JSON text ------------------------------------------------------------
+
+HAND_WRITTEN = """{
+ "schema": 1, "mode": "full", "date": "2026-12-02T08:00:00+00:00", "seconds": 600.0, "rows": ["sigkill", "pooled"],
+ "machine": {"cpu": "Test CPU", "cores": 4, "memory_gib": 8.0, "kernel": "6.1.0", "load_before": 0.1,
+             "load_after": 0.2},
+ "commit": {"sha": "feedfacefeedfacefeedfacefeedfacefeedface", "dirty": true},
+ "steps": [{"id": "host", "command": ["python", "-m", "benchmarks.failover"], "seconds": 100.0,
+            "estimate_seconds": 320, "status": "ok"},
+           {"id": "clientgo", "command": ["python", "-m", "benchmarks.compare_clientgo"], "seconds": 200.0,
+            "estimate_seconds": 530, "status": "ok"},
+           {"id": "pooled", "command": ["python", "-m", "benchmarks.pooled_postgres"], "seconds": 0.0,
+            "estimate_seconds": 85, "status": "failed", "reason": "exit 1, no --json output", "exit_code": 1}],
+ "figures": [
+  {"id": "sigkill.postgres", "row": "sigkill", "scenario": "SIGKILL of the whole pod",
+   "setup": {"where": "host processes", "gate": "exec", "backend": "postgres", "timings": "6/4/2 s"},
+   "stats": {"n": 8, "median": 0.28, "p99": 0.3, "max": 0.3, "unit": "s"}},
+  {"id": "sigkill.vs-clientgo", "row": "sigkill", "scenario": "SIGKILL of the leader, no gated app",
+   "setup": {"where": "host processes", "gate": "none", "backend": "lease", "timings": "9/7.5/6 s"},
+   "stats": {"n": 6, "median": 15.0, "p99": 19.0, "max": 19.0, "unit": "s"},
+   "counterpart": {"peer": "client-go", "setup": "client-go at 15/10/2 s",
+                   "stats": {"n": 4, "median": 16.0, "p99": 18.0, "max": 18.0, "unit": "s"}}}
+ ]
+}"""
+
+
+def test_a_hand_written_document_with_a_missed_goal_and_a_failed_step() -> None:
+    hand = from_json(HAND_WRITTEN)
+    [miss] = missed(check(hand))
+    assert (miss.figure, miss.detail) == ("sigkill.vs-clientgo", "ours 19.0 s against client-go's 18.0 s")
+    assert unchecked(hand) == ["pooled"]
+    block = render(hand)
+    sigkill_row = next(line for line in block.splitlines() if line.startswith("| leader SIGKILLed"))
+    assert "n=8 each" in sigkill_row and "**Goal missed**" in sigkill_row
+    assert "| 300 ms (280 ms) | not measured | not measured | 18.0 s (16.0 s), n=4; ours 19.0 s (15.0 s), n=6 |" \
+        in sigkill_row
+    assert "Test CPU, 4 cores, 8 GiB, Linux 6.1.0" in block and "`feedfacefeed` with changes not yet committed" in block
+    assert "Pooled mode at 1,000 groups: not measured, pooled failed: exit 1, no --json output." in block
+    assert "planned handover: SIGTERM to the leader → new leader ready (" in block  # a row not run says so
+    assert "not in this run (`--only`)" in block
