@@ -2,10 +2,12 @@
 
 ``up`` starts PostgreSQL and the control plane (with controller-manager and scheduler)
 in a background process and prints the variables to export; when run as root on a machine
-with containerd, runc and the CNI plugins it also starts a real node (``singleton_testbed.node``:
-containerd + kubelet + kube-proxy, Node ``singleton-node``; ``--no-node`` skips it), imports the
-project's image into it (built with buildah when not cached; ``--no-image`` skips it), prints
-how to import more images, and exports ``SINGLETON_E2E_POD_DSN``, the PostgreSQL DSN its pods
+with containerd, runc and the CNI plugins it also starts two real nodes (``singleton_testbed.node``:
+containerd + kubelet + kube-proxy each, Nodes ``singleton-node`` and ``singleton-node-2``, the
+second in a network namespace of its own, with the node lifecycle controller; ``--nodes 1``
+or ``SINGLETON_TESTBED_NODES=1`` starts the first alone, ``--no-node`` none), imports the
+project's image into them (built with buildah when not cached; ``--no-image`` skips it), prints
+how to import more images, and exports ``SINGLETON_E2E_POD_DSN``, the PostgreSQL DSN their pods
 use (``make e2e-existing``). ``down`` stops it and removes its folders, and removes what a
 killed real node left behind; ``status`` tells whether it runs. ``image`` builds the project's image with
 buildah (no Docker engine, no registry) and prints the OCI archive's path, its reference and
@@ -28,15 +30,18 @@ from pathlib import Path
 from singleton_testbed import node as node_mod
 from singleton_testbed.binaries import find_all
 from singleton_testbed.controlplane import ControlPlane
-from singleton_testbed.node_config import NodeLayout
+from singleton_testbed.node_config import FIRST_NODE, SECOND_NODE
 from singleton_testbed.postgres import PostgresServer
 
 STATE_DIR = Path(os.environ.get("SINGLETON_TESTBED_STATE", str(Path.home() / ".cache" / "singleton" / "run")))
 STATE_FILE = STATE_DIR / "testbed.json"
 
 
-def _import_project_image(node: node_mod.Node) -> dict[str, str]:
-    """Build (or find in the cache) the project's image and import it into the node, so pods
+DEFAULT_NODES = int(os.environ.get("SINGLETON_TESTBED_NODES", "2"))
+
+
+def _import_project_image(nodes: list[node_mod.Node]) -> dict[str, str]:
+    """Build (or find in the cache) the project's image and import it into the nodes, so pods
     can use ``ghcr.io/singleton-dev/singleton:<version>`` at once; why not, when it cannot."""
     from singleton_testbed import images
 
@@ -44,13 +49,14 @@ def _import_project_image(node: node_mod.Node) -> dict[str, str]:
         return {"IMAGE_SKIPPED": f"building the image needs {' and '.join(missing)}"}
     try:
         archive, reference = images.build_project_image()
-        node.import_image(archive)
+        for node in nodes:
+            node.import_image(archive)
     except (images.ImageBuildError, node_mod.NodeError) as error:
         return {"IMAGE_SKIPPED": str(error)}
     return {"IMAGE": reference}
 
 
-def _serve(with_node: bool, with_image: bool = True) -> int:
+def _serve(nodes: int, with_image: bool = True) -> int:
     """Run in the background: start everything, write the state file, wait for SIGTERM."""
     stop = threading.Event()
     signal.signal(signal.SIGTERM, lambda *_: stop.set())
@@ -58,14 +64,15 @@ def _serve(with_node: bool, with_image: bool = True) -> int:
     binaries = find_all()
     # Another node holding the machine's lock (a test session's, the demo's) is no error here:
     # the test bed comes up without one and says why, as when this machine cannot run one.
-    no_node = "--no-node given" if not with_node else \
+    no_node = "--no-node given" if not nodes else \
         node_mod.unavailable_reason(binaries) or node_mod.busy_reason()
-    layout = NodeLayout()
+    no_second = "--nodes 1 given" if nodes < 2 else no_node or node_mod.busy_reason(SECOND_NODE.name)
+    layout = FIRST_NODE
     postgres = PostgresServer()
     # A real node's pods reach the API server through the `kubernetes` Service, whose endpoint
     # is the advertised address: the node IP then, 127.0.0.1 (as before) without a node.
     control_plane = ControlPlane(binaries, advertise_address=None if no_node else layout.node_ip)
-    node: node_mod.Node | None = None
+    started: list[node_mod.Node] = []
     try:
         pg = postgres.start()
         k8s = control_plane.start()
@@ -78,13 +85,22 @@ def _serve(with_node: bool, with_image: bool = True) -> int:
             "PATH_PREFIX": str(binaries["kubectl"].parent),
         }
         if no_node is None:
-            node = node_mod.Node(control_plane, binaries, layout=layout)
-            node.start()
-            state |= {"NODE": layout.name, "NODE_IP": layout.node_ip, "NODE_WORK": str(node.paths.work),
-                      "CONTAINERD_ADDRESS": str(node.paths.socket),
-                      # The same database as seen from the node's pods (and from this machine).
+            for node_layout in (FIRST_NODE, SECOND_NODE) if no_second is None else (FIRST_NODE,):
+                node = node_mod.Node(control_plane, binaries, layout=node_layout)
+                started.append(node)
+                node.start()
+            if len(started) > 1:
+                control_plane.start_node_lifecycle()
+            first = started[0]
+            state |= {"NODE": layout.name, "NODE_IP": layout.node_ip, "NODE_WORK": str(first.paths.work),
+                      "CONTAINERD_ADDRESS": str(first.paths.socket),
+                      "NODES": " ".join(node.layout.name for node in started),
+                      "CONTAINERD_ADDRESSES": " ".join(str(node.paths.socket) for node in started),
+                      # The same database as seen from the nodes' pods (and from this machine).
                       "SINGLETON_E2E_POD_DSN": dataclasses.replace(pg, host=layout.node_ip).dsn}
-            state |= _import_project_image(node) if with_image else {"IMAGE_SKIPPED": "--no-image given"}
+            if no_second is not None:
+                state["SECOND_NODE_SKIPPED"] = no_second
+            state |= _import_project_image(started) if with_image else {"IMAGE_SKIPPED": "--no-image given"}
         else:
             state["NODE_SKIPPED"] = no_node
         tmp = STATE_FILE.with_suffix(".tmp")
@@ -92,7 +108,7 @@ def _serve(with_node: bool, with_image: bool = True) -> int:
         tmp.replace(STATE_FILE)
         stop.wait()
     finally:
-        if node is not None:
+        for node in reversed(started):
             node.stop()
         control_plane.stop()
         postgres.cleanup()
@@ -121,18 +137,21 @@ def _print_exports(state: dict[str, str]) -> None:
     if "SINGLETON_E2E_POD_DSN" in state:
         print(f"export SINGLETON_E2E_POD_DSN={state['SINGLETON_E2E_POD_DSN']}")
     if "IMAGE" in state:
-        print(f"# image {state['IMAGE']} imported into the real node")
+        print(f"# image {state['IMAGE']} imported into the real node" + ("s" if " " in state.get("NODES", "") else ""))
     elif "IMAGE_SKIPPED" in state:
         print(f"# the project's image is not imported: {state['IMAGE_SKIPPED']}")
     if "NODE" in state:
-        print(f"# real node {state['NODE']} (InternalIP {state['NODE_IP']}, files in {state['NODE_WORK']}); "
-              "import an image archive into it with:\n"
-              f"#   ctr --address {state['CONTAINERD_ADDRESS']} --namespace k8s.io images import ARCHIVE.tar")
+        print(f"# real nodes {state.get('NODES', state['NODE'])} (the first's InternalIP {state['NODE_IP']}, "
+              f"files in {state['NODE_WORK']}); import an image archive into each with:")
+        for address in state.get("CONTAINERD_ADDRESSES", state["CONTAINERD_ADDRESS"]).split():
+            print(f"#   ctr --address {address} --namespace k8s.io images import ARCHIVE.tar")
+        if "SECOND_NODE_SKIPPED" in state:
+            print(f"# no second node: {state['SECOND_NODE_SKIPPED']}")
     elif "NODE_SKIPPED" in state:
         print(f"# no real node: {state['NODE_SKIPPED']}")
 
 
-def _up(with_node: bool, with_image: bool = True) -> int:
+def _up(nodes: int, with_image: bool = True) -> int:
     if state := _read_state():
         print("# the test bed is already running", file=sys.stderr)
         _print_exports(state)
@@ -142,12 +161,12 @@ def _up(with_node: bool, with_image: bool = True) -> int:
     find_all()  # build in the foreground so its progress is visible
     with open(log_path, "ab") as log_file:
         proc = subprocess.Popen(
-            [sys.executable, "-m", "singleton_testbed.cli", "serve", *([] if with_node else ["--no-node"]),
+            [sys.executable, "-m", "singleton_testbed.cli", "serve", f"--nodes={nodes}",
              *([] if with_image else ["--no-image"])],
             stdout=log_file, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True,
         )
     # A real node adds up to two minutes, a cold build of the image it imports about two more.
-    wait = 600 if with_node else 240
+    wait = 600 if nodes else 240
     deadline = time.monotonic() + wait
     while time.monotonic() < deadline:
         if proc.poll() is not None:
@@ -211,14 +230,18 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("command", choices=["up", "down", "status", "serve"],
                         help="up: start in the background; down: stop; status: print exports; "
                              "serve: run in the foreground")
-    parser.add_argument("--no-node", action="store_true", help="up/serve: do not start the real node")
+    parser.add_argument("--nodes", type=int, choices=(0, 1, 2), default=DEFAULT_NODES,
+                        help="up/serve: how many real nodes to start when this machine can run them (default 2, "
+                             "or SINGLETON_TESTBED_NODES)")
+    parser.add_argument("--no-node", action="store_true", help="up/serve: start no real node (--nodes 0)")
     parser.add_argument("--no-image", action="store_true",
                         help="up/serve: do not build and import the project's image into the real node")
     args = parser.parse_args(argv)
+    nodes = 0 if args.no_node else args.nodes
     if args.command == "up":
-        return _up(not args.no_node, not args.no_image)
+        return _up(nodes, not args.no_image)
     if args.command == "serve":
-        return _serve(not args.no_node, not args.no_image)
+        return _serve(nodes, not args.no_image)
     commands = {"down": _down, "status": _status}
     return commands[args.command]()
 

@@ -483,9 +483,9 @@ def recorded_nodes() -> list[str]:
 
 def _busy_message(name: str) -> str:
     owner = _read_state(state_path(name)).get("pid", "?")
-    return (f"another real node {name} runs on this machine (pid {owner}, lock {lock_path(name)}): a node's "
+    return (f"another real node runs on this machine ({name}, pid {owner}, lock {lock_path(name)}): a node's "
             "names, addresses and (on the host's network) kube-proxy's iptables rules are the machine's, so only "
-            "one may run; stop it first")
+            "one of each layout may run; stop it first")
 
 
 def busy_reason(name: str = FIRST_NODE.name) -> str | None:

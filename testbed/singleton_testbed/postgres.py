@@ -4,11 +4,11 @@
 a non-superuser role (``singleton``) for the code under test. When run as root (CI is),
 the server runs as the ``postgres`` system user, since PostgreSQL refuses root.
 
-Pods of the real node (``node``) reach the server at the node IP (10.216.0.1): with
+Pods of the real nodes (``node``) reach the server at the first node's IP (10.216.0.1): with
 ``serve_pods`` (the default when root) it listens on every IPv4 address and ``pg_hba.conf``
-admits the node's pod network and the node IP with a password (``scram-sha-256``), so only the
-``singleton`` role can log in from pods; other networks match no rule and are refused.
-For a pod's DSN: ``dataclasses.replace(server.info, host=NodeLayout().node_ip).dsn`` (this
+admits both nodes' pod networks and the node IP with a password (``scram-sha-256``), so only
+the ``singleton`` role can log in from pods; other networks match no rule and are refused.
+For a pod's DSN: ``dataclasses.replace(server.info, host=FIRST_NODE.node_ip).dsn`` (this
 machine can use that DSN too).
 """
 
@@ -23,13 +23,13 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from singleton_testbed.node_config import NodeLayout
+from singleton_testbed.node_config import FIRST_NODE, SECOND_NODE
 from singleton_testbed.procs import Process, free_port, wait_until
 
 APP_ROLE = "singleton"
 APP_PASSWORD = "singleton-test-password"
 DATABASE = "singleton"
-POD_NETWORKS = (NodeLayout().pod_cidr, f"{NodeLayout().node_ip}/32")
+POD_NETWORKS = (FIRST_NODE.pod_cidr, f"{FIRST_NODE.node_ip}/32", SECOND_NODE.pod_cidr)
 """Admitted when serving pods: the real node's pod network, and the node IP itself (what this
 machine's own connections to the node IP come from: an operator run on the host checks the DSN
 its pods get)."""
