@@ -2,7 +2,7 @@
 did (the act log) and by the fenced ledger.
 
     .venv/bin/python -m benchmarks.campaign [--backend postgres lease both] [--faults N | --duration S]
-                                            [--seed S] [--quick] [--kinds K ...] [--segment-faults N]
+                                            [--seed S] [--quick] [--kinds K ...] [--segment-faults N] [--nodes 2]
                                             [--variants exec/fenced file/unfenced ...] [--fence off]
                                             [--worker-env NAME=VALUE ...] [--json PATH] [--workdir DIR] [--keep]
 
@@ -70,7 +70,7 @@ from pathlib import Path
 import asyncpg
 
 from benchmarks.campaign_bed import CHILD_ITEMS, DETACHED_CHILD, VARIANTS, Bed, Borrowed, CampaignError, Group, Variant
-from benchmarks.campaign_faults import ALL_KINDS, APPLIES, Deck, Injector
+from benchmarks.campaign_faults import ALL_KINDS, APPLIES, NODE_KINDS, Deck, Injector
 from benchmarks.campaign_poll import Poller
 from benchmarks.campaign_report import BackendResult, CampaignResult, LoggedAct, Segment
 from singleton_testbed.images import ImageBuildError
@@ -127,6 +127,8 @@ class CampaignOptions:
     log: Callable[[str], None] = print
     borrowed: Borrowed | None = None
     """A test session's control plane and node to run on, instead of starting its own."""
+    nodes: int = 1
+    """2: the groups' pods spread over two real nodes, and the whole-node faults (``NODE_KINDS``)."""
 
 
 def run_campaign(options: CampaignOptions) -> CampaignResult:
@@ -150,7 +152,7 @@ def run_campaign(options: CampaignOptions) -> CampaignResult:
     result = CampaignResult(seed=seed, quick=options.quick)
     options.log(f"campaign seed {seed}, backends {' '.join(backends)}, workdir {workdir}")
     started = time.monotonic()
-    bed = Bed(workdir, options.borrowed)
+    bed = Bed(workdir, options.borrowed, two_nodes=options.nodes == 2)
     poller = Poller()
     try:
         bed.start()
@@ -176,7 +178,8 @@ def _kinds(backend: str, options: CampaignOptions) -> tuple[str, ...]:
     """The fault kinds that apply to ``backend``, limited to ``--kinds``; in quick mode each of
     ``QUICK_ONCE`` only on one of the run's backends it applies to, in turn."""
     def applies(kind: str, to: str) -> bool:
-        return kind in APPLIES[to] and (options.kinds is None or kind in options.kinds)
+        where = (*APPLIES[to], *(NODE_KINDS if options.nodes == 2 else ()))
+        return kind in where and (options.kinds is None or kind in options.kinds)
 
     def dealt_here(kind: str) -> bool:
         if not options.quick or kind not in QUICK_ONCE:
@@ -184,7 +187,7 @@ def _kinds(backend: str, options: CampaignOptions) -> tuple[str, ...]:
         takers = [b for b in options.backends if applies(kind, b)]
         return takers[QUICK_ONCE.index(kind) % len(takers)] == backend
 
-    return tuple(k for k in APPLIES[backend] if applies(k, backend) and dealt_here(k))
+    return tuple(k for k in (*APPLIES[backend], *NODE_KINDS) if applies(k, backend) and dealt_here(k))
 
 
 def _fault_counts(total: int | None, per_backend: float, backends: tuple[str, ...]) -> list[int | None]:
@@ -252,7 +255,8 @@ def run_segment(bed: Bed, poller: Poller, backend: str, variant: Variant, index:
         while len(segment.faults) < faults and (deadline is None or time.monotonic() < deadline):
             time.sleep(rng.uniform(*idle))
             leader = group.wait_settled(SETTLE_TIMEOUT)
-            record = injector.inject(deck.deal(group.slow(leader.pod)), before + len(segment.faults), leader)
+            kind = deck.deal(group.slow(leader.pod), group.on_second_node(leader.pod))
+            record = injector.inject(kind, before + len(segment.faults), leader)
             segment.faults.append(record)
             log(f"[{backend:<8} {before + len(segment.faults):>3}{of}] {record.describe()}")
             group.wait_settled(SETTLE_TIMEOUT, since=time.time())
@@ -337,7 +341,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--quick", action="store_true",
                         help=f"CI: every kind that applies to a backend once (the API server and etcd restarts "
                              f"once per run), over {QUICK_SEGMENTS} groups")
-    parser.add_argument("--kinds", nargs="+", choices=ALL_KINDS, help="only these fault types")
+    parser.add_argument("--kinds", nargs="+", choices=(*ALL_KINDS, *NODE_KINDS), help="only these fault types")
+    parser.add_argument("--nodes", type=int, choices=(1, 2), default=1,
+                        help="2: spread each group's pods over two real nodes and add the whole-node faults "
+                             f"({', '.join(NODE_KINDS)}), dealt while the leader runs on the second node")
     parser.add_argument("--fence", choices=["on", "off"], default="on",
                         help="off: every segment's workers write without their token")
     parser.add_argument("--variants", nargs="+", metavar="GATE/FENCE",
@@ -365,7 +372,7 @@ def main(argv: list[str] | None = None) -> int:
                               segment_faults=args.segment_faults,
                               kinds=tuple(args.kinds) if args.kinds else None,
                               worker_env=dict(item.split("=", 1) for item in args.worker_env), workdir=args.workdir,
-                              keep=args.keep, log=log)
+                              keep=args.keep, log=log, nodes=args.nodes)
     try:
         result = run_campaign(options)
     except (NodeError, ImageBuildError) as exc:

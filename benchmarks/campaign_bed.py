@@ -81,7 +81,7 @@ from singleton_testbed.binaries import add_to_path, find_all
 from singleton_testbed.controlplane import ControlPlane, wait_established
 from singleton_testbed.harness.kubehelpers import AdminApi, save_pod_logs
 from singleton_testbed.node import Node
-from singleton_testbed.node_config import NodeLayout
+from singleton_testbed.node_config import SECOND_NODE, NodeLayout
 from singleton_testbed.postgres import PostgresServer
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -256,7 +256,11 @@ class Borrowed:
 
 
 class Bed:
-    def __init__(self, workdir: Path, borrowed: Borrowed | None = None) -> None:
+    def __init__(self, workdir: Path, borrowed: Borrowed | None = None, *, two_nodes: bool = False) -> None:
+        """``two_nodes``: also a second real node (``SECOND_NODE``), for whole-node faults; the
+        groups' pods are spread over both. Not with a borrowed bed."""
+        if two_nodes and borrowed is not None:
+            raise ValueError("a borrowed bed has one node")
         self.workdir = workdir
         self.borrowed = borrowed
         self.pg = PostgresServer(serve_pods=True)  # its own folder: the server runs as user postgres
@@ -266,10 +270,12 @@ class Bed:
             add_to_path(binaries)
             self.cp = ControlPlane(binaries, workdir / "k8s", advertise_address=self.layout.node_ip)
             self.node = Node(self.cp, binaries, layout=self.layout)
+            self.second = Node(self.cp, binaries, layout=SECOND_NODE) if two_nodes else None
             self.project_image = self.apps_image = ""
             self.tolerations: list[dict[str, str]] = []
         else:
             self.cp, self.node = borrowed.control_plane, borrowed.node
+            self.second = None
             self.project_image, self.apps_image = borrowed.project_image, borrowed.apps_image
             self.tolerations = borrowed.tolerations
         self.api: AdminApi | None = None
@@ -289,8 +295,12 @@ class Bed:
             self.node.start()
             project_archive, self.project_image = images.build_project_image()
             apps_archive, self.apps_image = build_test_apps_image()
-            self.node.import_image(project_archive)
-            self.node.import_image(apps_archive)
+            if self.second is not None:
+                self.second.start()
+                self.cp.start_node_lifecycle()
+            for node in self.nodes:
+                node.import_image(project_archive)
+                node.import_image(apps_archive)
             self.kubeconfig = info.kubeconfig
         else:
             assert self.cp.info is not None, "a borrowed control plane runs"
@@ -308,9 +318,15 @@ class Bed:
                 self.api.close()
         finally:
             if self.borrowed is None:
+                if self.second is not None:
+                    self.second.stop()
                 self.node.stop()
                 self.cp.stop()
             self.pg.cleanup()
+
+    @property
+    def nodes(self) -> list[Node]:
+        return [self.node] if self.second is None else [self.node, self.second]
 
     @property
     def admin(self) -> AdminApi:
@@ -414,6 +430,8 @@ class Group:
     """``kubectl logs -f`` of each deleted pod, until its containers end."""
     held_logs: dict[str, list[BinaryIO]] = dataclasses.field(default_factory=dict)
     """Each deleted pod's sidecar log files, opened before its deletion (``hold_logs``)."""
+    node_of: dict[str, Node] = dataclasses.field(default_factory=dict)
+    """Every pod the group ever had → the node it was bound to."""
 
     def __post_init__(self) -> None:
         self.name = self.name or f"camp-{self.backend}-{secrets.token_hex(3)}"
@@ -477,7 +495,9 @@ class Group:
         return {**env, **self.worker_env}
 
     def manifest(self, pod: str, profile: PodProfile) -> dict[str, Any]:
-        return self._exec_manifest(pod, profile) if self.variant.gate == "exec" else self._file_manifest(pod, profile)
+        body = self._exec_manifest(pod, profile) if self.variant.gate == "exec" else self._file_manifest(pod, profile)
+        body["spec"]["nodeName"] = self.node_of[pod].layout.name
+        return body
 
     def _exec_manifest(self, pod: str, profile: PodProfile) -> dict[str, Any]:
         env = [
@@ -497,8 +517,8 @@ class Group:
                                          "ports": [{"name": "probes", "containerPort": PORT}]}]}}
 
     def _placement(self) -> dict[str, Any]:
-        """Bound to the bed's node (no scheduler needed), tolerating its taints."""
-        placement: dict[str, Any] = {"nodeName": self.bed.layout.name}
+        """Bound to a node of the bed (``manifest``: no scheduler needed), tolerating its taints."""
+        placement: dict[str, Any] = {}
         if self.bed.tolerations:
             placement["tolerations"] = self.bed.tolerations
         return placement
@@ -527,6 +547,9 @@ class Group:
     def add_pod(self, *, slow: bool = False) -> str:
         pod = f"{self.name}-{self.created}"
         self.created += 1
+        # Spread as a ReplicaSet with a topology spread would: on the node with the fewest members.
+        members = [self.node_of[member] for member in self.pods]
+        self.node_of[pod] = min(self.bed.nodes, key=members.count)
         profile = self.draw_profile(slow)
         created = self.bed.call("POST", f"/api/v1/namespaces/{self.namespace}/pods", self.manifest(pod, profile))
         self.uids[pod] = str(created["metadata"]["uid"])
@@ -608,23 +631,37 @@ class Group:
         """The pod's containers, sidecar first."""
         return [CONTAINER] if self.variant.gate == "exec" else [resources.SIDECAR_CONTAINER, APP_CONTAINER]
 
+    def layout(self, pod: str) -> NodeLayout:
+        return self.node_of[pod].layout
+
+    def on_second_node(self, pod: str) -> bool:
+        return self.bed.second is not None and self.node_of.get(pod) is self.bed.second
+
+    def forget_addresses(self, node: Node) -> None:
+        """The members on ``node`` get new addresses (their sandboxes made again after the node
+        booted): found again as they run."""
+        for pod in self.pods:
+            if self.node_of[pod] is node:
+                self.pods[pod] = ""
+                self.poller.forget(pod)
+
     def sidecar_pid(self, pod: str) -> int:
         """The host PID of the sidecar process (its container's main process)."""
         return self.on_pod(pod, lambda found: node_pods.container_main_pid(found, self.sidecar_container,
-                                                                           layout=self.bed.layout), "find its sidecar")
+                                                                           layout=self.layout(pod)), "find its sidecar")
 
     def kill_sidecar(self, pod: str) -> None:
         """SIGKILL of every process of the sidecar's container; the kubelet restarts it."""
         self.on_pod(pod, lambda found: node_pods.signal_container(found, self.sidecar_container, signal.SIGKILL,
-                                                                  layout=self.bed.layout), "kill its sidecar")
+                                                                  layout=self.layout(pod)), "kill its sidecar")
 
     def freeze(self, pod: str) -> Frozen:
         """Freeze the whole pod (its freezer cgroup); ``thaw`` undoes it."""
-        return self.on_pod(pod, lambda found: freeze_pod(found, self.containers(), self.bed.layout), "freeze it")
+        return self.on_pod(pod, lambda found: freeze_pod(found, self.containers(), self.layout(pod)), "freeze it")
 
     def thaw(self, frozen: Frozen) -> None:
         """Thaw the pod: its app first, its sidecar and gate ``THAW_STAGGER`` later."""
-        thaw_pod(frozen, THAW_STAGGER, self.bed.layout)
+        thaw_pod(frozen, THAW_STAGGER, self.layout(frozen.pod["metadata"]["name"]))
 
     def partition(self, pod: str, targets: list[tuple[str, int | None]]) -> dict[str, Any]:
         """Cut the pod off from each (address, port) inside its network namespace; returns the
@@ -632,7 +669,7 @@ class Group:
         found = self.pod_object(pod)
         try:
             for address, port in targets:
-                node_pods.partition(found, address, port=port, layout=self.bed.layout)
+                node_pods.partition(found, address, port=port, layout=self.layout(pod))
         except (LookupError, OSError, RuntimeError, subprocess.SubprocessError) as exc:
             self.heal(found, targets)  # no half-made cut left behind
             raise CampaignError(f"pod {pod}: cannot cut it off: {exc}") from exc
@@ -642,17 +679,17 @@ class Group:
         for address, port in targets:
             # A pod gone meanwhile took its rules with its network namespace.
             with contextlib.suppress(LookupError, OSError, RuntimeError, subprocess.SubprocessError):
-                node_pods.heal(found, address, port=port, layout=self.bed.layout)
+                node_pods.heal(found, address, port=port, layout=self.layout(found["metadata"]["name"]))
 
     def step_down(self, pod: str) -> tuple[int, str]:
         """``POST /step-down`` on the sidecar's control port, on the pod's loopback."""
-        netns = self.on_pod(pod, lambda found: node_pods.pod_netns(found, layout=self.bed.layout),
+        netns = self.on_pod(pod, lambda found: node_pods.pod_netns(found, layout=self.layout(pod)),
                             "find its network namespace")
         return loopback_request(netns, CONTROL_PORT, "POST", "/step-down?reason=campaign")
 
     def sidecar_log_files(self, pod: str) -> list[Path]:
         """The node's log files of the pod's sidecar container: the current one and the previous ones'."""
-        folder = self.bed.node.paths.pod_logs / f"{self.namespace}_{pod}_{self.uids.get(pod, '')}" / \
+        folder = self.node_of[pod].paths.pod_logs / f"{self.namespace}_{pod}_{self.uids.get(pod, '')}" / \
             self.sidecar_container
         return sorted(folder.glob("*.log"))
 

@@ -20,6 +20,9 @@
 | ``step-down`` | ``POST /step-down`` on the leader's sidecar control port (the pod's loopback) | ✓ | ✓ | ✓ |
 | ``lease-release`` | the group's Lease forced free as ``kubectl singleton release`` does (below) | | ✓ | ✓ |
 | ``lease-delete`` | ``kubectl delete lease <group>`` | | ✓ | ✓ |
+| ``node-cut-off`` | the leader's whole node cut off from the network (two nodes only, below) | ✓ | ✓ | ✓ |
+| ``node-power-off`` | the leader's whole node powered off, then booted (two nodes only, below) | ✓ | ✓ | ✓ |
+| ``node-kubelet-stop`` | the leader's node's kubelet stopped until the node is NotReady (below) | ✓ | ✓ | ✓ |
 
 - ``sigstop``: the whole pod frozen (its freezer cgroup: ``campaign_pods``) for lease +
   0.5..1.5 s, then thawed, its app first and its sidecar and gate 0.1 s later.
@@ -37,6 +40,13 @@
   seeded, its pod is deleted or its sidecar process gets SIGTERM (as the kubelet sends it).
 - ``handover``: ``singletonctl handover`` of the group, to a seeded ready standby (``--to``) or
   to any.
+- Whole-node faults (``--nodes 2``: the groups' pods spread over two real nodes, and these dealt
+  only while the leader runs on the second, which has a network namespace of its own):
+  ``node-cut-off``, its link down for lease + 0.5..1.5 s (kubelet, kube-proxy and pods run on,
+  unreachable); ``node-power-off``, every process of it stopped at once and killed, booted
+  again after lease + 0.5..1.5 s (its pods' containers start again, with new addresses);
+  ``node-kubelet-stop``, its kubelet stopped for the node lifecycle controller's grace period
+  and 5 s more (the node turns NotReady, its pods not Ready), then started; the term may go on.
 - ``lease-release``: ``kubectl patch lease <group> --type=merge -p
   '{"spec":{"holderIdentity":null}}'``, the runbook's release by hand and what the operator does
   for ``kubectl singleton release`` (its holder cleared, no ``singleton.dev/released-token``):
@@ -84,6 +94,8 @@ from benchmarks.campaign_bed import LEASE, Bed, CampaignError, Group
 from benchmarks.campaign_poll import Poller, Sample
 from singleton_ctl import cli as singletonctl
 from singleton_election import contract
+from singleton_testbed.controlplane import NODE_GRACE_PERIOD
+from singleton_testbed.node import Node
 
 ALL_KINDS = ("sigkill", "sigstop", "sigstop-sidecar", "pg-terminate", "pg-restart", "apiserver-restart",
              "etcd-restart", "partition-pg", "partition-api", "delete-pod", "drain-timeout", "handover", "step-down",
@@ -94,6 +106,8 @@ FORCED_LEASE_KINDS = ("lease-release", "lease-delete")
 """The group's Lease changed by hand (its holder not asked)."""
 NEW_KINDS = (*FORCED_LEASE_KINDS, "pg-terminate-stalled")
 """The kinds added with issue 31 (quick mode must inject each at least once)."""
+NODE_KINDS = ("node-cut-off", "node-power-off", "node-kubelet-stop")
+"""Whole-node faults of the second node (``--nodes 2``), dealt while the leader runs there."""
 NODE_RESTARTS = frozenset({"kubelet-restart", "containerd-restart"})
 """The node's agents restarted: the containers, and so the election, should not notice."""
 _EVERYWHERE = ("sigkill", "sigstop", "sigstop-sidecar", "delete-pod", "drain-timeout", "handover", "step-down",
@@ -107,7 +121,7 @@ APPLIES: dict[str, tuple[str, ...]] = {
     "lease": tuple(k for k in ALL_KINDS if k in _EVERYWHERE or k in LEASE_KINDS),
     "both": tuple(k for k in ALL_KINDS if k in _EVERYWHERE or k in POSTGRES_KINDS or k in LEASE_KINDS),
 }
-SERVER_RESTARTS = frozenset({"apiserver-restart", "etcd-restart"}) | NODE_RESTARTS
+SERVER_RESTARTS = frozenset({"apiserver-restart", "etcd-restart", "node-kubelet-stop"}) | NODE_RESTARTS
 """Faults after which the same term may go on: any ready leader counts as recovered."""
 PLANNED = frozenset({"delete-pod", "drain-timeout", "handover", "step-down"})
 """Planned endings: the term drains (bounded by the drain timeout) before it is released."""
@@ -138,6 +152,9 @@ PATHS: dict[str, str] = {
     "lease-release": "Lease holder cleared (forced release)",
     "lease-delete": "Lease deleted",
     "pg-terminate-stalled": "PostgreSQL session ended, sidecar stalled",
+    "node-cut-off": "node cut off (renew deadline)",
+    "node-power-off": "node powered off",
+    "node-kubelet-stop": "node agent stopped",
 }
 DRAIN_TIMEOUT_PATH = "drain timeout"
 SIGTERM_PATH = "drain (SIGTERM)"
@@ -215,13 +232,18 @@ class Deck:
         self.rng.shuffle(cards)
         self._hand = cards + self._hand
 
-    def deal(self, slow_leader: bool = False) -> str:
+    def deal(self, slow_leader: bool = False, second_node_leader: bool = False) -> str:
         def applies(kind: str) -> bool:
+            if kind in NODE_KINDS:
+                return second_node_leader
             return kind not in (QUICK_LEADER_ONLY if slow_leader else SLOW_LEADER_ONLY)
+
+        def this_leaders(kind: str) -> bool:
+            return (slow_leader and kind in SLOW_LEADER_ONLY) or (second_node_leader and kind in NODE_KINDS)
 
         for _ in range(2):
             fits = [i for i in reversed(range(len(self._hand))) if applies(self._hand[i])]
-            only_now = [i for i in fits if slow_leader and self._hand[i] in SLOW_LEADER_ONLY]
+            only_now = [i for i in fits if this_leaders(self._hand[i])]
             new = [i for i in fits if self._hand[i] not in self.dealt]  # a kind skipped in an earlier round
             if fits:
                 return self._take((only_now or new or fits)[0])
@@ -338,6 +360,8 @@ class Injector:
             "partition-pg": self._partition, "partition-api": self._partition, "delete-pod": self._delete_pod,
             "drain-timeout": self._drain_timeout, "handover": self._handover, "step-down": self._step_down,
             "lease-release": self._lease_change, "lease-delete": self._lease_change,
+            "node-cut-off": self._node_cut_off, "node-power-off": self._node_power_off,
+            "node-kubelet-stop": self._node_kubelet_stop,
         }
         after = actions[kind](record)
         return record.t0 if after is None else after
@@ -417,10 +441,50 @@ class Injector:
         record.outage = time.time() - record.t0
 
     def _server_restart(self, record: FaultRecord) -> float:
+        node = self.group.node_of[record.pod]  # the leader's
         restart = {"apiserver-restart": self.bed.cp.restart_apiserver, "etcd-restart": self.bed.cp.restart_etcd,
-                   "kubelet-restart": self.bed.node.restart_kubelet,
-                   "containerd-restart": self.bed.node.restart_containerd}[record.kind]
+                   "kubelet-restart": node.restart_kubelet, "containerd-restart": node.restart_containerd}[record.kind]
         restart()
+        record.outage = time.time() - record.t0
+        return time.time()
+
+    def _leaders_second_node(self, record: FaultRecord) -> Node:
+        node = self.group.node_of[record.pod]
+        if node is not self.bed.second:
+            raise CampaignError(f"{record.kind}: the leader {record.pod} is not on the second node")
+        return node
+
+    def _node_cut_off(self, record: FaultRecord) -> None:
+        node = self._leaders_second_node(record)
+        self._hold(record)
+        node.cut_off()
+        try:
+            self._begins(record, "cut off")
+            self._until(record.t0 + record.hold)
+        finally:
+            node.reconnect()
+
+    def _node_power_off(self, record: FaultRecord) -> None:
+        node = self._leaders_second_node(record)
+        self._hold(record)
+        try:
+            node.power_off()
+            self._begins(record, "powered off")
+            self._until(record.t0 + record.hold)
+        finally:
+            node.power_on()
+            self.group.forget_addresses(node)
+        record.outage = time.time() - record.t0
+
+    def _node_kubelet_stop(self, record: FaultRecord) -> float:
+        node = self._leaders_second_node(record)
+        record.hold = NODE_GRACE_PERIOD + 5.0
+        node.stop_kubelet()
+        try:
+            self._begins(record, "kubelet stopped")
+            self._until(record.t0 + record.hold)
+        finally:
+            node.start_kubelet()
         record.outage = time.time() - record.t0
         return time.time()
 

@@ -44,7 +44,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from benchmarks.campaign_bed import CHILD_ITEMS, DETACHED_CHILD, LEASE, RETRY, PodProfile, Variant
-from benchmarks.campaign_faults import ALL_KINDS, ALL_PATHS, FROZEN, FaultRecord
+from benchmarks.campaign_faults import ALL_KINDS, ALL_PATHS, FROZEN, NODE_KINDS, FaultRecord
 from singleton_testbed.actlog import REFUSED, WRITTEN
 from singleton_testbed.ledger import Act, ActingOverlap, LedgerReport, percentile
 
@@ -350,7 +350,7 @@ class BackendResult:
 
     def attribute(self) -> None:
         """Fill ``stats`` and ``paths`` from the segments' faults and reports."""
-        kinds = {kind: Stats(kind) for kind in (*ALL_KINDS, WARM_UP)}
+        kinds = {kind: Stats(kind) for kind in (*ALL_KINDS, *NODE_KINDS, WARM_UP)}
         paths = {path: Stats(path) for path in (*ALL_PATHS, WARM_UP)}
         self.graceful_deletion_losses = 0
         for segment in self.segments:
@@ -424,7 +424,7 @@ def _merged(results: list[BackendResult], attribute: str, order: tuple[str, ...]
 def kind_table(results: list[BackendResult]) -> str:
     """Per fault kind, over every backend (``table``'s columns)."""
     everything = BackendResult("all")
-    everything.stats = _merged(results, "stats", ALL_KINDS)
+    everything.stats = _merged(results, "stats", (*ALL_KINDS, *NODE_KINDS))
     return table(everything)
 
 

@@ -551,6 +551,7 @@ def test_the_issue_31_faults_apply_where_they_elect() -> None:
         APPLIES,
         FORCED_LEASE_KINDS,
         NEW_KINDS,
+        NODE_KINDS,
         PATHS,
         POSTGRES_KINDS,
         RELEASE_PATCH,
@@ -563,7 +564,7 @@ def test_the_issue_31_faults_apply_where_they_elect() -> None:
         assert kind in APPLIES["lease"] and kind in APPLIES["both"] and kind not in APPLIES["postgres"]
     assert "pg-terminate-stalled" in POSTGRES_KINDS
     assert [b for b in ("postgres", "lease", "both") if "pg-terminate-stalled" in APPLIES[b]] == ["postgres", "both"]
-    assert set(APPLIES["both"]) == set(ALL_KINDS) and set(PATHS) == set(ALL_KINDS)
+    assert set(APPLIES["both"]) == set(ALL_KINDS) and set(PATHS) == set(ALL_KINDS) | set(NODE_KINDS)
     for kind in NEW_KINDS:
         assert [k for k, path in PATHS.items() if path == PATHS[kind]] == [kind]
     quick = {b: _kinds(b, CampaignOptions(quick=True)) for b in ("postgres", "lease", "both")}
@@ -604,6 +605,25 @@ def test_the_campaign_fails_when_apps_cannot_check_their_deadline(borrowed: Borr
     assert stats.count == 2 and stats.acting >= 1, result.render()
     assert stats.unfenced_ledger > 0, result.render()
     assert not result.verdict_ok and "VERDICT: FAIL" in result.verdict()
+
+
+def test_whole_node_faults_are_dealt_with_two_nodes_while_the_leader_is_on_the_second() -> None:
+    """``--nodes 2`` adds the whole-node faults to every backend; the deck deals one only while
+    the leader runs on the second node, and first then (as the slow pod's ``drain-timeout``)."""
+    import random
+
+    from benchmarks.campaign import CampaignOptions, _kinds
+    from benchmarks.campaign_faults import ALL_KINDS, NODE_KINDS, PATHS, Deck
+
+    for backend in ("postgres", "lease", "both"):
+        assert not set(NODE_KINDS) & set(_kinds(backend, CampaignOptions()))
+        assert set(NODE_KINDS) <= set(_kinds(backend, CampaignOptions(nodes=2)))
+    assert not set(NODE_KINDS) & set(ALL_KINDS) and len({PATHS[k] for k in NODE_KINDS}) == len(NODE_KINDS)
+    deck = Deck(("sigkill", "sigstop", *NODE_KINDS), random.Random(7))
+    on_first = [deck.deal() for _ in range(6)]
+    assert not set(on_first) & set(NODE_KINDS), on_first
+    on_second = [deck.deal(second_node_leader=True) for _ in range(3)]
+    assert set(on_second) == set(NODE_KINDS), on_second
 
 
 def test_only_a_deletion_with_time_to_finish_may_not_lose_its_item() -> None:
