@@ -1,13 +1,14 @@
 """Whole-node faults on two real nodes: time to a new leader acting, per fault.
 
     sudo .venv/bin/python -m benchmarks.node_faults --runs 10 [--fault cut-off power-off kubelet-stop drain]
-        [--json F] [--keep-logs DIR]
+        [--lease-seconds 2] [--evict-after 5] [--json F] [--keep-logs DIR]
 
 Root only. It starts its own control plane and controllers (the node lifecycle controller
 among them, grace period 20 s), two real nodes (``FIRST_NODE`` on the host's network,
 ``SECOND_NODE`` in a network namespace of its own), the project's image and the test apps
 image (built from the Dockerfile, cached) and the operator. One group of two pods, one per
-node, on Leases (lease 4 s, renew deadline 3 s, retry 1 s), the file gate, each pod's app
+node, on Leases (``--lease-seconds``, renew deadline 3/4 of it, retry 1/4), tolerating a lost
+node for ``--evict-after`` seconds, the file gate, each pod's app
 recording every act in one file (``singleton_testbed.harness.node_faults``). Per run, the
 leader is moved to the second node, the fault hits that node, and the figures are from the
 fault's instant: the new leader's first act, the group's status naming it, and the leader
@@ -37,7 +38,14 @@ from singleton_testbed.apps_image import build_test_apps_image
 from singleton_testbed.binaries import add_to_path, find_all
 from singleton_testbed.controlplane import ControlPlane, wait_established
 from singleton_testbed.harness.kubehelpers import save_pod_logs
-from singleton_testbed.harness.node_faults import FAULTS, FaultRun, TwoNodeGroup, group_manifest
+from singleton_testbed.harness.node_faults import (
+    EVICT_AFTER,
+    FAULTS,
+    LEASE_SECONDS,
+    FaultRun,
+    TwoNodeGroup,
+    group_manifest,
+)
 from singleton_testbed.harness.operators import OperatorProcess
 from singleton_testbed.node import Node
 from singleton_testbed.node_config import FIRST_NODE, SECOND_NODE
@@ -93,11 +101,17 @@ def parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser(prog="python -m benchmarks.node_faults", description=__doc__.split("\n\n")[0])
     parser.add_argument("--runs", type=int, default=10, help="runs per fault (default 10)")
     parser.add_argument("--fault", nargs="+", choices=FAULTS, default=list(FAULTS), help="the faults, in this order")
+    parser.add_argument("--lease-seconds", type=float, default=LEASE_SECONDS,
+                        help=f"the group's lease duration (default {LEASE_SECONDS:g})")
+    parser.add_argument("--evict-after", type=int, default=EVICT_AFTER,
+                        help=f"seconds the pods tolerate a NotReady node (default {EVICT_AFTER})")
     parser.add_argument("--json", type=Path, help="write every run's figures to this file")
     parser.add_argument("--keep-logs", type=Path, help="save the pods' logs and the operator's here at the end")
     args = parser.parse_args()
     if args.runs < 1:
         parser.error("--runs must be at least 1")
+    if args.lease_seconds < 1 or args.evict_after < 0:
+        parser.error("--lease-seconds must be at least 1 and --evict-after 0 or more")
     if os.geteuid() != 0:
         parser.error("the real nodes need root")
     return args
@@ -132,9 +146,11 @@ def main() -> int:
             args.keep_logs.mkdir(parents=True, exist_ok=True)
         try:
             image = bed.start()
-            manifest = group_manifest(GROUP, image, acts, [FIRST_NODE.name, SECOND_NODE.name], [])
+            manifest = group_manifest(GROUP, image, acts, [FIRST_NODE.name, SECOND_NODE.name], [],
+                                      lease_seconds=args.lease_seconds, evict_after=args.evict_after)
             bed.control_plane.kubectl("apply", "-n", NAMESPACE, "-f", "-", input_text=json.dumps(manifest))
-            group = TwoNodeGroup(bed.control_plane, NAMESPACE, GROUP, acts, first=bed.first, second=bed.second)
+            group = TwoNodeGroup(bed.control_plane, NAMESPACE, GROUP, acts, first=bed.first, second=bed.second,
+                                 lease_seconds=args.lease_seconds)
             for fault in args.fault:
                 for index in range(args.runs):
                     old_log = args.keep_logs / f"{fault}-{index + 1}-old-leader.log" if args.keep_logs else None

@@ -403,16 +403,15 @@ def second_node(real_node: RealNode, controllers: Cluster, testbed_binaries: dic
                 test_apps_image: str) -> Iterator[RealNode]:
     """A second real node (``SECOND_NODE``: a network namespace of its own, pods routed to and
     from the first node's), joined to the session's control plane, tainted with
-    ``SECOND_NODE_TAINT``, with every image the first node has; and the node lifecycle
-    controller, which marks a silent node NotReady. Started on first use, stopped before the
-    first node at the end of the session."""
+    ``SECOND_NODE_TAINT``, with every image the first node has. Started on first use, stopped
+    before the first node at the end of the session. Tests of a node's failure also want the
+    node lifecycle controller (``ControlPlane.start_node_lifecycle``), for their module only."""
     from singleton_testbed.node import Node
     from singleton_testbed.node_config import SECOND_NODE
 
     assert controllers.control_plane is not None
     node = Node(controllers.control_plane, testbed_binaries, layout=SECOND_NODE, taints=[SECOND_NODE_TAINT])
     _start_node(node)
-    controllers.control_plane.start_node_lifecycle()
     try:
         second = RealNode(controllers, node, real_node.image, real_node.archive,
                           toleration=dict(SECOND_NODE_TOLERATION))
@@ -420,7 +419,6 @@ def second_node(real_node: RealNode, controllers: Cluster, testbed_binaries: dic
             second.import_image(archive)
         yield second
     finally:
-        controllers.control_plane.stop_node_lifecycle()
         node.stop()
 
 

@@ -42,19 +42,29 @@ from singleton_testbed.node import Node
 
 FAULTS = ("cut-off", "power-off", "kubelet-stop", "drain")
 SIDECAR_PORT = 7450
-EVICT_AFTER = 10
+EVICT_AFTER = 5
 """Seconds the group's pods tolerate a NotReady or unreachable node before they are evicted."""
-LEASE_SECONDS = 4
-TIMINGS = {"leaseDuration": f"{LEASE_SECONDS}s", "renewDeadline": "3s", "retryPeriod": "1s"}
-NODE_TOLERATIONS = [{"key": key, "operator": "Exists", "effect": "NoExecute", "tolerationSeconds": EVICT_AFTER}
-                    for key in ("node.kubernetes.io/unreachable", "node.kubernetes.io/not-ready")]
+LEASE_SECONDS = 2.0
+"""The group's lease duration; its renew deadline is 3/4 of it, its retry period 1/4."""
+
+
+def timings(lease_seconds: float) -> dict[str, str]:
+    return {"leaseDuration": f"{lease_seconds * 1000:.0f}ms", "renewDeadline": f"{lease_seconds * 750:.0f}ms",
+            "retryPeriod": f"{lease_seconds * 250:.0f}ms"}
+
+
+def node_tolerations(evict_after: int) -> list[dict[str, Any]]:
+    """Tolerating a NotReady or unreachable node for ``evict_after`` seconds, then evicted."""
+    return [{"key": key, "operator": "Exists", "effect": "NoExecute", "tolerationSeconds": evict_after}
+            for key in ("node.kubernetes.io/unreachable", "node.kubernetes.io/not-ready")]
 PLUGIN = Path(sys.executable).parent / "kubectl-singleton"
 
 
 def group_manifest(name: str, image: str, acts: Path, nodes: Sequence[str],
-                   tolerations: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
+                   tolerations: Sequence[Mapping[str, Any]], *, lease_seconds: float = LEASE_SECONDS,
+                   evict_after: int = EVICT_AFTER) -> dict[str, Any]:
     """The group: one pod per node of ``nodes``, tolerating ``tolerations`` (the nodes'
-    taints) and a lost node for ``EVICT_AFTER`` seconds; its app acts while it leads."""
+    taints) and a lost node for ``evict_after`` seconds; its app acts while it leads."""
     app = {"name": "app", "image": image, "imagePullPolicy": "Never",
            "command": ["python", "/opt/singleton-tests/data/acting_app.py"],
            "env": [{"name": "ACT_LOG", "value": "/acts/acts.log"}],
@@ -66,11 +76,12 @@ def group_manifest(name: str, image: str, acts: Path, nodes: Sequence[str],
             {"labelSelector": {"matchLabels": {contract.LABEL_GROUP: name}}, "topologyKey": "kubernetes.io/hostname"}]},
     }
     return {"apiVersion": "singleton.dev/v1alpha1", "kind": "SingletonService", "metadata": {"name": name},
-            "spec": {"replicas": len(nodes), "backend": "lease", "gating": {"mode": "file"}, "timings": TIMINGS,
+            "spec": {"replicas": len(nodes), "backend": "lease", "gating": {"mode": "file"},
+                     "timings": timings(lease_seconds),
                      "drain": {"timeout": "5s"}, "terminationGracePeriodSeconds": 10,
                      "service": {"ports": [{"port": 80, "targetPort": SIDECAR_PORT}]},
                      "template": {"spec": {
-                         "affinity": affinity, "tolerations": [*tolerations, *NODE_TOLERATIONS],
+                         "affinity": affinity, "tolerations": [*tolerations, *node_tolerations(evict_after)],
                          "containers": [app],
                          "volumes": [{"name": "acts", "hostPath": {"path": str(acts), "type": "Directory"}}]}}}}
 
@@ -121,13 +132,14 @@ class TwoNodeGroup:
     """The group of ``group_manifest`` and the faults of its second node."""
 
     def __init__(self, kubectl: KubectlRunner, namespace: str, name: str, acts: Path, *, first: Node,
-                 second: Node) -> None:
+                 second: Node, lease_seconds: float = LEASE_SECONDS) -> None:
         self.cluster = kubectl
         self.namespace = namespace
         self.name = name
         self.acts = acts
         self.first = first
         self.second = second
+        self.lease_seconds = lease_seconds
 
     @property
     def act_log(self) -> Path:
@@ -174,7 +186,7 @@ class TwoNodeGroup:
                               60, f"{target} to lead after the handover", 0.3)
             # The leader that stepped down stands aside for a lease duration (so that the target
             # takes the lock); a fault within it would measure that pause, not the failover.
-            time.sleep(LEASE_SECONDS + 0.5)
+            time.sleep(self.lease_seconds + 0.5)
         token = token_of(leader)
         assert token is not None
         return leader["metadata"]["name"], token
