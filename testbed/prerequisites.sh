@@ -58,7 +58,7 @@ needs() {
     testbed) required+=" build" ;;
     image) required+=" venv image" ;;
     test|testbed-up|testbed-node-test) required+=" venv build bed"; wanted+=" node image" ;;
-    demo|e2e-existing|ci|prerequisites) required+=" venv build bed node image" ;;
+    demo|e2e-existing|figures|ci|prerequisites) required+=" venv build bed node image" ;;
     *) required+=" venv" ;;
   esac
 }
