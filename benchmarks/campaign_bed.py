@@ -62,7 +62,7 @@ import secrets
 import signal
 import subprocess
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any, BinaryIO, TypeVar
 
@@ -213,34 +213,52 @@ def sidecar_pod_env(group: str, backend: str, timings: dict[str, str]) -> list[d
             *({"name": k, "value": v} for k, v in timings.items())]
 
 
-def running_ips(api: AdminApi, namespace: str, container: str) -> dict[str, str]:
-    """Pod name → IP of the namespace's pods whose ``container`` runs now (not being deleted)."""
+def _started_at(state: dict[str, Any]) -> float | None:
+    stamp = ((state.get("state") or {}).get("running") or {}).get("startedAt")
+    return dt.datetime.fromisoformat(str(stamp)).timestamp() if stamp else None
+
+
+def running_ips(api: AdminApi, namespace: str, container: str,
+                started_after: Mapping[str, float] | None = None) -> dict[str, str]:
+    """Pod name → IP of the namespace's pods whose ``container`` runs now (not being deleted);
+    for a pod of ``started_after``, only once that container started after the moment given
+    (a node that booted again: until its kubelet reports the new sandbox, the pod's status is
+    the old one's, its IP gone)."""
     status, answer = api.request("GET", f"/api/v1/namespaces/{namespace}/pods", timeout=5)
     if status != 200:
         return {}
     found = {}
     for pod in answer.get("items") or []:
-        pod_status = pod.get("status") or {}
+        name, pod_status = pod["metadata"]["name"], pod.get("status") or {}
         states = [*(pod_status.get("initContainerStatuses") or []), *(pod_status.get("containerStatuses") or [])]
-        running = any(s.get("name") == container and "running" in (s.get("state") or {}) for s in states)
-        if running and pod_status.get("podIP") and not pod["metadata"].get("deletionTimestamp"):
-            found[pod["metadata"]["name"]] = str(pod_status["podIP"])
+        running = [s for s in states if s.get("name") == container and "running" in (s.get("state") or {})]
+        if not running or not pod_status.get("podIP") or pod["metadata"].get("deletionTimestamp"):
+            continue
+        after = (started_after or {}).get(name)
+        started = _started_at(running[0])
+        if after is not None and (started is None or started < int(after)):  # startedAt has whole seconds
+            continue
+        found[name] = str(pod_status["podIP"])
     return found
 
 
-def watch_running(api: AdminApi, poller: Poller, namespace: str, container: str, pods: dict[str, str]) -> None:
+def watch_running(api: AdminApi, poller: Poller, namespace: str, container: str, pods: dict[str, str], *,
+                  started_after: dict[str, float] | None = None) -> None:
     """Fill in the IP of every pod of ``pods`` (name → IP, empty until known) whose
-    ``container`` runs now, and give it to the poller."""
+    ``container`` runs now (for a pod of ``started_after``, started after the moment given,
+    which is then forgotten), and give it to the poller."""
     if all(pods.values()):
         return
     try:
-        ips = running_ips(api, namespace, container)
+        ips = running_ips(api, namespace, container, started_after)
     except KubeUnavailable:
         return  # the API server is being restarted: next time
     for pod, ip in ips.items():
         if pod in pods and not pods[pod]:
             pods[pod] = ip
             poller.watch(pod, ip)
+            if started_after is not None:
+                started_after.pop(pod, None)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -432,6 +450,8 @@ class Group:
     """Each deleted pod's sidecar log files, opened before its deletion (``hold_logs``)."""
     node_of: dict[str, Node] = dataclasses.field(default_factory=dict)
     """Every pod the group ever had → the node it was bound to."""
+    booted: dict[str, float] = dataclasses.field(default_factory=dict)
+    """Members whose node booted again → when: their address is known once they run again."""
 
     def __post_init__(self) -> None:
         self.name = self.name or f"camp-{self.backend}-{secrets.token_hex(3)}"
@@ -637,12 +657,13 @@ class Group:
     def on_second_node(self, pod: str) -> bool:
         return self.bed.second is not None and self.node_of.get(pod) is self.bed.second
 
-    def forget_addresses(self, node: Node) -> None:
+    def forget_addresses(self, node: Node, booted: float) -> None:
         """The members on ``node`` get new addresses (their sandboxes made again after the node
-        booted): found again as they run."""
+        booted at ``booted``): found again once they run again."""
         for pod in self.pods:
             if self.node_of[pod] is node:
                 self.pods[pod] = ""
+                self.booted[pod] = booted
                 self.poller.forget(pod)
 
     def sidecar_pid(self, pod: str) -> int:
@@ -713,7 +734,8 @@ class Group:
 
     def watch_started(self) -> None:
         """Give the poller the IP of every member whose sidecar runs now."""
-        watch_running(self.bed.admin, self.poller, self.namespace, self.sidecar_container, self.pods)
+        watch_running(self.bed.admin, self.poller, self.namespace, self.sidecar_container, self.pods,
+                      started_after=self.booted)
 
     def wait_settled(self, timeout: float, since: float = 0.0) -> Sample:
         """Every member answers, one of them leads, and its worker has written the ledger."""

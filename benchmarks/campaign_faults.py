@@ -472,8 +472,9 @@ class Injector:
             self._begins(record, "powered off")
             self._until(record.t0 + record.hold)
         finally:
+            booted = time.time()
             node.power_on()
-            self.group.forget_addresses(node)
+            self.group.forget_addresses(node, booted)
         record.outage = time.time() - record.t0
 
     def _node_kubelet_stop(self, record: FaultRecord) -> float:
