@@ -164,7 +164,7 @@ class Refresher:
             return  # a new group before the end of its first reconcile, which marks it again
         await self._refresh(body, LiveReads(self.client), live=True)
 
-    async def _relabel_deposed(self, namespace: str, pods: list[dict[str, Any]]) -> None:
+    async def _relabel_deposed(self, namespace: str, group: str, pods: list[dict[str, Any]]) -> None:
         """Take the leader label off pods whose term is over (``deposed_leaders``), so that the
         leader Service follows the leader at once. Conditional on the pod's resourceVersion: a
         sidecar that wrote its own status meanwhile is not overwritten. Its role annotation
@@ -181,6 +181,7 @@ class Refresher:
             except KubeError as exc:
                 log.warning("could not take the leader label off deposed pod %s/%s: %s", namespace, deposed.pod, exc,
                             extra={"namespace": namespace, "pod": deposed.pod, "token": deposed.token})
+                self.marks.mark(namespace, group)  # tried again: a cut-off node's pod sends no more events
                 continue
             self.metrics.deposed_relabelled.inc()
             log.info("took the leader label off %s/%s, whose term (token %s) is over", namespace, deposed.pod,
@@ -219,7 +220,7 @@ class Refresher:
                                         reconciler.applied.get(key) if kept else None)
         observed = dataclasses.replace(observed, database=reconciler.database.get(key) if kept else None)
         if live:
-            await self._relabel_deposed(namespace, observed.pods)
+            await self._relabel_deposed(namespace, name, observed.pods)
         leader_changes = self.metrics.leader_changes.labels(namespace, name)  # exported from 0 on
         if spec.replicas > 0:
             self.metrics.group_leaders.labels(namespace, name).set(labelled_leaders(observed.pods))

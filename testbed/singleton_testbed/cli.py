@@ -37,7 +37,15 @@ STATE_DIR = Path(os.environ.get("SINGLETON_TESTBED_STATE", str(Path.home() / ".c
 STATE_FILE = STATE_DIR / "testbed.json"
 
 
-DEFAULT_NODES = int(os.environ.get("SINGLETON_TESTBED_NODES", "2"))
+NODES_VARIABLE = "SINGLETON_TESTBED_NODES"
+
+
+def default_nodes() -> int:
+    """``SINGLETON_TESTBED_NODES`` (0, 1 or 2), else 2."""
+    value = os.environ.get(NODES_VARIABLE, "2")
+    if value not in ("0", "1", "2"):
+        raise SystemExit(f"singleton-testbed: {NODES_VARIABLE} must be 0, 1 or 2, not {value!r}")
+    return int(value)
 
 
 def _import_project_image(nodes: list[node_mod.Node]) -> dict[str, str]:
@@ -230,14 +238,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("command", choices=["up", "down", "status", "serve"],
                         help="up: start in the background; down: stop; status: print exports; "
                              "serve: run in the foreground")
-    parser.add_argument("--nodes", type=int, choices=(0, 1, 2), default=DEFAULT_NODES,
+    parser.add_argument("--nodes", type=int, choices=(0, 1, 2), default=None,
                         help="up/serve: how many real nodes to start when this machine can run them (default 2, "
                              "or SINGLETON_TESTBED_NODES)")
     parser.add_argument("--no-node", action="store_true", help="up/serve: start no real node (--nodes 0)")
     parser.add_argument("--no-image", action="store_true",
                         help="up/serve: do not build and import the project's image into the real node")
     args = parser.parse_args(argv)
-    nodes = 0 if args.no_node else args.nodes
+    nodes = 0 if args.no_node else args.nodes if args.nodes is not None else default_nodes()
     if args.command == "up":
         return _up(nodes, not args.no_image)
     if args.command == "serve":

@@ -141,6 +141,7 @@ class Node:
             raise
         try:
             _cleanup_recorded(self.layout.name)
+            cleanup_stale()  # other layouts' leftovers (their locks free): else taken for live nodes
             self.paths.work.mkdir(parents=True, exist_ok=True)  # again after a stop()
             self._write_state()
             self._make_network()
@@ -172,9 +173,10 @@ class Node:
         self._lock = lock
 
     def _write_state(self) -> None:
-        others = [name for name in recorded_nodes() if name != self.layout.name]
-        # The kubelet's sysctls are the machine's: the first node to start keeps their values,
-        # the last to stop puts them back. A node in a namespace of its own turns forwarding on.
+        others = [name for name in recorded_nodes() if name != self.layout.name]  # live: stale ones were removed
+        # The kubelet's sysctls and fixed folders are the machine's: the first node to start
+        # keeps their values, and each node that stops before another hands them to it, so the
+        # last to stop puts them back. A node in a namespace of its own turns forwarding on.
         sysctls = {} if others else host.read_sysctls()
         if self.layout.netns is not None:
             sysctls |= host.read_sysctls((IP_FORWARD,))
@@ -365,14 +367,17 @@ class Node:
         of it runs on, as after a real power loss; ``power_on`` boots it again."""
         host.set_link(self._own_link(), up=False)
         agents = host.pids_mentioning(str(self.paths.work))
-        for pid in agents:
-            with contextlib.suppress(ProcessLookupError):
-                os.kill(pid, signal.SIGSTOP)
-        host.set_freezer(self.layout.cgroup_root, "FROZEN")
-        # A frozen process dies of SIGKILL only once thawed: kill, then thaw.
-        host.kill_and_wait([*agents, *host.cgroup_pids(self.layout.cgroup_root)], timeout=0)
-        host.set_freezer(self.layout.cgroup_root, "THAWED")
-        host.kill_and_wait(host.cgroup_pids(self.layout.cgroup_root))
+        try:
+            for pid in agents:
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(pid, signal.SIGSTOP)
+            host.set_freezer(self.layout.cgroup_root, "FROZEN")
+        finally:
+            # Dead whatever happened (a freezer that did not settle): a frozen process dies of
+            # SIGKILL only once thawed, so kill, then thaw.
+            host.kill_and_wait([*agents, *host.cgroup_pids(self.layout.cgroup_root)], timeout=0)
+            host.set_freezer(self.layout.cgroup_root, "THAWED")
+            host.kill_and_wait(host.cgroup_pids(self.layout.cgroup_root))
         for proc in (self.kubelet, self.kube_proxy, self.containerd):
             if proc is not None and proc.popen is not None:
                 proc.popen.wait(10)
@@ -472,6 +477,38 @@ def state_path(name: str) -> Path:
     return RUN_DIR / ("state.json" if name == FIRST_NODE.name else f"state-{name}.json")
 
 
+def _lock_held(name: str) -> bool:
+    """Whether a live node holds ``name``'s lock (this process's own included: flock locks are
+    per open file)."""
+    with open(lock_path(name), "a+") as lock:
+        try:
+            fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            return True
+        fcntl.flock(lock, fcntl.LOCK_UN)
+    return False
+
+
+def _hand_over_machine_records(state: dict[str, Any], name: str) -> dict[str, str]:
+    """Give the kubelet's sysctls and the fixed folders ``state`` recorded to another live node
+    (it puts them back when it stops); returns the sysctls left for this node to put back (its
+    own forwarding switch), or all of them when no other node lives."""
+    machine = {key: value for key, value in (state.get("sysctls") or {}).items() if key != IP_FORWARD}
+    own = {key: value for key, value in (state.get("sysctls") or {}).items() if key == IP_FORWARD}
+    heir = next((other for other in recorded_nodes() if other != name and _lock_held(other)), None)
+    if heir is None:
+        return {**machine, **own}
+    path = state_path(heir)
+    heirs = _read_state(path)
+    heirs["sysctls"] = {**machine, **(heirs.get("sysctls") or {})}
+    heirs["created"] = sorted({*(heirs.get("created") or []), *(state.get("created") or [])})
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(json.dumps(heirs, indent=2))
+    tmp.replace(path)
+    state["created"] = []
+    return own
+
+
 def recorded_nodes() -> list[str]:
     """The nodes whose state file exists (running, or left by a killed run)."""
     names = []
@@ -553,7 +590,7 @@ def _cleanup_recorded(name: str) -> bool:
         if kube_proxy.is_file():
             host.run(str(kube_proxy), "--cleanup", check=False)
         host.remove_kube_chains()
-    host.restore_sysctls(state.get("sysctls", {}))
+    host.restore_sysctls(_hand_over_machine_records(state, name))
     _remove_host_files(work, state)
     shutil.rmtree(work, ignore_errors=True)
     path.unlink(missing_ok=True)

@@ -64,7 +64,8 @@ FIRST_NODE = NodeLayout()
 addresses pods reach through it (the ``kubernetes`` Service's endpoint is its node IP)."""
 SECOND_NODE = NodeLayout(name="singleton-node-2", bridge="sgl-cni1", node_ip="10.216.2.1",
                          pod_cidr="10.216.3.0/24", cgroup_root="/singleton-node-2",
-                         cni_network="singleton-node-2", netns="sgl-node-2", host_ip="10.216.2.2",
+                         # Not "singleton-node-…": clean-up finds a network's cached results by its prefix.
+                         cni_network="singleton-second-node", netns="sgl-node-2", host_ip="10.216.2.2",
                          host_link="sgl-node-2")
 """The second node: a network namespace of its own, its pods routed through the host."""
 

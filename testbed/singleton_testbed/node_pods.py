@@ -33,12 +33,13 @@ from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
-from singleton_testbed.node_config import NodeLayout
+from singleton_testbed.node_config import FIRST_NODE, SECOND_NODE, NodeLayout
 
 Pod = Mapping[str, Any]
 """A pod object as the API returns it."""
 
-DEFAULT_LAYOUT = NodeLayout()
+DEFAULT_LAYOUT = FIRST_NODE
+"""Not given a layout, the functions here take the pod's own node's (``layout_of``)."""
 CGROUP_FS = Path("/sys/fs/cgroup")
 HIERARCHY = "freezer"
 """The v1 hierarchy the processes are read from: runc puts a container's processes in every
@@ -67,9 +68,18 @@ def container_id(pod: Pod, container: str) -> str:
     raise KeyError(f"pod {_name(pod)} has no container {container!r}")
 
 
+def layout_of(pod: Pod, layout: NodeLayout = DEFAULT_LAYOUT) -> NodeLayout:
+    """``layout``, or when it is the default, the layout of the test bed node the pod is bound
+    to (the second node's for a pod there: a cluster of both nodes, seen through a kubeconfig)."""
+    if layout is DEFAULT_LAYOUT and (pod.get("spec") or {}).get("nodeName") == SECOND_NODE.name:
+        return SECOND_NODE
+    return layout
+
+
 def pod_cgroup(pod: Pod, *, layout: NodeLayout = DEFAULT_LAYOUT, hierarchy: str = HIERARCHY) -> Path:
     """The pod's cgroup folder in ``hierarchy`` (its QoS class decides the parent folder, so it
     is looked up rather than computed)."""
+    layout = layout_of(pod, layout)
     uid = str(pod["metadata"]["uid"])
     kubepods = CGROUP_FS / hierarchy / layout.cgroup_root.strip("/") / "kubepods"
     folder = f"pod{uid}"

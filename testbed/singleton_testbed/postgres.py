@@ -30,9 +30,9 @@ APP_ROLE = "singleton"
 APP_PASSWORD = "singleton-test-password"
 DATABASE = "singleton"
 POD_NETWORKS = (FIRST_NODE.pod_cidr, f"{FIRST_NODE.node_ip}/32", SECOND_NODE.pod_cidr)
-"""Admitted when serving pods: the real node's pod network, and the node IP itself (what this
-machine's own connections to the node IP come from: an operator run on the host checks the DSN
-its pods get)."""
+"""Admitted when serving pods: both real nodes' pod networks, and the first node's IP itself
+(what this machine's own connections to the node IP come from: an operator run on the host
+checks the DSN its pods get)."""
 
 
 def find_pg_bin() -> Path:

@@ -114,7 +114,9 @@ def deposed_leaders(pods: list[dict[str, Any]]) -> list[DeposedLeader]:
     if leader is None:
         return []
     deposed = []
-    for pod in pods:
+    # A pod being deleted is no endpoint of the Service any more, and its sidecar holds its own
+    # writes back while it hands over (podstatus.HANDOVER_FIRST): left to it.
+    for pod in live_pods(pods):
         metadata = pod.get("metadata") or {}
         if metadata.get("name") == leader.pod or (metadata.get("labels") or {}).get(contract.LABEL_ROLE) \
                 not in (contract.ROLE_LEADER, contract.ROLE_DRAINING):

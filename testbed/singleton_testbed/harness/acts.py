@@ -20,10 +20,11 @@ def spans(log: Path) -> list[Span]:
     """Each token's acting span (first to last recorded act), in order of first act."""
     seen: dict[int, tuple[float, float, set[int]]] = {}
     text = log.read_text() if log.exists() else ""
-    for line in text.splitlines():
+    # Only whole lines: a read may end inside a line being written (``TOKEN PID 8``, cut short).
+    for line in text[:text.rfind("\n") + 1].splitlines():
         fields = line.split()
         if len(fields) != 3:
-            continue  # a line being written as we read (one write per line, but reads may cut it)
+            continue
         token, pid, at = int(fields[0]), int(fields[1]), float(fields[2])
         first, last, pids = seen.get(token, (at, at, set()))
         pids.add(pid)

@@ -215,8 +215,13 @@ class TwoNodeGroup:
                     stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, stdin=subprocess.DEVNULL))
 
             def end_drain() -> None:
-                out, _ = drain[0].communicate(timeout=150)
-                self.cluster.kubectl("uncordon", node.layout.name)
+                try:
+                    out, _ = drain[0].communicate(timeout=150)
+                except subprocess.TimeoutExpired:
+                    drain[0].kill()
+                    out, _ = drain[0].communicate()
+                finally:
+                    self.cluster.kubectl("uncordon", node.layout.name)
                 if drain[0].returncode != 0:
                     raise AssertionError(f"kubectl drain failed: {out}")
 
@@ -232,8 +237,8 @@ class TwoNodeGroup:
         successor = next(p["metadata"]["name"] for p in self.pods() if p["metadata"]["name"] != old_pod)
         follower = None if old_log is None else self._follow(old_pod, old_log)
         began = time.monotonic()
-        apply()
         try:
+            apply()
             new_span = wait_for(lambda: next((s for s in spans(self.act_log) if s.token > old_token), None), timeout,
                                 f"a new leader's app to act after {fault}", 0.005)
             new_acting = time.monotonic() - began
@@ -244,10 +249,12 @@ class TwoNodeGroup:
             service_followed = wait_for(lambda: self._endpoints() == {successor_ip} and time.monotonic() - began,
                                         60, f"the leader Service's endpoints to be {successor_ip} alone", 0.05)
         finally:
-            recover()
-            if follower is not None:
-                follower.terminate()
-                follower.wait(10)
+            try:
+                recover()
+            finally:
+                if follower is not None:
+                    follower.terminate()
+                    follower.wait(10)
         new_leader = wait_for(self.settled, 180, f"the group to settle after {fault} with the node back", 0.3)
         assert new_leader["metadata"]["name"] == successor, \
             f"{successor} led after {fault}, then {new_leader['metadata']['name']}"

@@ -186,8 +186,10 @@ def labelled(pod_body: dict[str, Any], role: str, version: str = "1") -> dict[st
 def test_a_pod_labelled_leader_under_an_older_token_is_deposed() -> None:
     pods = [labelled(pod("old", "leader", 5), "leader", "41"), labelled(pod("new", "leader", 9), "leader"),
             labelled(pod("idle", "standby"), "standby"), labelled(pod("drained", "draining", 4), "draining", "7"),
-            labelled(pod("unsaid", None), "leader", "8")]
+            labelled(pod("unsaid", None), "leader", "8"),
+            labelled(pod("leaving", "leader", 3, deleting=True), "leader")]
     deposed = {(d.pod, d.resource_version, d.token) for d in deposed_leaders(pods)}
+    # "leaving" is being deleted: its sidecar hands over and relabels itself.
     assert deposed == {("old", "41", 5), ("drained", "7", 4), ("unsaid", "8", None)}
 
 
