@@ -56,6 +56,8 @@ ROOT = Path(__file__).resolve().parent.parent
 COMMITTED = ROOT / "benchmarks" / "figures.json"
 README = ROOT / "README.md"
 ROW_IDS = tuple(r.id for r in ROWS)
+STEP_TIMEOUT_FACTOR = 3
+"""A step is stopped after this many times its estimate (at least a minute's worth)."""
 MODULE_PREFIX = ("python", "-m")
 """How a step's command starts in the document (run with this interpreter)."""
 
@@ -96,7 +98,14 @@ def run_step(step: Step, mode: str, workdir: Path, node_reason: str) -> tuple[St
     output = workdir / f"{step.id}.json"
     print(f"[figures] {step.id}: {' '.join(command)} (estimate {step.estimate(mode) / 60:.1f} min)", flush=True)
     started = time.monotonic()
-    code = subprocess.run([sys.executable, *command[1:], "--json", str(output)], cwd=ROOT, check=False).returncode
+    try:
+        # Three times its estimate: a hung step must not hold the whole run (nor lose its other steps).
+        code = subprocess.run([sys.executable, *command[1:], "--json", str(output)], cwd=ROOT, check=False,
+                              timeout=STEP_TIMEOUT_FACTOR * max(step.estimate(mode), 60.0)).returncode
+    except subprocess.TimeoutExpired:
+        seconds = time.monotonic() - started
+        return StepRun(step.id, command, seconds, step.estimate(mode), "failed",
+                       f"timed out after {seconds / 60:.1f} min", None, skipped_rows), []
     seconds = time.monotonic() - started
     print(f"[figures] {step.id}: exit {code} after {seconds / 60:.1f} min", flush=True)
     record = StepRun(step.id, command, seconds, step.estimate(mode), "ok", "", code, skipped_rows)
@@ -104,7 +113,7 @@ def run_step(step: Step, mode: str, workdir: Path, node_reason: str) -> tuple[St
         return replace(record, status="failed", reason=f"exit {code}, no --json output"), []
     try:
         return record, step.parse(json.loads(output.read_text()), command[len(MODULE_PREFIX) + 1:])
-    except (ValueError, KeyError, TypeError, IndexError) as exc:
+    except Exception as exc:  # noqa: BLE001 - any parser error fails this step alone, with its reason
         return replace(record, status="failed", reason=f"its --json did not parse: {exc!r}"), []
 
 
@@ -186,7 +195,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         print("README.md " + ("rewritten" if render_readme(document) else "already up to date"))
         return 0
     document = measure(mode, rows)
+    incomplete = [r.id for r in document.steps if r.status != "ok" or r.skipped_rows]
     path = args.json or default_json(mode, args.only)
+    if path == COMMITTED and incomplete:
+        # The committed figures are replaced by a whole run only: a step skipped or failed here
+        # would leave README's rows without their figures.
+        path = ROOT / "build" / "figures-incomplete.json"
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(to_json(document))
     print(f"[figures] {len(document.figures)} figures in {document.seconds / 60:.1f} min "
@@ -195,6 +209,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"  {record.id:<9} {record.status:<7} {record.seconds / 60:5.1f} min (estimate "
               f"{record.estimate_seconds / 60:.1f}) {record.reason}")
     print_goals(document)  # a missed goal is a finding of the run, not its failure: --check fails on it
+    if incomplete:
+        print(f"[figures] steps not ok: {', '.join(incomplete)}", file=sys.stderr)
+        return 1
     return 0
 
 

@@ -57,8 +57,8 @@ needs() {
   case $1 in
     testbed) required+=" build" ;;
     image) required+=" venv image" ;;
-    test|testbed-up|testbed-node-test) required+=" venv build bed"; wanted+=" node image" ;;
-    demo|e2e-existing|figures|ci|prerequisites) required+=" venv build bed node image" ;;
+    test|testbed-up|testbed-node-test|figures) required+=" venv build bed"; wanted+=" node image" ;;
+    demo|e2e-existing|ci|prerequisites) required+=" venv build bed node image" ;;
     *) required+=" venv" ;;
   esac
 }
