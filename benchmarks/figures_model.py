@@ -12,7 +12,6 @@ nothing but the standard library, so the renderer and the goals run anywhere.
 from __future__ import annotations
 
 import json
-import math
 import os
 import platform
 import statistics
@@ -21,6 +20,8 @@ from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
+
+from singleton_testbed.ledger import percentile
 
 SCHEMA = 1
 """The JSON's layout version: a reader refuses another."""
@@ -36,9 +37,8 @@ Fact = int | float | str
 
 def nearest_rank(values: Sequence[float], fraction: float) -> float:
     """The nearest-rank percentile: always one of the values, so the p99 of fewer than 100
-    runs is their maximum (``singleton_testbed.ledger.percentile``'s rule)."""
-    ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, max(0, math.ceil(fraction * len(ordered)) - 1))]
+    runs is their maximum (the campaign's rule: ``singleton_testbed.ledger.percentile``)."""
+    return percentile(values, fraction)
 
 
 @dataclass(frozen=True)

@@ -20,8 +20,6 @@ import re
 import secrets
 import subprocess
 import time
-import urllib.error
-import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -30,6 +28,7 @@ import pytest
 
 from singleton_election import contract
 from singleton_testbed.harness.kubehelpers import get_json, pod_ready, pod_role
+from singleton_testbed.harness.node_faults import leads
 from singleton_testbed.harness.operators import OperatorProcess
 from singleton_testbed.harness.sidecars import wait_for
 from tests.conftest import Cluster, RealNode
@@ -39,7 +38,6 @@ pytestmark = [pytest.mark.k8s, pytest.mark.controlplane, pytest.mark.image]
 
 GROUP = "drained"
 SIDECAR = "singleton-sidecar"
-PORT = 7450
 GATE_WORD = "draining: the gate says the app has stopped; not waiting for the kubelet"
 HANDOVER_BOUND = 1.5
 """Seconds from the accepted eviction to another pod's sidecar answering ``/readyz`` 200 as the
@@ -69,18 +67,6 @@ def live_pods(cluster: Cluster, namespace: str) -> list[dict[str, Any]]:
     found: list[dict[str, Any]] = get_json(cluster, "pods", "-n", namespace, "-l",
                                            f"{contract.LABEL_GROUP}={GROUP}")["items"]
     return [p for p in found if not p["metadata"].get("deletionTimestamp")]
-
-
-def leads(ip: str) -> int | None:
-    """The token of the sidecar at ``ip`` when its ``/readyz`` says it leads, else None."""
-    try:
-        with urllib.request.urlopen(f"http://{ip}:{PORT}/readyz", timeout=0.5) as response:
-            if response.status != 200:
-                return None
-        with urllib.request.urlopen(f"http://{ip}:{PORT}/leader", timeout=0.5) as response:
-            return int(json.loads(response.read()).get("token") or 0)
-    except (urllib.error.URLError, OSError, ValueError):
-        return None
 
 
 def token_of(pod: dict[str, Any]) -> int:

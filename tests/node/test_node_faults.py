@@ -23,6 +23,7 @@ from singleton_testbed.harness.node_faults import EVICT_AFTER, FAULTS, TwoNodeGr
 from singleton_testbed.harness.operators import OperatorProcess
 from singleton_testbed.harness.sidecars import wait_for
 from tests.conftest import Cluster, RealNode
+from tests.node.test_drain_node import operator  # noqa: F401 - the fixture
 from tests.support.acting import assert_never_two_actors
 
 pytestmark = [pytest.mark.k8s, pytest.mark.controlplane, pytest.mark.image]
@@ -48,21 +49,10 @@ def node_lifecycle(controllers: Cluster) -> Iterator[None]:
         controllers.control_plane.stop_node_lifecycle()
 
 
-@pytest.fixture
-def operator(controllers: Cluster, singleton_crd: Path, project_image: str, namespace: str,
-             tmp_path: Path) -> Iterator[OperatorProcess]:
-    process = OperatorProcess(controllers.kubeconfig, namespace, tmp_path / "operator.log",
-                              extra_args=["--namespace", namespace, "--sidecar-image", project_image]).start()
-    try:
-        yield process
-    finally:
-        controllers.kubectl("delete", "sgl", "--all", "-n", namespace, "--wait=false", check=False)
-        process.stop()
-
-
 def test_the_group_leads_from_the_other_node_through_whole_node_faults(  # noqa: PLR0917
         controllers: Cluster, real_node: RealNode, second_node: RealNode, node_lifecycle: None,
-        test_apps_image: str, operator: OperatorProcess, namespace: str, tmp_path: Path) -> None:
+        test_apps_image: str, operator: OperatorProcess, namespace: str,  # noqa: F811 - the fixture
+        tmp_path: Path) -> None:
     acts = tmp_path / ("acts-" + secrets.token_hex(3))
     acts.mkdir()
     os.chmod(acts, 0o777)  # the app runs as the image's non-root user
