@@ -252,17 +252,21 @@ class ControlPlane:
     def _ready(self) -> bool:
         return self._http_ok(f"{self.info.server}/readyz", tls=True)
 
+    def _component(self, binary: str) -> list[str]:
+        """A controller-manager's or scheduler's command line: the admin kubeconfig for
+        everything, no leader election, its own port on loopback."""
+        kubeconfig = str(self.info.kubeconfig)
+        return [str(self.binaries[binary]), f"--kubeconfig={kubeconfig}", f"--authentication-kubeconfig={kubeconfig}",
+                f"--authorization-kubeconfig={kubeconfig}", "--leader-elect=false", "--bind-address=127.0.0.1",
+                f"--secure-port={free_port()}"]
+
     def start_controllers(self) -> None:
         """Start kube-controller-manager and kube-scheduler (Deployments, ReplicaSets, GC, binding)."""
-        kubeconfig = str(self.info.kubeconfig)
         if self.controller_manager is None:
             self.controller_manager = Process(
                 "kube-controller-manager",
                 [
-                    str(self.binaries["kube-controller-manager"]),
-                    f"--kubeconfig={kubeconfig}", f"--authentication-kubeconfig={kubeconfig}",
-                    f"--authorization-kubeconfig={kubeconfig}",
-                    "--leader-elect=false", "--bind-address=127.0.0.1", f"--secure-port={free_port()}",
+                    *self._component("kube-controller-manager"),
                     f"--service-account-private-key-file={self.pki / 'sa.key'}",
                     f"--root-ca-file={self.pki / 'ca.crt'}",
                     # Names both pinned versions know (1.37 knows no cloud controllers and no
@@ -276,15 +280,8 @@ class ControlPlane:
             )
             self.controller_manager.start()
         if self.scheduler is None:
-            self.scheduler = Process(
-                "kube-scheduler",
-                [
-                    str(self.binaries["kube-scheduler"]), f"--kubeconfig={kubeconfig}",
-                    f"--authentication-kubeconfig={kubeconfig}", f"--authorization-kubeconfig={kubeconfig}",
-                    "--leader-elect=false", "--bind-address=127.0.0.1", f"--secure-port={free_port()}",
-                ],
-                log_path=self.workdir / "kube-scheduler.log",
-            )
+            self.scheduler = Process("kube-scheduler", self._component("kube-scheduler"),
+                                     log_path=self.workdir / "kube-scheduler.log")
             self.scheduler.start()
 
     def start_node_lifecycle(self, grace_period: int = NODE_GRACE_PERIOD) -> None:
@@ -296,14 +293,10 @@ class ControlPlane:
         and whose pods it would evict; tests of whole-node faults start it."""
         if self.node_lifecycle is not None and self.node_lifecycle.running():
             return
-        kubeconfig = str(self.info.kubeconfig)
         self.node_lifecycle = Process(
             "node-lifecycle-controller",
             [
-                str(self.binaries["kube-controller-manager"]),
-                f"--kubeconfig={kubeconfig}", f"--authentication-kubeconfig={kubeconfig}",
-                f"--authorization-kubeconfig={kubeconfig}",
-                "--leader-elect=false", "--bind-address=127.0.0.1", f"--secure-port={free_port()}",
+                *self._component("kube-controller-manager"),
                 "--controllers=node-lifecycle-controller",
                 f"--node-monitor-grace-period={grace_period}s", f"--node-startup-grace-period={grace_period}s",
                 "--node-monitor-period=1s",
