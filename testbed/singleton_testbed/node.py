@@ -480,6 +480,8 @@ def state_path(name: str) -> Path:
 def _lock_held(name: str) -> bool:
     """Whether a live node holds ``name``'s lock (this process's own included: flock locks are
     per open file)."""
+    if not lock_path(name).exists():
+        return False
     with open(lock_path(name), "a+") as lock:
         try:
             fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
@@ -528,16 +530,7 @@ def _busy_message(name: str) -> str:
 def busy_reason(name: str = FIRST_NODE.name) -> str | None:
     """Why the node ``name`` cannot start now because another process holds its lock (a test
     session's, the demo's), or None. A hint only: ``Node.start`` takes the lock for real."""
-    path = lock_path(name)
-    if not path.exists():
-        return None
-    with open(path, "a+") as lock:
-        try:
-            fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            return _busy_message(name)
-        fcntl.flock(lock, fcntl.LOCK_UN)
-    return None
+    return _busy_message(name) if _lock_held(name) else None
 
 
 def _read_state(path: Path) -> dict[str, Any]:
