@@ -2,7 +2,7 @@
 SingletonServices their status, on this machine, if it made the same objects.
 
     .venv/bin/python -m benchmarks.burst_floor [--groups 500 ...] [--runs 2] [--status-only] [--as-admin]
-        [--operator] [--plot [PNG]] [--json PATH]
+        [--operator] [--foreign 0 20000] [--plot [PNG]] [--json PATH]
 
 ``benchmarks/operator_scale.py`` times the real operator. This times a stand-in that does only
 what no operator making a group's objects can leave out, with none of an operator's own work:
@@ -21,6 +21,11 @@ seconds the API server, etcd and this process (creates, watches and the stand-in
 ``--operator``, the real operator's burst (operator_scale's) is timed at each size too, and
 ``--plot`` draws both against the size. ``--json`` writes every group's latency, per contender
 and size (``to_json``).
+
+``--foreign N ...`` makes N pods of no group and N Deployments in a namespace of their own
+before each run (operator_scale's ``make_foreign``) and runs every contender once per count:
+what foreign objects cost the API server shows in the stand-in, what they cost the operator
+in the ratio of the two.
 """
 
 from __future__ import annotations
@@ -37,10 +42,10 @@ import tempfile
 import time
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 from benchmarks import operator_scale
-from benchmarks.failover import cpu_seconds, percentile
+from benchmarks.failover import cpu_seconds
 from benchmarks.operator_scale import (
     ALL_CRS_PATH,
     CALL_TIMEOUT,
@@ -51,6 +56,7 @@ from benchmarks.operator_scale import (
     cr_body,
     group_name,
     line,
+    make_foreign,
     make_pod,
     pod_annotations,
     watching,
@@ -62,10 +68,19 @@ from singleton_operator.model.spec import SpecError, read_spec
 from singleton_operator.model.status import compute_status
 from singleton_operator.reconcile import apply, cr_path, desired_objects, observed_from
 from singleton_testbed.controlplane import ControlPlane
+from singleton_testbed.ledger import percentile
 
 GOAL_SECONDS = 5.0
 """Issue 15's goal for 500 groups: create -> status with a leader, p99."""
 PLOT = Path(__file__).resolve().parent / "plots" / "burst-floor.png"
+
+
+class Contender(NamedTuple):
+    """Who was timed (``stand-in`` or ``operator``) beside how many foreign objects."""
+
+    label: str
+    contender: str
+    foreign: int
 
 
 class LeastOperator:
@@ -121,11 +136,14 @@ class LeastOperator:
 
 
 async def run_once(plane: ControlPlane, *, groups: int, parallel: int, in_flight: int, objects: bool,
-                   as_admin: bool, workdir: Path) -> tuple[list[float], float, dict[str, float]]:
+                   as_admin: bool, workdir: Path, foreign: int = 0) -> tuple[list[float], float, dict[str, float]]:
     """Per group create -> status with a leader; the first create -> the last one done; CPU seconds."""
     assert plane.apiserver is not None and plane.etcd is not None
     names = [group_name(i) for i in range(groups)]
     async with KubeClient(load_kube_config(str(plane.info.kubeconfig)), user_agent="bench") as client:
+        if foreign:
+            seconds = await make_foreign(client, foreign, parallel)
+            print(f"  {foreign} foreign pods and Deployments made in {seconds:.0f} s", flush=True)
         await bounded(parallel, [make_pod(client, n, s, role, token) for n in names
                                  for s, role, token in (("a", contract.ROLE_LEADER, 1),
                                                         ("b", contract.ROLE_STANDBY, None))])
@@ -181,27 +199,27 @@ def timed_runs(args: argparse.Namespace, groups: int, who: str,
     return latencies
 
 
-def stand_in_run(args: argparse.Namespace, groups: int) -> Callable[[ControlPlane, Path], list[float]]:
+def stand_in_run(args: argparse.Namespace, groups: int, foreign: int) -> Callable[[ControlPlane, Path], list[float]]:
     def one_run(plane: ControlPlane, workdir: Path) -> list[float]:
         latencies, last, cpu = asyncio.run(run_once(
             plane, groups=groups, parallel=args.parallel, in_flight=args.in_flight,
-            objects=not args.status_only, as_admin=args.as_admin, workdir=workdir))
+            objects=not args.status_only, as_admin=args.as_admin, workdir=workdir, foreign=foreign))
         print(f"  every status names its leader {last:.1f} s after the first create; CPU seconds "
               + ", ".join(f"{k} {v:.1f}" for k, v in cpu.items()), flush=True)
         return latencies
     return one_run
 
 
-def operator_run(args: argparse.Namespace, groups: int) -> Callable[[ControlPlane, Path], list[float]]:
+def operator_run(args: argparse.Namespace, groups: int, foreign: int) -> Callable[[ControlPlane, Path], list[float]]:
     """The real operator's burst, as ``operator_scale`` times it (its other phases kept short)."""
     def one_run(plane: ControlPlane, workdir: Path) -> list[float]:
         return asyncio.run(operator_scale.run_once(
             plane, groups=groups, parallel=args.parallel, rest_seconds=1, changes=1, one_more=1,
-            workdir=workdir, as_admin=args.as_admin)).create_to_leader
+            workdir=workdir, as_admin=args.as_admin, foreign=foreign)).create_to_leader
     return one_run
 
 
-def plot(path: Path, sizes: list[int], figures: dict[str, dict[int, list[float]]], title: str) -> None:
+def plot(path: Path, sizes: list[int], figures: dict[Contender, dict[int, list[float]]], title: str) -> None:
     """p99 and median against the burst's size, per contender, with the goal."""
     import matplotlib
 
@@ -209,9 +227,11 @@ def plot(path: Path, sizes: list[int], figures: dict[str, dict[int, list[float]]
     import matplotlib.pyplot as plt
 
     fig, ax = plt.subplots(figsize=(7, 4.2), dpi=100)
-    for (who, by_size), color in zip(figures.items(), ("tab:blue", "tab:orange"), strict=False):
-        ax.plot(sizes, [percentile(by_size[n], 0.99) for n in sizes], "o-", color=color, label=f"{who}: p99")
-        ax.plot(sizes, [statistics.median(by_size[n]) for n in sizes], "o--", color=color, label=f"{who}: median")
+    colors = ("tab:blue", "tab:orange", "tab:green", "tab:purple", "tab:brown", "tab:gray")
+    for (who, by_size), color in zip(figures.items(), colors, strict=False):
+        ax.plot(sizes, [percentile(by_size[n], 0.99) for n in sizes], "o-", color=color, label=f"{who.label}: p99")
+        ax.plot(sizes, [statistics.median(by_size[n]) for n in sizes], "o--", color=color,
+                label=f"{who.label}: median")
     ax.axhline(GOAL_SECONDS, color="red", linestyle=":", label=f"goal: p99 ≤ {GOAL_SECONDS:g} s")
     ax.set_xlabel("SingletonServices created at once")
     ax.set_ylabel("create → status with a leader (s)")
@@ -225,14 +245,45 @@ def plot(path: Path, sizes: list[int], figures: dict[str, dict[int, list[float]]
     plt.close(fig)
 
 
-def to_json(args: argparse.Namespace, figures: dict[str, dict[int, list[float]]]) -> dict[str, Any]:
-    """Every group's create -> status with a leader (seconds), per contender and size, with the
-    settings they were measured with. ``contender`` is ``stand-in`` or ``operator``."""
+def to_json(args: argparse.Namespace, figures: dict[Contender, dict[int, list[float]]]) -> dict[str, Any]:
+    """Every group's create -> status with a leader (seconds), per contender, foreign objects and
+    size, with the settings they were measured with. ``contender`` is ``stand-in`` or ``operator``."""
     return {"runs": args.runs, "parallel": args.parallel, "in_flight": args.in_flight,
             "status_only": args.status_only, "as_admin": args.as_admin,
-            "figures": [{"contender": "operator" if who == "operator" else "stand-in", "label": who, "groups": groups,
+            "figures": [{"contender": who.contender, "label": who.label, "foreign": who.foreign, "groups": groups,
                          "create_to_leader": latencies}
                         for who, by_size in figures.items() for groups, latencies in sorted(by_size.items())]}
+
+
+def measure(args: argparse.Namespace, sizes: list[int], counts: list[int],
+            what: str) -> dict[Contender, dict[int, list[float]]]:
+    """Every contender at every foreign count and size, one after another."""
+    figures: dict[Contender, dict[int, list[float]]] = {}
+    for foreign in counts:
+        beside = f", {foreign} foreign" if counts != [0] else ""
+        stand_in = Contender(f"stand-in ({what}){beside}", "stand-in", foreign)
+        operator = Contender(f"operator{beside}", "operator", foreign)
+        for groups in sizes:
+            figures.setdefault(stand_in, {})[groups] = timed_runs(
+                args, groups, stand_in.label, stand_in_run(args, groups, foreign))
+            if args.operator:
+                figures.setdefault(operator, {})[groups] = timed_runs(
+                    args, groups, operator.label, operator_run(args, groups, foreign))
+    return figures
+
+
+def compare_foreign(figures: dict[Contender, dict[int, list[float]]], counts: list[int], sizes: list[int]) -> None:
+    """Per size and foreign count: each contender's p99 against its own at the first count, and
+    the operator's against the stand-in's beside the same foreign objects."""
+    print(f"\np99 against the same contender's at {counts[0]} foreign, and operator / stand-in:")
+    for groups in sizes:
+        p99 = {(who.contender, who.foreign): percentile(by_size[groups], 0.99) for who, by_size in figures.items()}
+        for foreign in counts:
+            own, floor = p99[("operator", foreign)], p99[("stand-in", foreign)]
+            own0, floor0 = p99[("operator", counts[0])], p99[("stand-in", counts[0])]
+            print(f"  {groups} groups, {foreign} foreign: operator {own:.2f} s ({own / own0:.2f}),"
+                  f" stand-in {floor:.2f} s ({floor / floor0:.2f}), "
+                  f"operator / stand-in {own / floor:.2f}", flush=True)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -255,6 +306,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--operator", action="store_true",
                         help="also time the real operator's burst at each size (operator_scale's), beside the "
                         "stand-in's")
+    parser.add_argument("--foreign", type=int, nargs="+", default=[0], metavar="N",
+                        help="make N foreign pods and N Deployments before each run; several counts are run "
+                        "one after another, every contender at each (default 0)")
     parser.add_argument("--plot", type=Path, nargs="?", const=PLOT, default=None, metavar="PNG",
                         help=f"draw p99 and median against the size into PNG (without a value: {PLOT}; "
                         "needs matplotlib: .venv/bin/pip install -e '.[bench]')")
@@ -263,25 +317,24 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if min(*args.groups, args.runs, args.parallel, args.in_flight) < 1:
         parser.error("--groups, --runs, --parallel and --in-flight must be at least 1")
+    if min(args.foreign) < 0:
+        parser.error("--foreign counts must be 0 or more")
     if args.operator and args.status_only:
         parser.error("--status-only is the stand-in's alone: the operator always makes the group's objects")
     if args.plot is not None and importlib.util.find_spec("matplotlib") is None:
         parser.error("--plot needs matplotlib: .venv/bin/pip install -e '.[bench]'")
     sizes = sorted(set(args.groups))
     what = "the status only" if args.status_only else "the objects and the status"
-    figures: dict[str, dict[int, list[float]]] = {f"stand-in ({what})": {}}
-    if args.operator:
-        figures["operator"] = {}
-    for groups in sizes:
-        figures[f"stand-in ({what})"][groups] = timed_runs(args, groups, "the stand-in", stand_in_run(args, groups))
-        if args.operator:
-            figures["operator"][groups] = timed_runs(args, groups, "the operator", operator_run(args, groups))
+    counts = list(dict.fromkeys(args.foreign))
+    figures = measure(args, sizes, counts, what)
     whom = "the admin" if args.as_admin else "the chart's ServiceAccount"
     print(f"\nCreated at once, create -> status with a leader ({args.in_flight} groups in flight in the stand-in, "
           f"as {whom}; {args.runs} run(s) per size):")
     for who, by_size in figures.items():
         for groups in sizes:
-            print(line(f"{who}, {groups} groups", by_size[groups]))
+            print(line(f"{who.label}, {groups} groups", by_size[groups]))
+    if args.operator and len(counts) > 1:
+        compare_foreign(figures, counts, sizes)
     if args.json is not None:
         args.json.write_text(json.dumps(to_json(args, figures), indent=1))
     if args.plot is not None:

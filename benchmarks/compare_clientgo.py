@@ -51,12 +51,12 @@ from benchmarks.campaign_bed import CampaignError
 from benchmarks.clientgo.elector import CLIENTGO_DEFAULTS, USER_AGENT, ClientGoProcess, build
 from benchmarks.clientgo.unfenced_worker import term_of
 from benchmarks.compare_partition import PartitionRun, PodPeer, partition_runs
-from benchmarks.failover import Bench, Starter, bench_servers, cpu_seconds, percentile, rss_mb, running, summary
+from benchmarks.failover import Bench, Starter, bench_servers, cpu_seconds, rss_mb, running, summary
 from singleton_election.core.timings import BACKEND_DEFAULTS
 from singleton_testbed.binaries import find_all
 from singleton_testbed.controlplane import ControlPlane
 from singleton_testbed.harness.sidecars import SidecarProcess, one_leader, wait_for
-from singleton_testbed.ledger import LedgerReport, check_ledger
+from singleton_testbed.ledger import LedgerReport, check_ledger, percentile
 from singleton_testbed.node import busy_reason, unavailable_reason
 from singleton_testbed.node_config import NodeLayout
 

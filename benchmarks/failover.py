@@ -45,18 +45,13 @@ from singleton_testbed.binaries import add_to_path, find_all
 from singleton_testbed.controlplane import ControlPlane
 from singleton_testbed.harness.kubehelpers import create_pod
 from singleton_testbed.harness.sidecars import SidecarProcess, one_leader, wait_for, wait_serving
-from singleton_testbed.ledger import ActingReport, judge_acts
+from singleton_testbed.ledger import ActingReport, judge_acts, percentile
 from singleton_testbed.postgres import PostgresServer
 
 ACTING_APP = Path(__file__).resolve().parent.parent / "tests" / "data" / "acting_app.py"
 SLOW_FINISH = 0.8
 """Seconds the slow app goes on acting after SIGTERM."""
 SCENARIOS = ("graceful", "app", "slow-app", "kill", "kill-app", "start", "rest")
-
-
-def percentile(values: list[float], fraction: float) -> float:
-    ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, max(0, round(fraction * len(ordered) + 0.5) - 1))]
 
 
 def summary(name: str, values: list[float], unit: str = "ms", scale: float = 1000.0) -> str:

@@ -211,6 +211,9 @@ NODE_SCENARIOS = {
     "sidecar-kill-again": ("sidecar-kill-again", "SIGKILL of the leader's sidecar container that crashed before "
                                                  "(a crash loop: the kubelet's back-off, capped at 1 s on the test "
                                                  "bed, included) -> a sidecar leads with a newer token"),
+    "pod-kill": ("pod-kill", "SIGKILL of every process of the leader pod, its app and sidecar containers at once, "
+                             "their first crash (the kubelet restarts both in the same pod) -> a sidecar leads with a "
+                             "newer token"),
     "partition-pg": ("partition", "the leader's pod cut off from PostgreSQL (iptables drop of its port in the pod's "
                                   "network namespace) -> another pod's /readyz 200"),
 }
@@ -232,7 +235,7 @@ def _node_values(row: str, runs: Sequence[Mapping[str, Any]]) -> tuple[list[floa
     if row in ("delete", "evict"):
         acting = [r["phases"]["new app acting"] for r in runs if r.get("phases") and "new app acting" in r["phases"]]
         return acting, {"runs": len(runs), "runs_without_app_line": len(runs) - len(acting)}
-    if row == "sidecar-kill":
+    if row in ("sidecar-kill", "pod-kill"):
         first = [r for r in runs if r["restarts_before"] == 0]
         return [r["seconds"] for r in first], {"same_pod_leads_again": sum(1 for r in first if r["new"] == r["old"])}
     if row == "sidecar-kill-again":
@@ -375,12 +378,12 @@ def parse_pooled(data: Any, arguments: Sequence[str]) -> list[Figure]:
 # --- the registry ------------------------------------------------------------------------------------
 
 STEPS: tuple[Step, ...] = (
-    # 3 backends x (16 gated handovers at ~2.5 s, a group started each time) + 8 SIGKILLs of the whole
+    # 3 backends x (14 gated handovers at ~2.5 s, a group started each time) + 7 SIGKILLs of the whole
     # "pod" (postgres ~3 s; lease and both wait out the 9 s lease: ~11 s) + the servers' start.
     Step("host", "benchmarks.failover",
-         full=("--backend", "postgres", "lease", "both", "--scenarios", "app", "kill-app", "--runs", "8"),
+         full=("--backend", "postgres", "lease", "both", "--scenarios", "app", "kill-app", "--runs", "7"),
          quick=("--backend", "postgres", "lease", "both", "--scenarios", "app", "kill-app", "--runs", "1"),
-         estimate_seconds=320, quick_estimate_seconds=50, parse=parse_host),
+         estimate_seconds=290, quick_estimate_seconds=50, parse=parse_host),
     # Ours and client-go at 15/10/2 s: 6 handovers each (~3 s and ~6 s), 6 SIGKILLs of ours (~12.5 s)
     # and 4 of client-go's (~21 s), 45 s at rest each; then, on the real node, 3 partitions per
     # peer (about 27 s each with the node's start: the lab log's 30 in 14 min).
@@ -392,19 +395,21 @@ STEPS: tuple[Step, ...] = (
          estimate_seconds=530, quick_estimate_seconds=190, parse=parse_clientgo,
          without_node=("--partition-runs", "0"), node_rows=("partition-api",)),
     # The node and the operator (~60 s warm), then per backend: the group settles (~30 s), 30 s at
-    # rest, 6 deletions and 6 evictions (~4.8 s each: the lab log's 80 in 6-7 min), 3 first crashes
+    # rest, 5 deletions and 5 evictions (~4.8 s each: the lab log's 80 in 6-7 min), 3 first crashes
     # (~15 s: the leader's pod is replaced first when its sidecar restarted before), 3 repeated
-    # ones (~5 s), and for postgres 4 partitions (~13 s: the 6 s lease, then the group settles).
+    # ones (~5 s), 2 whole-pod kills (~15 s, and lease and both wait out the lease), and for
+    # postgres 4 partitions (~13 s: the 6 s lease, then the group settles).
     Step("node", "benchmarks.node_failover",
          full=("--backend", "postgres", "lease", "both",
-               "--fault", "delete-pod", "evict-pod", "sidecar-kill", "sidecar-kill-again", "partition",
-               "--gating", "file", "--poll-ms", "25", "--rest-seconds", "30", "--runs", "6",
-               "--runs-per-fault", "sidecar-kill=3", "sidecar-kill-again=3", "partition=0", "postgres/partition=4"),
+               "--fault", "delete-pod", "evict-pod", "sidecar-kill", "sidecar-kill-again", "pod-kill", "partition",
+               "--gating", "file", "--poll-ms", "25", "--rest-seconds", "30", "--runs", "5",
+               "--runs-per-fault", "sidecar-kill=3", "sidecar-kill-again=3", "pod-kill=2", "partition=0",
+               "postgres/partition=4"),
          quick=("--backend", "postgres", "lease", "both",
-                "--fault", "delete-pod", "evict-pod", "sidecar-kill", "sidecar-kill-again", "partition",
+                "--fault", "delete-pod", "evict-pod", "sidecar-kill", "sidecar-kill-again", "pod-kill", "partition",
                 "--gating", "file", "--poll-ms", "25", "--rest-seconds", "10", "--runs", "1",
                 "--runs-per-fault", "sidecar-kill-again=2", "partition=0", "postgres/partition=1"),
-         estimate_seconds=690, quick_estimate_seconds=300, parse=parse_node, needs_node=True),
+         estimate_seconds=750, quick_estimate_seconds=360, parse=parse_node, needs_node=True),
     # Its own servers and node (~60 s), 6 segments of 4 faults (a group's setup ~20 s, a fault ~2.4 s:
     # the lab log's medium run, 100 faults in 477 s).
     Step("campaign", "benchmarks.campaign",
@@ -449,6 +454,9 @@ ROWS: tuple[Row, ...] = (
     Row("sidecar-kill-again", ("node",), "the same, a repeated crash → a sidecar leads",
         "real node, file gate; the kubelet's crash-loop back-off included, which the test bed caps at 1 s "
         "against 10 s doubling up to 5 min by default", columns=BACKENDS),
+    Row("pod-kill", ("node",), "the leader pod SIGKILLed, app and sidecar at once → a sidecar leads",
+        "real node, file gate; the pod's first crash; the other pods wait out the dead leader's term, its own "
+        "restarted sidecar may lead sooner", columns=BACKENDS),
     Row("partition-api", ("clientgo",), "leader's pod cut off from the API server: runs with both leading at once",
         "real node; ours from the image, lease backend, no gated app; failover p99 in brackets",
         columns=("lease", "vs-clientgo"), cells="both-leading"),

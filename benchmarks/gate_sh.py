@@ -37,10 +37,10 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import TypeVar
 
-from benchmarks.failover import percentile
 from singleton_election.core.lock import Identity, Term, Token
 from singleton_election.core.status import ElectionStatus, Role
 from singleton_sidecar.gates.file_gate import FileGate
+from singleton_testbed.ledger import percentile
 
 APP = 'echo started > "$SINGLETON_GATE_DIR/started"; trap "exit 0" TERM; while :; do sleep 1; done'
 TICKS = os.sysconf("SC_CLK_TCK")

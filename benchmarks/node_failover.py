@@ -1,7 +1,7 @@
 """Handover and failover on the real node: pods of the project's image, made by the operator.
 
     sudo .venv/bin/python -m benchmarks.node_failover --runs 10 [--backend postgres lease both]
-        [--fault delete-pod evict-pod sidecar-kill sidecar-kill-again partition] [--gating cooperative|file]
+        [--fault delete-pod evict-pod sidecar-kill sidecar-kill-again pod-kill partition] [--gating cooperative|file]
         [--runs-per-fault [BACKEND/]FAULT=N ...] [--json F]
 
 Root only (the real node: containerd, kubelet, kube-proxy; ``singleton_testbed.node``). It
@@ -26,6 +26,12 @@ IPs route through the node's bridge) by polling every pod's ``/readyz`` every fe
 - sidecar SIGKILL again (``sidecar-kill-again``, not in the default faults): the same, the
   leader's sidecar container killed whether or not it restarted before (``--crash-loop`` for
   this fault alone); each run records how often that container had restarted;
+- pod SIGKILL (``pod-kill``, not in the default faults): every process of the leader pod's
+  app and sidecar containers stopped (SIGSTOP, so that neither outlives the other) and then
+  SIGKILLed, as in a crash of the whole pod -> a pod's ``/readyz`` 200 with a newer token. The
+  other pods cannot know that the dead leader's app stopped: they wait for its term to lapse,
+  while its own restarted sidecar may lead again sooner. The pod has crashed never before, as
+  for sidecar-kill;
 - partition: the leader pod cut off from its store inside its network namespace (postgres:
   PostgreSQL's port; lease: the API server's ClusterIP; both: both) -> another pod's
   ``/readyz`` 200; then healed, and the group settles before the next run.
@@ -85,9 +91,11 @@ from singleton_testbed.postgres import PostgresInfo, PostgresServer
 
 ROOT = Path(__file__).resolve().parent.parent
 CRD = ROOT / "crds" / "singleton.dev_singletonservices.yaml"
-FAULTS = ("delete-pod", "evict-pod", "sidecar-kill", "sidecar-kill-again", "partition")
+FAULTS = ("delete-pod", "evict-pod", "sidecar-kill", "sidecar-kill-again", "pod-kill", "partition")
 DEFAULT_FAULTS = ("delete-pod", "evict-pod", "sidecar-kill", "partition")
-KILLS = ("sidecar-kill", "sidecar-kill-again")
+KILLS = ("sidecar-kill", "sidecar-kill-again", "pod-kill")
+POD_CONTAINERS = ("app", "singleton-sidecar")
+"""A pod-kill's containers: the app's and the sidecar's (the group's pod template)."""
 NAMESPACE = "bench"
 SIDECAR_PORT = 7450
 POLL = 0.003  # the default of --poll-ms
@@ -418,7 +426,7 @@ def handover_phases(held: HeldLogs, old: str, new: str, fault_at: float) -> dict
 
 def one_run(bed: Bed, backend: str, fault: str, *, crash_loop: bool = False, poll: float = POLL) -> Run:
     group = f"bench-{backend}"
-    fresh = fault == "sidecar-kill" and not crash_loop  # sidecar-kill-again: a crash loop's kill
+    fresh = fault in ("sidecar-kill", "pod-kill") and not crash_loop  # sidecar-kill-again: a crash loop's kill
     leader, token = settle_on_fresh_sidecar(bed, group) if fresh else settle(bed, group)
     name = leader["metadata"]["name"]
     if fault in ("delete-pod", "evict-pod"):
@@ -437,7 +445,11 @@ def one_run(bed: Bed, backend: str, fault: str, *, crash_loop: bool = False, pol
         phases["new ready seen"] = at - started
         return Run(backend, fault, at - started, name, new, phases=phases)
     elif fault in KILLS:
-        node_pods.signal_container(leader, "singleton-sidecar", signal.SIGKILL, layout=bed.layout)
+        containers = POD_CONTAINERS if fault == "pod-kill" else ("singleton-sidecar",)
+        for container in containers:  # all stopped first: one instant for the whole pod
+            node_pods.signal_container(leader, container, signal.SIGSTOP, layout=bed.layout)
+        for container in containers:
+            node_pods.signal_container(leader, container, signal.SIGKILL, layout=bed.layout)
         started, killed = time.monotonic(), time.time()
         new, at = wait_new_leader(bed, group, token, exclude=None, poll=poll)
         if new == name:

@@ -49,11 +49,12 @@ from typing import Any, TypeVar
 
 import yaml
 
-from benchmarks.failover import cpu_seconds, percentile, rss_mb
+from benchmarks.failover import cpu_seconds, rss_mb
 from singleton_election import contract
 from singleton_election.kube import KubeClient, KubeError, load_kube_config
 from singleton_testbed.binaries import add_to_path, find_all
 from singleton_testbed.controlplane import ControlPlane, wait_established, write_kubeconfig
+from singleton_testbed.ledger import percentile
 from singleton_testbed.procs import free_port
 
 ROOT = Path(__file__).resolve().parent.parent

@@ -27,11 +27,12 @@ import time
 import uuid
 from pathlib import Path
 
-from benchmarks.failover import bench_servers, percentile
+from benchmarks.failover import bench_servers
 from singleton_election import contract
 from singleton_election.kube import KubeClient, load_kube_config
 from singleton_testbed.controlplane import wait_established
 from singleton_testbed.harness.operators import OperatorProcess
+from singleton_testbed.ledger import percentile
 from singleton_testbed.procs import free_port
 
 CRD = Path(__file__).resolve().parent.parent / "crds" / "singleton.dev_singletonservices.yaml"

@@ -99,6 +99,8 @@ def node_output() -> dict[str, Any]:
         runs.append(asdict(Run(backend, "sidecar-kill", 1.1, "p-a", "p-a", restart=0.6, start_to_lead=0.3)))
         runs.append(asdict(Run(backend, "sidecar-kill-again", 2.1, "p-a", "p-a", restarts_before=1)))
         runs.append(asdict(Run(backend, "sidecar-kill-again", 1.2, "p-b", "p-b", restarts_before=0)))
+        runs.append(asdict(Run(backend, "pod-kill", 9.3, "p-a", "p-b")))
+        runs.append(asdict(Run(backend, "pod-kill", 1.4, "p-a", "p-a", restart=0.7, start_to_lead=0.4)))
     runs.append(asdict(Run("postgres", "partition", 7.5, "p-a", "p-c")))
     footprints = [asdict(Footprint(b, f"p-{i}", i == 0, 28.0 + i / 10, 0.2)) for b in ("postgres", "lease", "both")
                   for i in range(3)]
@@ -218,6 +220,9 @@ def test_the_real_nodes_figures() -> None:
     assert figures_["delete.lease"].stats.n == 2 and figures_["delete.lease"].stats.max == pytest.approx(0.12)
     assert figures_["delete.lease"].setup.gate == "file"
     assert figures_["sidecar-kill.postgres"].facts == {"same_pod_leads_again": 1}
+    pod_kill = figures_["pod-kill.both"]
+    assert pod_kill.stats.n == 2 and pod_kill.stats.max == pytest.approx(9.3)
+    assert pod_kill.facts == {"same_pod_leads_again": 1}
     again = figures_["sidecar-kill-again.lease"]
     assert again.stats.n == 1 and again.facts == {"runs_on_a_first_crash_left_out": 1}
     assert "partition-pg.lease" not in figures_ and figures_["partition-pg.postgres"].stats.median == 7.5
