@@ -20,7 +20,8 @@ full run of every row, else to build/ (``--json`` to choose): a partial or quick
 replaces the committed figures by accident.
 
 ``--check`` prints every goal (``figures_goals``) and exits 1 when one is missed or could not be
-checked; ``--render`` writes README's Figures block (``figures_render``) from the document.
+checked; ``--render`` writes README's Figures block and benchmarks/README.md's every figure of
+the run (``figures_render``) from the document.
 """
 
 from __future__ import annotations
@@ -49,12 +50,23 @@ from benchmarks.figures_model import (
     read_machine,
     to_json,
 )
-from benchmarks.figures_render import render, with_block
+from benchmarks.figures_render import (
+    BEGIN,
+    END,
+    HEADING,
+    RESULTS_BEGIN,
+    RESULTS_END,
+    RESULTS_HEADING,
+    render,
+    render_results,
+    with_block,
+)
 from benchmarks.figures_rows import BUDGET_SECONDS, ROWS, Step, estimate, steps_for
 
 ROOT = Path(__file__).resolve().parent.parent
 COMMITTED = ROOT / "benchmarks" / "figures.json"
 README = ROOT / "README.md"
+RESULTS = ROOT / "benchmarks" / "README.md"
 ROW_IDS = tuple(r.id for r in ROWS)
 STEP_TIMEOUT_FACTOR = 3
 """A step is stopped after this many times its estimate (at least a minute's worth)."""
@@ -156,13 +168,17 @@ def print_goals(document: Document) -> int:
     return 1 if missed(results) or gaps else 0
 
 
-def render_readme(document: Document, readme: Path = README) -> bool:
-    """Write the document's block into README; whether README changed."""
-    text = readme.read_text()
-    updated = with_block(text, render(document))
-    if updated != text:
-        readme.write_text(updated)
-    return updated != text
+def render_readme(document: Document, readme: Path = README, results: Path = RESULTS) -> list[Path]:
+    """Write the document's blocks into README (its Figures) and benchmarks/README.md (every
+    figure of the run); the files that changed."""
+    changed = []
+    for path, block, markers in ((readme, render(document), (BEGIN, END, HEADING)),
+                                 (results, render_results(document), (RESULTS_BEGIN, RESULTS_END, RESULTS_HEADING))):
+        text = path.read_text()
+        if (updated := with_block(text, block, *markers)) != text:
+            path.write_text(updated)
+            changed.append(path)
+    return changed
 
 
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
@@ -170,7 +186,8 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     action = parser.add_mutually_exclusive_group()
     action.add_argument("--check", action="store_true", help="check the goals of a document (exit 1: one missed)")
-    action.add_argument("--render", action="store_true", help="write README's Figures block from a document")
+    action.add_argument("--render", action="store_true",
+                        help="write README's Figures block and benchmarks/README.md's figures from a document")
     action.add_argument("--plan", action="store_true", help="print the steps, their commands and estimates")
     parser.add_argument("--quick", action="store_true", help="every step with small n: a check, not figures")
     parser.add_argument("--only", nargs="+", choices=ROW_IDS, metavar="ROW",
@@ -192,7 +209,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         document = load(args.json or COMMITTED)
         if args.check:
             return print_goals(document)
-        print("README.md " + ("rewritten" if render_readme(document) else "already up to date"))
+        changed = render_readme(document)
+        print("rewritten: " + ", ".join(str(p.relative_to(ROOT)) for p in changed) if changed else
+              "README.md and benchmarks/README.md already up to date")
         return 0
     document = measure(mode, rows)
     incomplete = [r.id for r in document.steps if r.status != "ok" or r.skipped_rows]

@@ -12,11 +12,14 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from benchmarks.figures_goals import BURST_RATIO, GoalResult, check
-from benchmarks.figures_model import QUICK, Document, Fact, Figure, Stats, StepRun, duration, quantity
+from benchmarks.figures_model import QUICK, Document, Fact, Figure, Setup, Stats, StepRun, duration, quantity
 from benchmarks.figures_rows import BACKENDS, ROWS, Row, row
 
 BEGIN = "<!-- figures:begin -->"
 END = "<!-- figures:end -->"
+RESULTS_BEGIN = "<!-- figures-results:begin -->"
+RESULTS_END = "<!-- figures-results:end -->"
+RESULTS_HEADING = "### The last run's every figure"
 HEADING = "## Figures"
 NOTICE = ("<!-- Written by `python -m benchmarks.figures --render` from benchmarks/figures.json: "
           "change that file (by a run of `make figures`), not this block. -->")
@@ -255,27 +258,69 @@ def campaign(document: Document) -> str:
     return head + excuse + "."
 
 
+# --- benchmarks/README.md: every figure of the run ---------------------------------------------------
+
+def render_results(document: Document) -> str:
+    """benchmarks/README.md's block, ``RESULTS_BEGIN`` to ``RESULTS_END``: the run (machine,
+    commit, date, each step's command and time) and every figure with its setup and facts."""
+    machine = document.machine
+    parts = [RESULTS_BEGIN, NOTICE.replace("README.md", "benchmarks/README.md"), "",
+             f"{document.mode.capitalize()} mode, {document.date[:10]}, commit `{document.commit.sha[:12]}`"
+             f"{' with changes not yet committed' if document.commit.dirty else ''}: {machine.cpu}, "
+             f"{machine.cores} cores, {machine.memory_gib:g} GiB, Linux {machine.kernel}, load average "
+             f"{machine.load_before:.2f} before and {machine.load_after:.2f} after; "
+             f"{document.seconds / 60:.1f} min in all.", "",
+             "| step | command | minutes (estimate) | status |", "|---|---|---|---|"]
+    parts += [f"| {r.id} | `{' '.join(r.command)}` | {r.seconds / 60:.1f} ({r.estimate_seconds / 60:.1f}) | "
+              f"{r.status}{': ' + r.reason if r.reason else ''} |" for r in document.steps]
+    parts += ["", "| figure | scenario | setup | n | median | p99 | max | facts |", "|---|---|---|---|---|---|---|---|"]
+    for figure in document.figures:
+        parts.append(figure_line(figure.id, figure.scenario, setup_text(figure.setup), figure.stats, figure.facts))
+        if figure.counterpart is not None:
+            theirs = figure.counterpart
+            parts.append(figure_line(f"{figure.id}, {theirs.peer}", theirs.setup, "", theirs.stats, theirs.facts))
+    parts.append(RESULTS_END)
+    return "\n".join(parts)
+
+
+def setup_text(setup: Setup) -> str:
+    named = [f"{label} {value}" for label, value in (("gate", setup.gate), ("backend", setup.backend),
+                                                     ("timings", setup.timings)) if value and value != "-"]
+    return "; ".join([setup.where, ", ".join(named), setup.details] if named else [setup.where, setup.details])
+
+
+def figure_line(name: str, scenario: str, setup: str, stats: Stats, facts: dict[str, Fact]) -> str:
+    cells = [name, scenario, setup, str(stats.n), quantity(stats.median, stats.unit), quantity(stats.p99, stats.unit),
+             quantity(stats.max, stats.unit),
+             ", ".join(f"{key} {value:.3g}" if isinstance(value, float) else f"{key} {value}"
+                       for key, value in facts.items())]
+    return "| " + " | ".join(cell.replace("|", "/") for cell in cells) + " |"
+
+
 # --- README ---------------------------------------------------------------------------------------------
 
-def readme_block(text: str) -> str | None:
-    """README's block, ``BEGIN`` to ``END`` inclusive, or None when it has none."""
-    start = text.find(BEGIN)
-    end = text.find(END, start)
-    if start < 0 or end < 0:
+def readme_block(text: str, begin: str = BEGIN, end: str = END) -> str | None:
+    """The block, ``begin`` to ``end`` inclusive, or None when the text has none."""
+    start = text.find(begin)
+    stop = text.find(end, start)
+    if start < 0 or stop < 0:
         return None
-    return text[start:end + len(END)]
+    return text[start:stop + len(end)]
 
 
-def with_block(text: str, block: str) -> str:
-    """README with ``block`` in place of its block; without one, in place of the body of its
-    Figures section (the heading kept, up to the next ``## `` heading). ValueError without either."""
-    current = readme_block(text)
+def with_block(text: str, block: str, begin: str = BEGIN, end: str = END, heading: str = HEADING) -> str:
+    """The text with ``block`` in place of its block; without one, in place of the body of its
+    ``heading`` section (the heading kept, up to the next heading of its level or higher).
+    ValueError without either."""
+    current = readme_block(text, begin, end)
     if current is not None:
         return text.replace(current, block, 1)
-    heading = text.find(f"\n{HEADING}\n")
-    if heading < 0:
-        raise ValueError(f"README has neither {BEGIN} ... {END} nor a '{HEADING}' section")
-    body = heading + len(HEADING) + 2
-    following = text.find("\n## ", body)
+    at = text.find(f"\n{heading}\n")
+    if at < 0:
+        raise ValueError(f"the file has neither {begin} ... {end} nor a '{heading}' section")
+    body = at + len(heading) + 2
+    level = heading.split(" ", 1)[0]
+    following = min((i for i in (text.find(f"\n{'#' * n} ", body) for n in range(1, len(level) + 1)) if i >= 0),
+                    default=-1)
     rest = text[following:] if following >= 0 else "\n"
     return f"{text[:body]}\n{block}\n{rest}"

@@ -35,7 +35,16 @@ from benchmarks.figures_model import (
     read_machine,
     to_json,
 )
-from benchmarks.figures_render import BEGIN, END, readme_block, render, with_block
+from benchmarks.figures_render import (
+    BEGIN,
+    END,
+    RESULTS_BEGIN,
+    RESULTS_END,
+    readme_block,
+    render,
+    render_results,
+    with_block,
+)
 from benchmarks.figures_rows import (
     BUDGET_SECONDS,
     ROWS,
@@ -391,12 +400,33 @@ def test_the_block_replaces_the_figures_section_then_itself() -> None:
         with_block("# nothing\n", "block")
 
 
+RESULTS_WITHOUT_BLOCK = ("# Benchmarks\n\n## Every figure in one run\n\nhow\n\n### The last run's every figure\n\n"
+                         "old\n\n## Failover\n\nmore\n")
+
+
 def test_render_readme_writes_only_a_change(tmp_path: Path) -> None:
-    readme = tmp_path / "README.md"
+    readme, results = tmp_path / "README.md", tmp_path / "results.md"
     readme.write_text(README_WITHOUT_BLOCK)
-    assert figures.render_readme(document(), readme) is True
+    results.write_text(RESULTS_WITHOUT_BLOCK)
+    assert figures.render_readme(document(), readme, results) == [readme, results]
     assert readme_block(readme.read_text()) == render(document())
-    assert figures.render_readme(document(), readme) is False
+    written = results.read_text()
+    block = readme_block(written, RESULTS_BEGIN, RESULTS_END)
+    assert block == render_results(document())
+    assert written.startswith(RESULTS_WITHOUT_BLOCK.split("old", 1)[0])
+    assert written.endswith(f"{RESULTS_END}\n\n## Failover\n\nmore\n")
+    assert figures.render_readme(document(), readme, results) == []
+
+
+def test_the_results_list_every_figure_and_its_counterpart() -> None:
+    block = render_results(document())
+    lines = block.splitlines()
+    for figure in document().figures:
+        line = next(x for x in lines if x.startswith(f"| {figure.id} |"))
+        assert f"| {figure.stats.n} |" in line
+        if figure.counterpart is not None:
+            assert any(x.startswith(f"| {figure.id}, {figure.counterpart.peer} |") for x in lines)
+    assert all(f"| {step.id} | `" in block for step in document().steps)
 
 
 # --- a hand-written document, as JSON text ------------------------------------------------------------

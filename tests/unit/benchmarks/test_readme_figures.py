@@ -5,9 +5,9 @@ a figure changed by hand in README, or a document committed without ``--render``
 from __future__ import annotations
 
 import pytest
-from benchmarks.figures import COMMITTED, README
+from benchmarks.figures import COMMITTED, README, RESULTS
 from benchmarks.figures_model import load
-from benchmarks.figures_render import readme_block, render
+from benchmarks.figures_render import RESULTS_BEGIN, RESULTS_END, readme_block, render, render_results
 
 
 def test_readme_shows_the_committed_figures() -> None:
@@ -19,3 +19,7 @@ def test_readme_shows_the_committed_figures() -> None:
     assert block == render(load(COMMITTED)), (
         "README.md's figures block differs from the rendering of benchmarks/figures.json: run "
         "`python -m benchmarks.figures --render` (and change figures only by a run of `make figures`)")
+    results = readme_block(RESULTS.read_text(), RESULTS_BEGIN, RESULTS_END)
+    assert results == render_results(load(COMMITTED)), (
+        "benchmarks/README.md's figures block differs from the rendering of benchmarks/figures.json: run "
+        "`python -m benchmarks.figures --render`")
