@@ -171,14 +171,16 @@ def print_goals(document: Document) -> int:
 def render_readme(document: Document, readme: Path = README, results: Path = RESULTS) -> list[Path]:
     """Write the document's blocks into README (its Figures) and benchmarks/README.md (every
     figure of the run); the files that changed."""
-    changed = []
-    for path, block, markers in ((readme, render(document), (BEGIN, END, HEADING)),
-                                 (results, render_results(document), (RESULTS_BEGIN, RESULTS_END, RESULTS_HEADING))):
-        text = path.read_text()
-        if (updated := with_block(text, block, *markers)) != text:
+    # Both made before either is written: a file without its markers leaves the other unchanged too.
+    updates = [(path, text, with_block(text, block, *markers))
+               for path, block, markers in ((readme, render(document), (BEGIN, END, HEADING)),
+                                            (results, render_results(document),
+                                             (RESULTS_BEGIN, RESULTS_END, RESULTS_HEADING)))
+               for text in (path.read_text(),)]
+    for path, text, updated in updates:
+        if updated != text:
             path.write_text(updated)
-            changed.append(path)
-    return changed
+    return [path for path, text, updated in updates if updated != text]
 
 
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:

@@ -244,7 +244,7 @@ def campaign(document: Document) -> str:
             f"backends {figure.setup.backend}; timings {figure.setup.timings}; seed {facts['seed']}, "
             f"{number(facts['seconds']) / 60:.0f} min) found **{count(facts['acting_overlaps'])} times two apps acting "
             f"at once**, judged by the apps' own log of every act, which no fence hides; "
-            f"{count(facts['unrecovered'])} faults left no ready leader (failover p99 {p99_median(figure.stats)}, "
+            f"{recovered(count(facts['unrecovered']))} (failover p99 {p99_median(figure.stats)}, "
             f"max {duration(figure.stats.max)}); {count(facts['fenced_overlaps'])} fenced overlaps, "
             f"{count(facts['regressions'])} regressions, {count(facts['stale_accepted'])} stale writes accepted: "
             f"{'PASS' if count(facts['verdict_ok']) else FAILED}.")
@@ -295,6 +295,11 @@ def figure_line(name: str, scenario: str, setup: str, stats: Stats, facts: dict[
              ", ".join(f"{key} {value:.3g}" if isinstance(value, float) else f"{key} {value}"
                        for key, value in facts.items())]
     return "| " + " | ".join(cell.replace("|", "/") for cell in cells) + " |"
+
+
+def recovered(unrecovered: int) -> str:
+    return "every fault was followed by a ready leader" if not unrecovered else \
+        f"**{unrecovered} faults left no ready leader**"
 
 
 # --- README ---------------------------------------------------------------------------------------------

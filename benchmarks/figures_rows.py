@@ -15,8 +15,10 @@ estimate (``StepRun``), which is where they should be corrected from.
 
 from __future__ import annotations
 
+import re
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 from benchmarks.campaign_bed import LEASE, RENEW, RETRY
@@ -26,10 +28,20 @@ from singleton_election.core.timings import BACKEND_DEFAULTS
 BACKENDS = ("postgres", "lease", "both")
 BUDGET_SECONDS = 40 * 60
 """The whole full run on the 2-core machine (issue 35)."""
-CLIENTGO_SETUP = ("client-go v0.34.4 tools/leaderelection (LeaseLock, ReleaseOnCancel), at its defaults "
-                  "15/10/2 s; the same script, fault and machine")
-FLOOR_SETUP = ("the floor: a stand-in that makes only the writes a new group needs (its five objects and its "
-               "status), as the chart's ServiceAccount, 48 groups in flight; the same run")
+CLIENTGO_GO_MOD = Path(__file__).resolve().parent / "clientgo" / "go.mod"
+
+
+def clientgo_setup(go_mod: Path = CLIENTGO_GO_MOD) -> str:
+    """client-go's elector as the benchmark builds it: the version its go.mod requires."""
+    found = re.search(r"^\s*k8s\.io/client-go (\S+)", go_mod.read_text(), re.MULTILINE)
+    version = found.group(1) if found else "(version not found in benchmarks/clientgo/go.mod)"
+    return (f"client-go {version} tools/leaderelection (LeaseLock, ReleaseOnCancel), at its defaults 15/10/2 s; "
+            "the same script, fault and machine")
+
+
+def floor_setup(in_flight: int) -> str:
+    return ("the floor: a stand-in that makes only the writes a new group needs (its five objects and its status), "
+            f"as the chart's ServiceAccount, {in_flight} groups in flight; the same run")
 
 Parser = Callable[[Any, Sequence[str]], list[Figure]]
 """A step's ``--json`` document and the arguments it ran with -> its figures."""
@@ -146,8 +158,9 @@ def parse_clientgo(data: Any, arguments: Sequence[str]) -> list[Figure]:
             ("handover", "graceful", "SIGTERM to the leader, no gated app -> another member's /readyz 200"),
             ("sigkill", "kill", "SIGKILL of the leader, no gated app -> another member's /readyz 200")):
         if ours[attribute] and theirs[attribute]:
+            theirs_stats = Stats.of(theirs[attribute], "s")
             figures.append(Figure(f"{row}.vs-clientgo", row, scenario, setup, Stats.of(ours[attribute], "s"),
-                                  counterpart=Counterpart(CLIENT_GO, CLIENTGO_SETUP, Stats.of(theirs[attribute], "s"))))
+                                  counterpart=Counterpart(CLIENT_GO, clientgo_setup(), theirs_stats)))
     if ours["partition"] and theirs["partition"]:
         figures.append(_partition_figure(ours, theirs))
     if ours["rest"] and theirs["rest"]:
@@ -157,7 +170,7 @@ def parse_clientgo(data: Any, arguments: Sequence[str]) -> list[Figure]:
             "distinct auditIDs by user agent)", Setup(HOST, "none", "lease", timings_of("lease"),
                                                     f"{COMPARE_DETAILS}; one window of {window:g} s"),
             Stats.single(ours["rest"]["requests"], "requests/s"), {"window_seconds": window},
-            Counterpart(CLIENT_GO, CLIENTGO_SETUP, Stats.single(theirs["rest"]["requests"], "requests/s"))))
+            Counterpart(CLIENT_GO, clientgo_setup(), Stats.single(theirs["rest"]["requests"], "requests/s"))))
     return figures
 
 
@@ -175,7 +188,7 @@ def _partition_figure(ours: Mapping[str, Any], theirs: Mapping[str, Any]) -> Fig
                   "the leader's pod cut off from the API server -> another member's first /readyz 200 with a newer "
                   "term; both leading at once when the new leader's first ready answer came before the old one's "
                   "last (margin < 0)", setup, Stats.of(ours["partition"], "s"), facts(ours),
-                  Counterpart(CLIENT_GO, CLIENTGO_SETUP, Stats.of(theirs["partition"], "s"), facts(theirs)))
+                  Counterpart(CLIENT_GO, clientgo_setup(), Stats.of(theirs["partition"], "s"), facts(theirs)))
 
 
 # --- benchmarks/node_failover.py: the real node, pods of the image made by the operator -------------
@@ -311,7 +324,7 @@ def parse_burst(data: Any, arguments: Sequence[str]) -> list[Figure]:
         figures.append(Figure(f"burst.{size}", "burst", "each group's create -> a watch showing status.leader with "
                               "its generation applied", setup, ours,
                               {"ratio_p99": ours.p99 / least.p99, "runs": data["runs"]},
-                              Counterpart(FLOOR, FLOOR_SETUP, least)))
+                              Counterpart(FLOOR, floor_setup(data['in_flight']), least)))
     return figures
 
 

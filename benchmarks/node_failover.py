@@ -603,9 +603,9 @@ def print_runs(backends: list[str], faults: list[str], runs: list[Run]) -> None:
     for backend in backends:
         for fault in faults:
             values = [r.seconds for r in runs if r.backend == backend and r.fault == fault]
-            print("  " + summary(f"{backend} {fault}", values))
-            if not values:
+            if not values:  # none asked for (``--runs-per-fault lease/partition=0``)
                 continue
+            print("  " + summary(f"{backend} {fault}", values))
             restarts = [r for r in runs if r.backend == backend and r.fault == fault and r.restart is not None]
             if restarts:
                 print("    " + summary("kill -> restarted sidecar's log", [r.restart or 0.0 for r in restarts]))
@@ -699,11 +699,11 @@ def main() -> int:
         finally:
             with contextlib.suppress(Exception):
                 bed.stop()
-    print_footprints(args.backend, args.rest_seconds, rests, at_rest)
-    print_runs(args.backend, args.fault, runs)
-    if args.json:
+    if args.json:  # first: the figures are kept whatever the printing below meets
         args.json.write_text(json.dumps({"runs": [asdict(r) for r in runs], "footprints": [asdict(r) for r in rests],
                                          "at_rest": [asdict(r) for r in at_rest]}, indent=1))
+    print_footprints(args.backend, args.rest_seconds, rests, at_rest)
+    print_runs(args.backend, args.fault, runs)
     return 0
 
 

@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from benchmarks import campaign, figures, node_failover
+from benchmarks import campaign, figures, figures_render, figures_rows, node_failover
 from benchmarks.campaign_bed import Variant
 from benchmarks.campaign_faults import FaultRecord
 from benchmarks.campaign_report import BackendResult as CampaignBackend
@@ -469,3 +469,15 @@ def test_a_hand_written_document_with_a_missed_goal_and_a_failed_step() -> None:
     assert "Pooled mode at 1,000 groups: not measured, pooled failed: exit 1, no --json output." in block
     assert "planned handover: SIGTERM to the leader → new leader ready (" in block  # a row not run says so
     assert "not in this run (`--only`)" in block
+
+
+def test_client_gos_setup_names_the_version_the_benchmark_builds(tmp_path: Path) -> None:
+    go_mod = tmp_path / "go.mod"
+    go_mod.write_text("module x\n\nrequire (\n\tk8s.io/api v0.36.1\n\tk8s.io/client-go v0.36.1\n)\n")
+    assert figures_rows.clientgo_setup(go_mod).startswith("client-go v0.36.1 tools/leaderelection")
+    assert "k8s.io/client-go" in figures_rows.CLIENTGO_GO_MOD.read_text()
+
+
+def test_the_campaign_paragraph_says_whether_every_fault_was_recovered() -> None:
+    assert figures_render.recovered(0) == "every fault was followed by a ready leader"
+    assert figures_render.recovered(2) == "**2 faults left no ready leader**"
