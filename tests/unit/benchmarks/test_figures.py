@@ -6,13 +6,14 @@ README block's replacement. Every number here is made up for the test; none is a
 
 from __future__ import annotations
 
+import argparse
 import json
 from dataclasses import asdict, replace
 from pathlib import Path
 from typing import Any
 
 import pytest
-from benchmarks import campaign, figures, figures_render, figures_rows, node_failover
+from benchmarks import burst_floor, campaign, figures, figures_render, figures_rows, node_failover
 from benchmarks.campaign_bed import Variant
 from benchmarks.campaign_faults import FaultRecord
 from benchmarks.campaign_report import BackendResult as CampaignBackend
@@ -130,13 +131,25 @@ def campaign_output() -> dict[str, Any]:
 
 
 def burst_output(operator_p99: tuple[float, ...] = (3.0, 12.0)) -> dict[str, Any]:
-    figures_ = []
+    """What ``burst_floor --operator --json`` writes (its own ``to_json``)."""
+    stand_in = burst_floor.Contender("stand-in (the objects and the status)", "stand-in", 0)
+    operator = burst_floor.Contender("operator", "operator", 0)
+    measured: dict[burst_floor.Contender, dict[int, list[float]]] = {stand_in: {}, operator: {}}
     for size, ours, floor in zip((100, 500), operator_p99, (2.5, 10.0), strict=True):
-        figures_.append({"contender": "stand-in", "label": "stand-in (the objects and the status)", "groups": size,
-                         "create_to_leader": [floor / 2, floor]})
-        figures_.append({"contender": "operator", "label": "operator", "groups": size,
-                         "create_to_leader": [ours / 2, ours]})
-    return {"runs": 1, "parallel": 50, "in_flight": 48, "status_only": False, "as_admin": False, "figures": figures_}
+        measured[stand_in][size] = [floor / 2, floor]
+        measured[operator][size] = [ours / 2, ours]
+    settings = argparse.Namespace(runs=1, parallel=50, in_flight=48, status_only=False, as_admin=False)
+    return json.loads(json.dumps(burst_floor.to_json(settings, measured)))
+
+
+def test_burst_floor_compares_each_contender_beside_foreign_objects(capsys: pytest.CaptureFixture[str]) -> None:
+    measured = {burst_floor.Contender(f"{who}, {n} foreign", who, n): {500: [value * 2 if n else value]}
+                for who, value in (("stand-in", 10.0), ("operator", 15.0)) for n in (0, 20000)}
+    burst_floor.compare_foreign(measured, [0, 20000], [500])
+    lines = [line.strip() for line in capsys.readouterr().out.splitlines()]
+    assert "500 groups, 0 foreign: operator 15.00 s (1.00), stand-in 10.00 s (1.00), operator / stand-in 1.50" in lines
+    assert ("500 groups, 20000 foreign: operator 30.00 s (2.00), stand-in 20.00 s (2.00), "
+            "operator / stand-in 1.50") in lines
 
 
 def operator_output() -> list[dict[str, Any]]:
