@@ -172,15 +172,15 @@ def render_readme(document: Document, readme: Path = README, results: Path = RES
     """Write the document's blocks into README (its Figures) and benchmarks/README.md (every
     figure of the run); the files that changed."""
     # Both made before either is written: a file without its markers leaves the other unchanged too.
-    updates = [(path, text, with_block(text, block, *markers))
-               for path, block, markers in ((readme, render(document), (BEGIN, END, HEADING)),
-                                            (results, render_results(document),
-                                             (RESULTS_BEGIN, RESULTS_END, RESULTS_HEADING)))
-               for text in (path.read_text(),)]
-    for path, text, updated in updates:
-        if updated != text:
-            path.write_text(updated)
-    return [path for path, text, updated in updates if updated != text]
+    updates = {}
+    for path, block, markers in ((readme, render(document), (BEGIN, END, HEADING)),
+                                 (results, render_results(document), (RESULTS_BEGIN, RESULTS_END, RESULTS_HEADING))):
+        text = path.read_text()
+        if (updated := with_block(text, block, *markers)) != text:
+            updates[path] = updated
+    for path, updated in updates.items():
+        path.write_text(updated)
+    return list(updates)
 
 
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:

@@ -35,17 +35,13 @@ QUICK = "quick"
 Fact = int | float | str
 
 
-def nearest_rank(values: Sequence[float], fraction: float) -> float:
-    """The nearest-rank percentile: always one of the values, so the p99 of fewer than 100
-    runs is their maximum (the campaign's rule: ``singleton_testbed.ledger.percentile``)."""
-    return percentile(values, fraction)
-
-
 @dataclass(frozen=True)
 class Stats:
     n: int
     median: float
     p99: float
+    """Nearest rank (``singleton_testbed.ledger.percentile``): one of the values, so the p99 of
+    fewer than 100 runs is their maximum."""
     max: float
     unit: str
     """``s`` (times), ``MB``, ``requests/s``, ``%``, ``ratio``."""
@@ -55,7 +51,7 @@ class Stats:
         """The statistics of ``values`` (at least one)."""
         if not values:
             raise ValueError("no values to summarize")
-        return cls(len(values), statistics.median(values), nearest_rank(values, 0.99), max(values), unit)
+        return cls(len(values), statistics.median(values), percentile(values, 0.99), max(values), unit)
 
     @classmethod
     def single(cls, value: float, unit: str) -> Stats:

@@ -153,6 +153,7 @@ def parse_clientgo(data: Any, arguments: Sequence[str]) -> list[Figure]:
     if ours is None or theirs is None:
         return []
     setup = Setup(HOST, "none", "lease", timings_of("lease"), COMPARE_DETAILS)
+    theirs_setup = clientgo_setup()
     figures = []
     for row, attribute, scenario in (
             ("handover", "graceful", "SIGTERM to the leader, no gated app -> another member's /readyz 200"),
@@ -160,9 +161,9 @@ def parse_clientgo(data: Any, arguments: Sequence[str]) -> list[Figure]:
         if ours[attribute] and theirs[attribute]:
             theirs_stats = Stats.of(theirs[attribute], "s")
             figures.append(Figure(f"{row}.vs-clientgo", row, scenario, setup, Stats.of(ours[attribute], "s"),
-                                  counterpart=Counterpart(CLIENT_GO, clientgo_setup(), theirs_stats)))
+                                  counterpart=Counterpart(CLIENT_GO, theirs_setup, theirs_stats)))
     if ours["partition"] and theirs["partition"]:
-        figures.append(_partition_figure(ours, theirs))
+        figures.append(_partition_figure(ours, theirs, theirs_setup))
     if ours["rest"] and theirs["rest"]:
         window = float(option(arguments, "--rest-seconds", "300"))
         figures.append(Figure(
@@ -170,11 +171,11 @@ def parse_clientgo(data: Any, arguments: Sequence[str]) -> list[Figure]:
             "distinct auditIDs by user agent)", Setup(HOST, "none", "lease", timings_of("lease"),
                                                     f"{COMPARE_DETAILS}; one window of {window:g} s"),
             Stats.single(ours["rest"]["requests"], "requests/s"), {"window_seconds": window},
-            Counterpart(CLIENT_GO, clientgo_setup(), Stats.single(theirs["rest"]["requests"], "requests/s"))))
+            Counterpart(CLIENT_GO, theirs_setup, Stats.single(theirs["rest"]["requests"], "requests/s"))))
     return figures
 
 
-def _partition_figure(ours: Mapping[str, Any], theirs: Mapping[str, Any]) -> Figure:
+def _partition_figure(ours: Mapping[str, Any], theirs: Mapping[str, Any], theirs_setup: str) -> Figure:
     def facts(peer: Mapping[str, Any]) -> dict[str, Fact]:
         margins = peer["partition_margin"]
         return {"runs_both_leading": sum(1 for m in margins if m < 0), "margin_min_seconds": min(margins)}
@@ -188,7 +189,7 @@ def _partition_figure(ours: Mapping[str, Any], theirs: Mapping[str, Any]) -> Fig
                   "the leader's pod cut off from the API server -> another member's first /readyz 200 with a newer "
                   "term; both leading at once when the new leader's first ready answer came before the old one's "
                   "last (margin < 0)", setup, Stats.of(ours["partition"], "s"), facts(ours),
-                  Counterpart(CLIENT_GO, clientgo_setup(), Stats.of(theirs["partition"], "s"), facts(theirs)))
+                  Counterpart(CLIENT_GO, theirs_setup, Stats.of(theirs["partition"], "s"), facts(theirs)))
 
 
 # --- benchmarks/node_failover.py: the real node, pods of the image made by the operator -------------

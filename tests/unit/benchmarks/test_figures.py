@@ -32,7 +32,6 @@ from benchmarks.figures_model import (
     Machine,
     StepRun,
     from_json,
-    nearest_rank,
     read_machine,
     to_json,
 )
@@ -64,6 +63,8 @@ from benchmarks.figures_rows import (
 )
 from benchmarks.node_failover import AtRest, Footprint, Run
 from benchmarks.operator_scale import RunResult
+
+from singleton_testbed.ledger import percentile
 
 ALL_ROWS = [r.id for r in ROWS]
 
@@ -274,8 +275,8 @@ def test_the_document_reads_back_as_it_was_written() -> None:
 
 
 def test_nearest_rank_p99_of_few_runs_is_their_maximum() -> None:
-    assert nearest_rank([3.0, 1.0, 2.0], 0.99) == 3.0
-    assert nearest_rank([float(v) for v in range(1, 201)], 0.99) == 198.0
+    assert percentile([3.0, 1.0, 2.0], 0.99) == 3.0
+    assert percentile([float(v) for v in range(1, 201)], 0.99) == 198.0
 
 
 def test_the_machine_is_read_from_proc(tmp_path: Path) -> None:
