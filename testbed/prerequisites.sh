@@ -24,6 +24,7 @@ PYTHON=${PYTHON:-python3}
 #   bed    the test bed's servers: PostgreSQL, PgBouncer, the control plane's certificates
 #   node   the real node: containerd, runc, the CNI bridge, kube-proxy's tools, the busybox test image
 #   image  the image, built from the Dockerfile without an engine (singleton_testbed.images)
+#   checks what the tests' own checks run (tests/release: actionlint runs shellcheck on the workflows)
 # How it shows: cmd:NAME on PATH; file:PATH exists; deb:PACKAGE installed; otherwise a function below.
 list() {
   cat <<'EOF'
@@ -48,6 +49,7 @@ cmd:conntrack     conntrack                    node   kube-proxy clears stale co
 deb:busybox-static  busybox-static             node   the real node's small test image (a static /bin/busybox)
 cmd:buildah       buildah                      image  builds the Dockerfile
 cmd:mmdebstrap    mmdebstrap                   image  the image's local Debian base
+cmd:shellcheck    shellcheck                   checks the workflows' scripts, checked by actionlint in the tests
 EOF
 }
 
@@ -57,8 +59,11 @@ needs() {
   case $1 in
     testbed) required+=" build" ;;
     image) required+=" venv image" ;;
-    test|testbed-up|testbed-node-test|figures) required+=" venv build bed"; wanted+=" node image" ;;
-    demo|e2e-existing|ci|prerequisites) required+=" venv build bed node image" ;;
+    test) required+=" venv build bed checks"; wanted+=" node image" ;;
+    testbed-up|testbed-node-test|figures) required+=" venv build bed"; wanted+=" node image" ;;
+    ci|prerequisites) required+=" venv build bed node image checks" ;;
+    demo|e2e-existing) required+=" venv build bed node image" ;;
+    unit) required+=" venv checks" ;;
     *) required+=" venv" ;;
   esac
 }

@@ -1,7 +1,9 @@
-"""What a group's status is computed from, read two ways behind one small interface.
+"""What a group's status is computed from, read three ways behind one small interface.
 
 ``LiveReads`` asks the API server about one group (three requests): what a refresh after an
-event of that group uses. ``Listing`` reads every group of a scope with one request per kind
+event of that group uses. ``AppliedReads`` lists a new group's pods only, its Deployment being
+what its first reconcile's apply answered: what that group's first refresh uses.
+``Listing`` reads every group of a scope with one request per kind
 (SingletonServices, their pods, the Deployments the operator made, and the adopted workloads'
 kinds per namespace): what the periodic pass over all groups uses, so that an operator with
 hundreds of idle groups makes a handful of requests per pass instead of three per group.
@@ -22,6 +24,7 @@ from singleton_operator.reconcile import (
     CALL_TIMEOUT,
     ReconcileProblem,
     get_or_none,
+    list_pods,
     object_path,
     observe,
     observed_from,
@@ -52,6 +55,22 @@ class LiveReads:
     async def observed(self, spec: GroupSpec, problem: ReconcileProblem | None,
                        applied_generation: int | None) -> Observed:
         return await observe(self.client, spec, problem, applied_generation)
+
+
+@dataclass
+class AppliedReads:
+    """A new template group whose first reconcile just applied it: its pods read now, its
+    Deployment as that apply answered (``groups.FirstApplied``)."""
+
+    client: KubeClient
+    deployment: dict[str, Any]
+
+    async def workload(self, body: dict[str, Any]) -> dict[str, Any] | None:
+        return None  # a template group adopts no workload
+
+    async def observed(self, spec: GroupSpec, problem: ReconcileProblem | None,
+                       applied_generation: int | None) -> Observed:
+        return observed_from(await list_pods(self.client, spec), self.deployment, problem, applied_generation)
 
 
 def _collection(namespace: str | None, group_version: str, plural: str) -> str:

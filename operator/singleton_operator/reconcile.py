@@ -76,13 +76,26 @@ def cr_path(namespace: str, name: str) -> str:
     return f"/apis/{contract.API_GROUP}/{contract.API_VERSION}/namespaces/{namespace}/{contract.PLURAL}/{name}"
 
 
-async def apply(client: KubeClient, obj: dict[str, Any]) -> dict[str, Any]:
-    path = object_path(obj["apiVersion"], obj["kind"], obj["metadata"]["namespace"], obj["metadata"]["name"])
-    return await client.request("PATCH", path, body=obj, content_type="application/apply-patch+yaml",
-                                # Strict: an unknown or duplicate field (a typo in the template) is
-                                # refused, never dropped (see is_refused_object for how it is refused).
-                                params={"fieldManager": resources.FIELD_MANAGER, "force": "true",
-                                        "fieldValidation": "Strict"},
+APPLY = "application/apply-patch+yaml"
+APPLY_PARAMS = {"fieldManager": resources.FIELD_MANAGER, "force": "true",
+                # Strict: an unknown or duplicate field (a typo in the template) is refused,
+                # never dropped (see is_refused_object for how it is refused).
+                "fieldValidation": "Strict"}
+
+
+def _path_of(obj: dict[str, Any]) -> str:
+    return object_path(obj["apiVersion"], obj["kind"], obj["metadata"]["namespace"], obj["metadata"]["name"])
+
+
+async def apply(client: KubeClient, obj: dict[str, Any]) -> None:
+    """Server-side apply ``obj``; its answer (the whole object) is not decoded."""
+    await client.write("PATCH", _path_of(obj), body=obj, content_type=APPLY, params=APPLY_PARAMS,
+                       timeout=CALL_TIMEOUT)
+
+
+async def apply_and_read(client: KubeClient, obj: dict[str, Any]) -> dict[str, Any]:
+    """Server-side apply ``obj``; returns the object as the API server made it."""
+    return await client.request("PATCH", _path_of(obj), body=obj, content_type=APPLY, params=APPLY_PARAMS,
                                 timeout=CALL_TIMEOUT)
 
 
@@ -271,8 +284,19 @@ def desired_objects(spec: GroupSpec) -> list[dict[str, Any]]:
     return objects
 
 
+@dataclass(frozen=True)
+class Applied:
+    """What a reconcile that applied every object leaves."""
+
+    database: DatabaseCheck | None
+    """The group's database check (None without a database)."""
+    workload: dict[str, Any] | None
+    """A template group's Deployment as the API server answered its apply (None for an
+    adopting group): what its first status is computed from, without reading it again."""
+
+
 async def reconcile(client: KubeClient, spec: GroupSpec, access: AccessReviews | None = None, *,
-                    new: bool = False) -> DatabaseCheck | None:
+                    new: bool = False) -> Applied:
     """Make the owned objects match ``spec``. Inputs are checked first and nothing is
     applied while one is wrong: a new group gets no pods stuck on a missing Secret, and a
     running one keeps its pods (they hold their DSN) until the problem is fixed. A database
@@ -280,28 +304,32 @@ async def reconcile(client: KubeClient, spec: GroupSpec, access: AccessReviews |
     (or skip): only the app's pods may be able to reach it (a proxy sidecar on localhost, a
     database-side rule). ``new``: the group's first reconcile since its creation, so nothing
     can be owned by it yet and there is nothing to delete (a request less per unwanted object
-    for each group created). Returns the database check (None without a database); a
-    ``ReconcileProblem`` raised after the check carries it."""
+    for each group created). A ``ReconcileProblem`` raised after the database check carries it."""
     database = await check_postgres(client, spec) if spec.uses_postgres else None
     try:
-        await _check_and_apply(client, spec, access, new=new, database=database)
+        workload = await _check_and_apply(client, spec, access, new=new, database=database)
     except ReconcileProblem as exc:
         exc.database = exc.database or database
         raise
-    return database
+    return Applied(database, workload)
 
 
 async def _check_and_apply(client: KubeClient, spec: GroupSpec, access: AccessReviews | None, *, new: bool,
-                           database: DatabaseCheck | None) -> None:
+                           database: DatabaseCheck | None) -> dict[str, Any] | None:
+    """Apply the objects; returns a template group's Deployment as applied."""
     if database is not None and database.reachable is False and spec.postgres_connection_check == "block":
         raise ReconcileProblem(database.reason, database.message)
     objects = desired_objects(spec)
     await check_access(access or AccessReviews(client), spec, objects)
     current = "the workload"
+    workload = None
     try:
         for obj in objects:
             current = f"{obj['kind']} {obj['metadata']['name']}"
-            await apply(client, obj)
+            if spec.workload_ref is None and obj["kind"] == "Deployment":
+                workload = await apply_and_read(client, obj)
+            else:
+                await apply(client, obj)
         if resources.leader_service(spec) is None and not new:
             await delete_if_owned(client, "v1", "Service", spec, resources.leader_service_name(spec))
         if resources.pod_disruption_budget(spec) is None and not new:
@@ -312,17 +340,21 @@ async def _check_and_apply(client: KubeClient, spec: GroupSpec, access: AccessRe
         if is_refused_object(exc):
             raise ReconcileProblem("InvalidTemplate", f"the API server refused {current}: {exc.message}") from None
         raise
+    return workload
 
 
 async def observe(client: KubeClient, spec: GroupSpec, problem: ReconcileProblem | None = None,
                   applied_generation: int | None = None) -> Observed:
+    pods, deployment = await asyncio.gather(list_pods(client, spec), get_or_none(client, workload_path(spec)))
+    return observed_from(pods, deployment, problem, applied_generation)
+
+
+async def list_pods(client: KubeClient, spec: GroupSpec) -> list[dict[str, Any]]:
+    """The group's pods now."""
     selector = ",".join(f"{k}={v}" for k, v in resources.selector_labels(spec).items())
-    pods, deployment = await asyncio.gather(
-        client.request("GET", f"/api/v1/namespaces/{spec.namespace}/pods", params={"labelSelector": selector},
-                       timeout=CALL_TIMEOUT),
-        get_or_none(client, workload_path(spec)),
-    )
-    return observed_from(pods.get("items") or [], deployment, problem, applied_generation)
+    pods = await client.request("GET", f"/api/v1/namespaces/{spec.namespace}/pods",
+                                params={"labelSelector": selector}, timeout=CALL_TIMEOUT)
+    return list(pods.get("items") or [])
 
 
 def observed_from(pods: list[dict[str, Any]], workload: dict[str, Any] | None, problem: ReconcileProblem | None,
@@ -408,14 +440,24 @@ async def get_or_none(client: KubeClient, path: str) -> dict[str, Any] | None:
         return None
 
 
-async def write_status(client: KubeClient, spec: GroupSpec, current: dict[str, Any], observed: Observed) -> bool:
+async def write_status(client: KubeClient, spec: GroupSpec, current: dict[str, Any], observed: Observed, *,
+                       same_object: bool = False) -> bool:
     """Patch ``.status`` if it changed; post an Event when the leader changed. Returns
-    whether anything was written."""
+    whether anything was written. ``same_object``: only if the group is still the object
+    ``spec`` was read from (its UID), else ``KubeInvalid``: ``current`` was not read just now,
+    and the group may have been deleted and made again under its name since."""
     new = compute_status(spec, observed, current)
     if not status_changed(current, new):
         return False
-    await client.request("PATCH", cr_path(spec.namespace, spec.name) + "/status", body={"status": new},
-                         content_type="application/merge-patch+json", timeout=CALL_TIMEOUT)
+    path = cr_path(spec.namespace, spec.name) + "/status"
+    if same_object:
+        # A JSON patch's test is checked against the stored object: a mismatch writes nothing (422).
+        await client.write("PATCH", path, body=[{"op": "test", "path": "/metadata/uid", "value": spec.uid},
+                                                {"op": "add", "path": "/status", "value": new}],
+                           content_type="application/json-patch+json", timeout=CALL_TIMEOUT)
+    else:
+        await client.write("PATCH", path, body={"status": new}, content_type="application/merge-patch+json",
+                           timeout=CALL_TIMEOUT)
     if new["leader"] is not None and new["leader"] != current.get("leader"):
         was = current.get("leader")
         message = (f"pod {new['leader']} leads with token {new['token']}"

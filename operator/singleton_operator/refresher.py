@@ -20,9 +20,9 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from singleton_election import contract
-from singleton_election.kube import KubeClient, KubeConflict, KubeError, KubeNotFound
+from singleton_election.kube import KubeClient, KubeConflict, KubeError, KubeInvalid, KubeNotFound
 from singleton_operator.groups import CALL_TIMEOUT, Reconciler
-from singleton_operator.listing import GroupKey, GroupReads, Listing, LiveReads, scopes
+from singleton_operator.listing import AppliedReads, GroupKey, GroupReads, Listing, LiveReads, scopes
 from singleton_operator.marks import RefreshMarks
 from singleton_operator.metrics import OperatorMetrics
 from singleton_operator.model.spec import SpecError, WorkloadSpecError
@@ -150,6 +150,14 @@ class Refresher:
         """Write the group's status from what its objects say now."""
         key = (namespace, name)
         reconciler = self.reconciler
+        first = reconciler.take_first_applied(key)
+        if first is not None:
+            try:
+                await self._refresh(first.body, AppliedReads(self.client, first.deployment), live=True,
+                                    same_object=True)
+                return
+            except (KubeInvalid, KubeNotFound):
+                pass  # deleted (and made again under its name?) since: read it as any refresh does
         known = reconciler.uid_of(key)
         try:
             body = await self.client.request("GET", cr_path(namespace, name), timeout=CALL_TIMEOUT)
@@ -187,10 +195,13 @@ class Refresher:
             log.info("took the leader label off %s/%s, whose term (token %s) is over", namespace, deposed.pod,
                      deposed.token, extra={"namespace": namespace, "pod": deposed.pod, "token": deposed.token})
 
-    async def _refresh(self, body: dict[str, Any], reads: GroupReads, *, live: bool) -> None:
-        """Write the group's status from ``reads``. ``live``: the body was read just now; a
-        listing's may be seconds old (the group since edited or deleted), so that path never
-        reconciles: it leaves the group to the live refresher."""
+    async def _refresh(self, body: dict[str, Any], reads: GroupReads, *, live: bool,
+                       same_object: bool = False) -> None:
+        """Write the group's status from ``reads``. ``live``: the body was read just now (or by
+        a new group's first reconcile, which ended just now: ``same_object``, as the status is
+        then written only to that very object); a listing's may be seconds old (the group since
+        edited or deleted), so that path never reconciles: it leaves the group to the live
+        refresher."""
         namespace, name = body["metadata"]["namespace"], body["metadata"]["name"]
         reconciler = self.reconciler
         if body["metadata"].get("deletionTimestamp"):
@@ -226,7 +237,7 @@ class Refresher:
             self.metrics.group_leaders.labels(namespace, name).set(labelled_leaders(observed.pods))
         else:  # scaled to zero: no leader is what was asked for, not an alert
             self.metrics.group_leaders.remove(namespace, name)
-        if await write_status(self.client, spec, body.get("status") or {}, observed):
+        if await write_status(self.client, spec, body.get("status") or {}, observed, same_object=same_object):
             self.metrics.status_updates.inc()
             # The same rule as write_status's LeaderChanged Event.
             leader = find_leader(observed.pods)

@@ -48,6 +48,11 @@ class CountingClient(KubeClient):
         return await super().request(method, path, body=body, params=params, content_type=content_type,
                                      timeout=timeout)
 
+    async def write(self, method: str, path: str, *, body: Any, params: Mapping[str, str] | None = None,
+                    content_type: str = "application/json", timeout: float) -> None:
+        self.calls.append((method, path))
+        await super().write(method, path, body=body, params=params, content_type=content_type, timeout=timeout)
+
 
 @dataclass
 class Groups:
@@ -355,10 +360,41 @@ async def test_a_new_group_gets_its_first_status_once_its_first_reconcile_ended(
     assert leader_of(cluster, namespace, "fresh") is None
     await groups.reconciler.reconcile(get_json(cluster, "singletonservice", "fresh", "-n", namespace), new=True)
     assert groups.marks.marked() == {(namespace, "fresh")}
+    calls(groups).clear()
     await groups.refresher.refresh(namespace, "fresh")
     body = get_json(cluster, "singletonservice", "fresh", "-n", namespace)
     assert body["status"]["leader"] == "fresh-a"
     assert body["status"]["observedGeneration"] == body["metadata"]["generation"]
+    ready = next(c for c in body["status"]["conditions"] if c["type"] == "Ready")
+    assert ready["message"] != "creating the workload"  # the Deployment as its apply answered
+    # From what the reconcile had in hand: the group and its Deployment are not read again.
+    assert [c for c in calls(groups) if c[0] == "GET"] == [("GET", f"/api/v1/namespaces/{namespace}/pods")]
+    # Once: the next refresh reads them as any refresh does.
+    calls(groups).clear()
+    await groups.refresher.refresh(namespace, "fresh")
+    assert sorted(p for m, p in calls(groups) if m == "GET") == [
+        f"/api/v1/namespaces/{namespace}/pods", f"/apis/apps/v1/namespaces/{namespace}/deployments/fresh",
+        f"/apis/singleton.dev/v1alpha1/namespaces/{namespace}/singletonservices/fresh"]
+
+
+async def test_a_new_groups_first_status_is_read_live_after_another_reconcile(
+    cluster: Cluster, namespace: str, groups: Groups
+) -> None:
+    """What a new group's first reconcile left is older than a later reconcile's group (an edit
+    since): the refresh after that one reads the group, and its status says the newest generation."""
+    cluster.apply(service("edited"), namespace=namespace)
+    make_pod(cluster, namespace, "edited-a", "leader", 4)
+    first = get_json(cluster, "singletonservice", "edited", "-n", namespace)
+    await groups.reconciler.reconcile(first, new=True)
+    cluster.kubectl("patch", "singletonservice", "edited", "-n", namespace, "--type=merge",
+                    "-p", '{"spec": {"replicas": 3}}')
+    edited = get_json(cluster, "singletonservice", "edited", "-n", namespace)
+    await groups.reconciler.reconcile(edited)
+    calls(groups).clear()
+    await groups.refresher.refresh(namespace, "edited")
+    assert ("GET", f"/apis/singleton.dev/v1alpha1/namespaces/{namespace}/singletonservices/edited") in calls(groups)
+    status = get_json(cluster, "singletonservice", "edited", "-n", namespace)["status"]
+    assert (status["leader"], status["observedGeneration"]) == ("edited-a", edited["metadata"]["generation"])
 
 
 def test_a_group_in_a_reconcile_is_refreshed_after_it_or_within_the_bound(
@@ -386,8 +422,9 @@ async def test_a_new_group_is_refreshed_only_once_its_first_reconcile_has_ended(
     (after a restart), is only held back: its refresh may carry a leader change."""
     release = asyncio.Event()
 
-    async def slow(client: KubeClient, spec: Any, access: Any, *, new: bool = False) -> None:
+    async def slow(client: KubeClient, spec: Any, access: Any, *, new: bool = False) -> reconcile_module.Applied:
         await release.wait()
+        return reconcile_module.Applied(database=None, workload=None)
 
     monkeypatch.setattr("singleton_operator.groups.reconcile", slow)
 
@@ -500,9 +537,11 @@ async def test_an_older_objects_reconcile_ending_late_leaves_the_new_ones_bookke
     the object made again under its name has begun."""
     release_old = asyncio.Event()
 
-    async def slow_for_the_old(client: KubeClient, spec: Any, access: Any, *, new: bool = False) -> None:
+    async def slow_for_the_old(client: KubeClient, spec: Any, access: Any, *,
+                               new: bool = False) -> reconcile_module.Applied:
         if spec.uid == "old":
             await release_old.wait()
+        return reconcile_module.Applied(database=None, workload=None)
 
     monkeypatch.setattr("singleton_operator.groups.reconcile", slow_for_the_old)
 
