@@ -3,7 +3,9 @@ whenever a pod or the Deployment of the group changes (the kopf handlers and the
 mark it: marks.py), and by a periodic pass over every group.
 
 Status refreshes are coalesced per group (many pod events in a burst cost one refresh),
-and run within ``REFRESH_DELAY`` of the event, well inside the 1 s the status promises.
+and start within ``REFRESH_DELAY`` of the event, well inside the 1 s the status promises:
+each as soon as one of ``REFRESH_PARALLEL`` turns is free, not in rounds that wait for their
+slowest refresh.
 Every ``PERIODIC_REFRESH`` a pass over all groups, from one listing per kind, catches what
 an event missed: at rest the operator's requests do not grow with the number of groups.
 What the reconciler kept for each group (problems, applied generation, database check) goes
@@ -35,6 +37,8 @@ REFRESH_DELAY = 0.05
 REFRESH_PARALLEL = 16
 """Groups refreshed at once: a burst (hundreds of groups created together) is not served one
 group after another, nor with so many requests in flight that each waits on the others."""
+RETRY_AFTER = 1.0
+"""Seconds before a group whose refresh failed is refreshed again (the API server busy or away)."""
 PERIODIC_REFRESH = 30.0
 RECONCILE_DEFER = 1.0
 """Seconds a refresh of a group waits for the reconcile in flight for it, which marks the group
@@ -54,28 +58,45 @@ class Refresher:
     marks: RefreshMarks
     """Shared with the reconciler and the kopf handlers, which mark groups in it."""
     _refreshing: asyncio.Lock = field(default_factory=asyncio.Lock)
-    """Held by a round of the event-driven refresher and by a periodic pass: never both at once."""
+    """Held by a periodic pass, and by the event-driven refresher while it starts refreshes:
+    a pass waits for those in flight to end, so the two never write at once."""
+    _in_flight: dict[GroupKey, asyncio.Task[None]] = field(default_factory=dict)
+    """The event-driven refreshes started and not ended (waiting for a turn, or running)."""
+    _turns: asyncio.Semaphore = field(default_factory=lambda: asyncio.Semaphore(REFRESH_PARALLEL))
 
     async def run_refresher(self) -> None:
-        """Refresh the groups marked since the last round, up to ``REFRESH_PARALLEL`` at once."""
-        while True:
-            await self.marks.wake.wait()
-            await asyncio.sleep(REFRESH_DELAY)
-            self.marks.wake.clear()
-            async with self._refreshing:
-                dirty = self._due()
-                gate = asyncio.Semaphore(REFRESH_PARALLEL)
-                failed = await asyncio.gather(*(self._refresh_marked(key, gate) for key in dirty))
-            if any(failed):
-                await asyncio.sleep(1.0)
+        """Refresh each marked group, up to ``REFRESH_PARALLEL`` at once; a group marked again
+        while its refresh runs is refreshed again after it."""
+        try:
+            while True:
+                await self.marks.wake.wait()
+                await asyncio.sleep(REFRESH_DELAY)
+                self.marks.wake.clear()
+                async with self._refreshing:
+                    for key in self._due():
+                        self._in_flight[key] = asyncio.create_task(self._refresh_marked(key),
+                                                                   name=f"refresh-{key[0]}/{key[1]}")
+        finally:
+            in_flight = list(self._in_flight.values())
+            for task in in_flight:
+                task.cancel()
+            await asyncio.gather(*in_flight, return_exceptions=True)
+
+    async def _drained(self) -> None:
+        """Wait until no event-driven refresh is in flight (with ``_refreshing`` held: none starts)."""
+        while self._in_flight:
+            await asyncio.gather(*self._in_flight.values(), return_exceptions=True)
 
     def _due(self) -> list[GroupKey]:
         """The marked groups to refresh now; those in a reconcile stay marked (and the
         refresher awake) for up to ``RECONCILE_DEFER``; those awaiting their first reconcile not
-        at all (its end marks them again)."""
+        at all (its end marks them again); those whose refresh is in flight stay marked until
+        it ends (which wakes the refresher)."""
         marks, reconciler = self.marks, self.reconciler
         now, due, unborn = time.monotonic(), [], []
         for key in marks.pending:
+            if key in self._in_flight:
+                continue
             if reconciler.awaiting_first_reconcile(key):
                 unborn.append(key)
                 marks.deferred_since.pop(key, None)
@@ -86,24 +107,30 @@ class Refresher:
             due.append(key)
         for key in due + unborn:
             del marks.pending[key]
-        if marks.pending:
+        if any(key not in self._in_flight for key in marks.pending):
             marks.wake.set()
         return due
 
-    async def _refresh_marked(self, key: GroupKey, gate: asyncio.Semaphore) -> bool:
-        """Refresh one group; a failed one is marked again. Returns whether it failed."""
-        async with gate:
-            try:
-                await self.refresh(*key)
-                return False
-            except KubeError as exc:
-                log.warning("status refresh failed; retrying",
-                            extra={"namespace": key[0], "group": key[1], "error": exc})
-            except Exception:  # a bug must not end the refresher for the rest of the term
-                log.exception("status refresh failed unexpectedly; retrying",
-                              extra={"namespace": key[0], "group": key[1]})
+    async def _refresh_marked(self, key: GroupKey) -> None:
+        """Refresh one group when its turn comes; a failed one is marked again after
+        ``RETRY_AFTER`` (in flight until then: not refreshed again meanwhile)."""
+        try:
+            async with self._turns:
+                try:
+                    await self.refresh(*key)
+                    return
+                except KubeError as exc:
+                    log.warning("status refresh failed; retrying",
+                                extra={"namespace": key[0], "group": key[1], "error": exc})
+                except Exception:  # a bug must not end the refresher for the rest of the term
+                    log.exception("status refresh failed unexpectedly; retrying",
+                                  extra={"namespace": key[0], "group": key[1]})
+            await asyncio.sleep(RETRY_AFTER)
             self.marks.mark(*key)
-            return True
+        finally:
+            del self._in_flight[key]
+            if key in self.marks.pending:
+                self.marks.wake.set()  # marked again while in flight
 
     async def run_periodic(self, namespaces: tuple[str, ...], interval: float = PERIODIC_REFRESH) -> None:
         """Refresh every group now and then, as a safety net for missed events, from one
@@ -121,6 +148,7 @@ class Refresher:
         event-driven refresher: a listing older than a refresh it raced would write an older
         status back. A group marked since the listing is left to that refresher."""
         async with self._refreshing:
+            await self._drained()
             self.marks.forgotten.clear()
             try:
                 listing = await Listing.read(self.client, namespace)
