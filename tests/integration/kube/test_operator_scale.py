@@ -558,3 +558,54 @@ async def test_an_older_objects_reconcile_ending_late_leaves_the_new_ones_bookke
     await old
     assert groups.reconciler.applied[("ns", "late")] == 1
     assert ("ns", "late") in groups.reconciler._attempted and ("ns", "late") not in groups.reconciler._in_reconcile
+
+
+async def _until(condition: Callable[[], bool], seconds: float = 5.0) -> None:
+    async with asyncio.timeout(seconds):
+        while not condition():
+            await asyncio.sleep(0.01)
+
+
+async def test_refreshes_start_as_turns_free_and_a_group_marked_during_its_own_waits_for_it(
+    groups: Groups, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """No rounds: a group marked while a slow refresh runs is refreshed at once beside it; the
+    slow group, marked again meanwhile, is refreshed again only after its refresh ended. A
+    periodic pass waits for the refreshes in flight (a listing older than a refresh would
+    write an older status back)."""
+    started: list[str] = []
+    slow_may_end = asyncio.Event()
+
+    async def refresh(namespace: str, name: str) -> None:
+        started.append(name)
+        if name == "slow":
+            await slow_may_end.wait()
+
+    listed: list[list[str]] = []
+
+    async def read(client: KubeClient, namespace: str | None) -> Any:
+        listed.append(list(started))
+        raise KubeUnavailable(503, "ServiceUnavailable", "a listing that fails, after noting when it began")
+
+    monkeypatch.setattr(groups.refresher, "refresh", refresh)
+    monkeypatch.setattr("singleton_operator.refresher.Listing.read", read)
+    runner = asyncio.create_task(groups.refresher.run_refresher())
+    try:
+        groups.marks.mark("ns", "slow")
+        await _until(lambda: started == ["slow"])
+        groups.marks.mark("ns", "slow")
+        groups.marks.mark("ns", "fast")
+        await _until(lambda: started == ["slow", "fast"])
+        periodic = asyncio.create_task(groups.refresher.refresh_scope("ns"))
+        await asyncio.sleep(0.2)
+        assert started == ["slow", "fast"]  # the slow one not again while it runs
+        assert not listed  # the pass waits for it
+        slow_may_end.set()
+        with pytest.raises(KubeUnavailable):
+            await periodic
+        assert listed == [["slow", "fast"]]
+        await _until(lambda: started == ["slow", "fast", "slow"])
+    finally:
+        runner.cancel()
+        await asyncio.gather(runner, return_exceptions=True)
+    assert not groups.refresher._in_flight
