@@ -27,6 +27,7 @@ from singleton_operator.refresher import RECONCILE_DEFER, Refresher
 from singleton_testbed.harness.kubehelpers import get_json
 from tests.conftest import Cluster
 from tests.integration.kube.test_operator import play_ready, play_sidecar, service
+from tests.integration.kube.test_watches import until
 
 pytestmark = pytest.mark.usefixtures("singleton_crd")
 
@@ -560,12 +561,6 @@ async def test_an_older_objects_reconcile_ending_late_leaves_the_new_ones_bookke
     assert ("ns", "late") in groups.reconciler._attempted and ("ns", "late") not in groups.reconciler._in_reconcile
 
 
-async def _until(condition: Callable[[], bool], seconds: float = 5.0) -> None:
-    async with asyncio.timeout(seconds):
-        while not condition():
-            await asyncio.sleep(0.01)
-
-
 async def test_refreshes_start_as_turns_free_and_a_group_marked_during_its_own_waits_for_it(
     groups: Groups, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -592,10 +587,10 @@ async def test_refreshes_start_as_turns_free_and_a_group_marked_during_its_own_w
     runner = asyncio.create_task(groups.refresher.run_refresher())
     try:
         groups.marks.mark("ns", "slow")
-        await _until(lambda: started == ["slow"])
+        await until(lambda: started == ["slow"], 5, "the slow refresh")
         groups.marks.mark("ns", "slow")
         groups.marks.mark("ns", "fast")
-        await _until(lambda: started == ["slow", "fast"])
+        await until(lambda: started == ["slow", "fast"], 5, "the fast refresh beside it")
         periodic = asyncio.create_task(groups.refresher.refresh_scope("ns"))
         await asyncio.sleep(0.2)
         assert started == ["slow", "fast"]  # the slow one not again while it runs
@@ -604,7 +599,7 @@ async def test_refreshes_start_as_turns_free_and_a_group_marked_during_its_own_w
         with pytest.raises(KubeUnavailable):
             await periodic
         assert listed == [["slow", "fast"]]
-        await _until(lambda: started == ["slow", "fast", "slow"])
+        await until(lambda: started == ["slow", "fast", "slow"], 5, "the slow group's second refresh")
     finally:
         runner.cancel()
         await asyncio.gather(runner, return_exceptions=True)
