@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import functools
 import logging
 import time
 from dataclasses import dataclass, field
@@ -74,13 +75,21 @@ class Refresher:
                 self.marks.wake.clear()
                 async with self._refreshing:
                     for key in self._due():
-                        self._in_flight[key] = asyncio.create_task(self._refresh_marked(key),
-                                                                   name=f"refresh-{key[0]}/{key[1]}")
+                        task = self._in_flight[key] = asyncio.create_task(self._refresh_marked(key),
+                                                                          name=f"refresh-{key[0]}/{key[1]}")
+                        # A callback, not the coroutine's finally: a task cancelled before it
+                        # started never runs its coroutine.
+                        task.add_done_callback(functools.partial(self._ended, key))
         finally:
             in_flight = list(self._in_flight.values())
             for task in in_flight:
                 task.cancel()
             await asyncio.gather(*in_flight, return_exceptions=True)
+
+    def _ended(self, key: GroupKey, _task: asyncio.Task[None]) -> None:
+        del self._in_flight[key]
+        if key in self.marks.pending:
+            self.marks.wake.set()  # marked again while in flight
 
     async def _drained(self) -> None:
         """Wait until no event-driven refresh is in flight (with ``_refreshing`` held: none starts)."""
@@ -114,23 +123,18 @@ class Refresher:
     async def _refresh_marked(self, key: GroupKey) -> None:
         """Refresh one group when its turn comes; a failed one is marked again after
         ``RETRY_AFTER`` (in flight until then: not refreshed again meanwhile)."""
-        try:
-            async with self._turns:
-                try:
-                    await self.refresh(*key)
-                    return
-                except KubeError as exc:
-                    log.warning("status refresh failed; retrying",
-                                extra={"namespace": key[0], "group": key[1], "error": exc})
-                except Exception:  # a bug must not end the refresher for the rest of the term
-                    log.exception("status refresh failed unexpectedly; retrying",
-                                  extra={"namespace": key[0], "group": key[1]})
-            await asyncio.sleep(RETRY_AFTER)
-            self.marks.mark(*key)
-        finally:
-            del self._in_flight[key]
-            if key in self.marks.pending:
-                self.marks.wake.set()  # marked again while in flight
+        async with self._turns:
+            try:
+                await self.refresh(*key)
+                return
+            except KubeError as exc:
+                log.warning("status refresh failed; retrying",
+                            extra={"namespace": key[0], "group": key[1], "error": exc})
+            except Exception:  # a bug must not end the refresher for the rest of the term
+                log.exception("status refresh failed unexpectedly; retrying",
+                              extra={"namespace": key[0], "group": key[1]})
+        await asyncio.sleep(RETRY_AFTER)
+        self.marks.mark(*key)
 
     async def run_periodic(self, namespaces: tuple[str, ...], interval: float = PERIODIC_REFRESH) -> None:
         """Refresh every group now and then, as a safety net for missed events, from one

@@ -604,3 +604,18 @@ async def test_refreshes_start_as_turns_free_and_a_group_marked_during_its_own_w
         runner.cancel()
         await asyncio.gather(runner, return_exceptions=True)
     assert not groups.refresher._in_flight
+
+
+async def test_refreshes_waiting_for_a_turn_end_with_the_refresher(groups: Groups) -> None:
+    """The refresher's end (a term's) cancels the refreshes in flight and forgets them, so that a
+    periodic pass never waits on them."""
+    groups.refresher._turns = asyncio.Semaphore(0)  # no turn ever frees
+    runner = asyncio.create_task(groups.refresher.run_refresher())
+    groups.marks.mark("ns", "a")
+    groups.marks.mark("ns", "b")
+    await until(lambda: len(groups.refresher._in_flight) == 2, 5, "both refreshes in flight")
+    runner.cancel()
+    await asyncio.gather(runner, return_exceptions=True)
+    assert not groups.refresher._in_flight
+    async with asyncio.timeout(1):
+        await groups.refresher._drained()
