@@ -46,7 +46,22 @@ def _as_user(user: str | None) -> Callable[[], None]:
 # above the Kubernetes components' own (10248-10259): a port the kernel picks for an outgoing
 # connection (a sidecar's to PostgreSQL, say) can never be one handed to a server that has
 # not bound it yet. With bind(0) that happened: the server then failed with EADDRINUSE.
-_PORTS = range(20000, 30000)
+_ALL_PORTS = range(20000, 30000)
+
+
+def _ports_of_this_worker() -> range:
+    """Under pytest-xdist, each worker draws from a slice of its own: a port checked free by one
+    worker could otherwise be handed out by another too before the first's server bound it (an
+    operator takes about a second to bind its port; one failed with EADDRINUSE that way)."""
+    worker, count = os.environ.get("PYTEST_XDIST_WORKER", ""), os.environ.get("PYTEST_XDIST_WORKER_COUNT", "")
+    if not (worker.startswith("gw") and worker[2:].isdigit() and count.isdigit() and int(count) > 1):
+        return _ALL_PORTS
+    size = len(_ALL_PORTS) // int(count)
+    first = _ALL_PORTS.start + int(worker[2:]) * size
+    return range(first, first + size)
+
+
+_PORTS = _ports_of_this_worker()
 _handed: set[int] = set()
 _random = random.Random()
 
